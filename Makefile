@@ -1,0 +1,33 @@
+# The two commands a newcomer needs: `make demo` and `make test`. Each creates .venv when missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test demo lint bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[trainer,dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+demo: $(STAMP)
+	$(BIN)/python scripts/demo.py --home demo-home
+
+lint: $(STAMP)
+	$(BIN)/ruff check odtd tests scripts
+	$(BIN)/vermin -t=3.6- --no-tips --violations --eval-annotations odtd/trainer
+	$(BIN)/vermin -t=3.8- --no-tips --violations --eval-annotations --exclude-regex 'odtd/trainer/.*' odtd
+
+bench: $(STAMP)
+	$(BIN)/python scripts/bench_trainer.py --json
+	$(BIN)/python scripts/bench_telemetry.py --json
+
+clean:
+	rm -rf $(VENV) demo-home .pytest_cache .ruff_cache

@@ -1,0 +1,191 @@
+"""The daemon configuration, ``odtd.yaml``: strict, every error names the file and key."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from odtd.errors import ConfigError
+
+DEFAULT_HOME = Path("/var/lib/odtd")
+CONFIG_NAME = "odtd.yaml"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ScheduleConfig(_Strict):
+    """When sessions run.
+
+    Attributes:
+        cron: five-field crontab expression in local time (minute hour day month weekday).
+        jitter_s: random delay added to each run, so a fleet does not train in lockstep.
+        misfire_grace_s: how late a missed run may still start (board was off at 02:00).
+    """
+
+    cron: str = "0 2 * * *"
+    jitter_s: int = Field(default=300, ge=0)
+    misfire_grace_s: int = Field(default=12 * 3600, ge=1)
+
+    @field_validator("cron")
+    @classmethod
+    def _five_fields(cls, value: str) -> str:
+        if len(value.split()) != 5:
+            raise ValueError(
+                f"{value!r} is not a five-field cron expression such as '0 2 * * *'"
+            )
+        return value
+
+
+class InboxConfig(_Strict):
+    """The spool directory watcher."""
+
+    scan_interval_s: float = Field(default=10.0, gt=0)
+
+
+class TrainerConfig(_Strict):
+    """How the trainer worker is launched.
+
+    Attributes:
+        python: interpreter for the worker (a TX2 runs JetPack's python3.6 with NVIDIA's
+            TensorFlow while the daemon runs python3.8); default: the daemon's own.
+        timeout_s: a session's worker is stopped after this long.
+        stop_grace_s: after a stop request, how long before terminate, then kill.
+    """
+
+    python: Optional[str] = None
+    timeout_s: float = Field(default=4 * 3600, gt=0)
+    stop_grace_s: float = Field(default=20.0, gt=0)
+
+    def command(self) -> list[str]:
+        """Return the argv prefix that runs the worker module."""
+        return [self.python or sys.executable, "-m", "odtd.trainer.worker"]
+
+
+class TelemetryConfig(_Strict):
+    """Power and memory sampling."""
+
+    backend: str = "auto"
+    interval_ms: float = Field(default=10.0, gt=0)
+    replay_file: Optional[str] = None
+
+
+class MetricsConfig(_Strict):
+    """Prometheus textfile export (node_exporter's textfile collector)."""
+
+    textfile: Optional[str] = None
+
+
+class Config(_Strict):
+    """Everything in ``odtd.yaml``."""
+
+    schedule: ScheduleConfig = ScheduleConfig()
+    inbox: InboxConfig = InboxConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    policy: str = "policy.yaml"
+    heartbeat_interval_s: float = Field(default=5.0, gt=0)
+
+
+def resolve_home(home: str | os.PathLike[str] | None = None) -> Path:
+    """Return the state directory: ``home``, else ``$ODTD_HOME``, else /var/lib/odtd."""
+    if home:
+        return Path(home).expanduser().resolve()
+    env = os.environ.get("ODTD_HOME")
+    if env:
+        return Path(env).expanduser().resolve()
+    return DEFAULT_HOME
+
+
+def describe_validation_error(path: Path, error: ValidationError) -> str:
+    """Turn pydantic's error list into ``file: key=value: problem`` lines."""
+    lines = []
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        if item["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown key {key!r}; remove it or check its spelling")
+            continue
+        value = item.get("input")
+        shown = "" if isinstance(value, dict) else f"={value!r}"
+        message = item["msg"]
+        if message.startswith("Value error, "):
+            message = message[len("Value error, "):]
+        lines.append(f"{path}: {key}{shown}: {message}")
+    return "\n".join(lines)
+
+
+def read_yaml_mapping(path: Path, error_cls: type[Exception]) -> dict[str, Any]:
+    """Read a YAML file that must hold a mapping (an empty file is an empty mapping)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise error_cls(f"{path}: no such file") from None
+    except OSError as exc:
+        raise error_cls(f"{path}: cannot read ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise error_cls(f"{path}:{where} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise error_cls(f"{path}: expected a mapping of keys at the top, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: Path) -> Config:
+    """Load and validate ``odtd.yaml``; a missing file means all defaults.
+
+    Raises:
+        ConfigError: naming the file, the key and the value.
+    """
+    if not path.exists():
+        return Config()
+    data = read_yaml_mapping(path, ConfigError)
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(path, exc)) from None
+    _check_cron(path, config.schedule.cron)
+    return config
+
+
+def _check_cron(path: Path, cron: str) -> None:
+    # The daemon's scheduler module owns apscheduler; importing it lazily keeps
+    # `odtctl status` fast, and validates the expression exactly as it will run.
+    from odtd.scheduler import validate_cron
+
+    problem = validate_cron(cron)
+    if problem:
+        raise ConfigError(f"{path}: schedule.cron={cron!r}: {problem}")
+
+
+def default_config_text() -> str:
+    """Return the commented ``odtd.yaml`` that ``odtctl init`` writes."""
+    return """\
+# odtd daemon configuration. Unknown keys are errors. Times are local.
+schedule:
+  cron: "0 2 * * *"        # minute hour day month weekday: every day at 02:00
+  jitter_s: 300             # random delay so a fleet does not train in lockstep
+  misfire_grace_s: 43200    # a board that was off at 02:00 still trains within 12 h
+inbox:
+  scan_interval_s: 10       # how often inbox/<label>/ is scanned
+trainer:
+  python: null              # worker interpreter; null = the daemon's own
+  timeout_s: 14400          # a session's worker is stopped after 4 h
+  stop_grace_s: 20          # stop request -> terminate -> kill
+telemetry:
+  backend: auto             # auto | jtop | ina3221 | tegrastats | rapl | estimate | none | replay
+  interval_ms: 10
+policy: policy.yaml         # relative to ODTD_HOME, or an absolute path
+heartbeat_interval_s: 5
+"""

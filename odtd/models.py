@@ -1,0 +1,213 @@
+"""Model versions on disk: ``models/<name>/vN/{weights.npz,manifest.json}`` and ``current``.
+
+This module never imports TensorFlow: weights are opaque ``.npz`` files written by the trainer
+worker. ``current`` is a one-line file naming the promoted version, switched atomically
+(write a temporary file, fsync, rename, fsync the directory), so a power cut leaves either the
+old or the new version current, never a torn one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from odtd.errors import ModelError
+from odtd.trainer import catalog
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_NAME = "weights.npz"
+MANIFEST_NAME = "manifest.json"
+
+
+def file_sha256(path: Path) -> str:
+    """Return the hex sha256 of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory entry (after a rename) to disk."""
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` so readers see the old or the new content, never a mix."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def check_model_name(name: str) -> None:
+    """Raise ModelError when ``name`` is not in the model registry."""
+    if name not in catalog.MODELS:
+        known = ", ".join(sorted(catalog.MODELS))
+        raise ModelError(f"unknown model {name!r}; known models: {known} (see `odtctl models`)")
+
+
+def check_weights_file(path: Path) -> list[str]:
+    """Open an ``.npz`` without pickle and return its array keys; raise ModelError if unusable."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            keys = sorted(data.files)
+            for key in keys:
+                data[key]  # noqa: B018 - reading each array proves the file is whole
+    except FileNotFoundError:
+        raise ModelError(f"{path}: no such weights file") from None
+    except (OSError, ValueError, EOFError) as exc:
+        raise ModelError(f"{path}: not a readable .npz weights file ({exc})") from None
+    if not keys:
+        raise ModelError(f"{path}: the .npz holds no arrays")
+    return keys
+
+
+class ModelRepo:
+    """The versions of one model under ``HOME/models/<name>/``.
+
+    Args:
+        root: ``HOME/models``.
+        name: registry name of the model (``densenet40``, ``tinycnn``).
+    """
+
+    def __init__(self, root: Path, name: str) -> None:
+        check_model_name(name)
+        self.name = name
+        self.dir = Path(root) / name
+
+    def version_dir(self, version: int) -> Path:
+        """Return the directory of version ``version``."""
+        return self.dir / f"v{version}"
+
+    def weights_path(self, version: int) -> Path:
+        """Return the weights file of a version."""
+        return self.version_dir(version) / WEIGHTS_NAME
+
+    def versions(self) -> list[int]:
+        """Return the versions present on disk, ascending."""
+        if not self.dir.is_dir():
+            return []
+        found = []
+        for entry in self.dir.iterdir():
+            if entry.is_dir() and entry.name.startswith("v") and entry.name[1:].isdigit():
+                if (entry / MANIFEST_NAME).exists():
+                    found.append(int(entry.name[1:]))
+        return sorted(found)
+
+    def current(self) -> int:
+        """Return the promoted version number.
+
+        Raises:
+            ModelError: when no version was ever promoted (run ``odtctl init``).
+        """
+        pointer = self.dir / "current"
+        try:
+            text = pointer.read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            raise ModelError(f"{pointer}: no current model; run `odtctl init`") from None
+        if not (text.startswith("v") and text[1:].isdigit()):
+            raise ModelError(f"{pointer}: damaged pointer {text!r}; use `odtctl models rollback`")
+        return int(text[1:])
+
+    def set_current(self, version: int) -> None:
+        """Atomically make ``version`` the current model."""
+        if not self.weights_path(version).exists():
+            raise ModelError(f"{self.name} v{version}: no such version (see `odtctl models versions`)")
+        atomic_write_text(self.dir / "current", f"v{version}\n")
+
+    def manifest(self, version: int) -> dict[str, Any]:
+        """Return a version's manifest."""
+        path = self.version_dir(version) / MANIFEST_NAME
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ModelError(f"{self.name} v{version}: no such version (see `odtctl models versions`)") from None
+        except ValueError as exc:
+            raise ModelError(f"{path}: damaged manifest ({exc})") from None
+
+    def verify(self, version: int) -> None:
+        """Check a version's weights against the sha256 in its manifest."""
+        manifest = self.manifest(version)
+        actual = file_sha256(self.weights_path(version))
+        if actual != manifest["sha256"]:
+            raise ModelError(
+                f"{self.weights_path(version)}: sha256 {actual[:12]} does not match the manifest's "
+                f"{manifest['sha256'][:12]}; the file was modified or damaged"
+            )
+
+    def add_version(
+        self,
+        weights: Path,
+        *,
+        classes: list[str],
+        input_shape: list[int],
+        param_count: Optional[int],
+        parent: Optional[int],
+        session_id: Optional[int] = None,
+        metrics: Optional[dict[str, Any]] = None,
+        weight_names: Optional[list[str]] = None,
+        move: bool = False,
+    ) -> tuple[int, dict[str, Any]]:
+        """Store ``weights`` as the next version (not yet current) and return (version, manifest).
+
+        The version directory is assembled under a temporary name and renamed into place, so a
+        half-written version is never visible.
+        """
+        check_weights_file(weights)
+        existing = self.versions()
+        version = existing[-1] + 1 if existing else 0
+        final = self.version_dir(version)
+        staging = self.dir / f".v{version}.tmp"
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+        target = staging / WEIGHTS_NAME
+        if move:
+            os.replace(weights, target)
+        else:
+            shutil.copyfile(weights, target)
+        manifest = {
+            "model": self.name,
+            "version": version,
+            "classes": list(classes),
+            "input_shape": list(input_shape),
+            "param_count": param_count,
+            "sha256": file_sha256(target),
+            "parent": parent,
+            "session_id": session_id,
+            "metrics": metrics or {},
+            "weight_names": weight_names or [],
+        }
+        with open(staging / MANIFEST_NAME, "w", encoding="utf-8") as handle:
+            json.dump(manifest, handle, indent=2, sort_keys=True)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(staging, final)
+        fsync_dir(self.dir)
+        logger.info("stored %s v%d (parent %s)", self.name, version, parent)
+        return version, manifest
+
+    def remove_version(self, version: int) -> None:
+        """Delete a version's files (never the current one or its parent)."""
+        current = self.current()
+        protected = {current, self.manifest(current).get("parent")}
+        if version in protected:
+            raise ModelError(f"{self.name} v{version} is current or its parent; it cannot be removed")
+        shutil.rmtree(self.version_dir(version))

@@ -1,0 +1,146 @@
+"""What ``odtctl status`` and ``history`` show: built from SQLite alone (the daemon may be down)."""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime, timezone
+from typing import Any, Optional
+
+from odtd.home import Home
+from odtd.models import ModelRepo
+from odtd.store import Store
+
+HEARTBEAT_STALE_S = 30.0
+_SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def pid_alive(pid: Optional[int]) -> bool:
+    """Whether a process with this pid exists (a zombie counts as gone)."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+            return handle.read().split(") ")[-1][:1] != "Z"
+    except OSError:
+        return True
+
+
+def daemon_status(store: Store) -> dict[str, Any]:
+    """Return the ``daemon`` section: running, pid, heartbeat_age_s, next_session_at, paused."""
+    row = store.daemon_row() or {}
+    age = None
+    if row.get("heartbeat_at"):
+        beat = datetime.fromisoformat(row["heartbeat_at"])
+        age = round((datetime.now(timezone.utc) - beat).total_seconds(), 1)
+    running = bool(row.get("state") == "running" and pid_alive(row.get("pid"))
+                   and age is not None and age < HEARTBEAT_STALE_S)  # fmt: skip
+    return {
+        "running": running,
+        "pid": row.get("pid") if running else None,
+        "heartbeat_age_s": age,
+        "next_session_at": row.get("next_session_at") if running else None,
+        "paused": bool(row.get("paused")) if running else False,
+        "started_at": row.get("started_at"),
+    }
+
+
+def model_status(home: Home, store: Store) -> dict[str, Any]:
+    """Return the ``model`` section: name, version, accuracy (of the current version)."""
+    name = store.meta("model")
+    repo = ModelRepo(home.models, name)
+    version = repo.current()
+    manifest = repo.manifest(version)
+    return {"name": name, "version": version, "accuracy": manifest.get("metrics", {}).get("accuracy"),
+            "param_count": manifest.get("param_count"), "sha256": manifest.get("sha256")}
+
+
+def status(home: Home, store: Store, limit: int = 10) -> dict[str, Any]:
+    """Return the ``odtctl status --json`` object."""
+    return {
+        "home": str(home.root),
+        "daemon": daemon_status(store),
+        "model": model_status(home, store),
+        "samples": store.sample_counts(),
+        "sessions": store.sessions(limit=limit),
+    }
+
+
+def _pct(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value * 100:.1f}%"
+
+
+def _num(value: Optional[float], fmt: str = "{:.0f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def sparkline(values: list[float]) -> str:
+    """Render values as a one-line bar chart."""
+    if not values:
+        return ""
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+    return "".join(_SPARKS[int((v - low) / span * (len(_SPARKS) - 1))] for v in values)
+
+
+def energy_text(session: dict[str, Any]) -> str:
+    """'123.4 J (0.034 Wh)' or '-'."""
+    energy = session.get("energy_j")
+    if energy is None:
+        return "-"
+    return f"{energy:.1f} J ({energy / 3600:.4f} Wh)"
+
+
+def sessions_table(sessions: list[dict[str, Any]]) -> list[str]:
+    """Render sessions (most recent first) as aligned text lines."""
+    header = ("id", "day", "outcome", "batch", "new", "replay", "acc before", "acc after",
+              "energy", "source", "peak MB", "time s")  # fmt: skip
+    rows = [header]
+    for s in sessions:
+        rows.append((
+            str(s["id"]), s["day"] or "-", s["outcome"] or s.get("state") or "-",
+            _num(s["batch_size"]), _num(s["samples_new"]), _num(s["samples_replay"]),
+            _pct(s["accuracy_before"]), _pct(s["accuracy_after"]), energy_text(s),
+            s.get("energy_source") or "-", _num(s["peak_memory_mb"]), _num(s["duration_s"], "{:.1f}"),
+        ))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def render_status(data: dict[str, Any]) -> str:
+    """Render the status object for people."""
+    d, m, s = data["daemon"], data["model"], data["samples"]
+    lines = [f"odtd home {data['home']}"]
+    if d["running"]:
+        state = "paused" if d["paused"] else "running"
+        lines.append(f"daemon   {state} (pid {d['pid']}, heartbeat {d['heartbeat_age_s']} s ago); "
+                     f"next session {d['next_session_at'] or '-'}")
+    else:
+        lines.append("daemon   not running (start it with `odtd run` or `systemctl start odtd`)")
+    lines.append(f"model    {m['name']} v{m['version']}  accuracy {_pct(m['accuracy'])}  "
+                 f"({m['param_count']:,} parameters)")
+    lines.append(f"samples  total {s['total']}  pending {s['pending']}  trained {s['trained']}  "
+                 f"holdout {s['holdout']}  quarantined {s['quarantined']}")
+    sessions = data["sessions"]
+    if not sessions:
+        lines.append("sessions none yet: `odtctl ingest DIR` then `odtctl train-now`")
+        return "\n".join(lines)
+    lines.append("sessions (most recent first)")
+    lines.extend("  " + line for line in sessions_table(sessions))
+    rails = sessions[0].get("energy_by_rail_j")
+    if rails:
+        split = "  ".join(f"{rail} {joules:.1f} J" for rail, joules in sorted(rails.items()))
+        lines.append(f"last session energy by rail: {split} (coverage "
+                     f"{_pct(sessions[0].get('energy_coverage'))})")
+    # The kept model's accuracy after each session: a rolled-back candidate's is not the model's.
+    trend = [x["accuracy_after"] if x["outcome"] == "promoted" else x["accuracy_before"]
+             for x in reversed(sessions) if x["outcome"] in ("promoted", "rolled_back")]
+    trend = [value for value in trend if value is not None]
+    if trend:
+        lines.append(f"accuracy trend  {sparkline(trend)}  {_pct(trend[0])} -> {_pct(trend[-1])}")
+    return "\n".join(lines)

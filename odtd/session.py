@@ -1,0 +1,299 @@
+"""One training session: samples in, a worker run, guarded promotion, one sessions row out.
+
+The runner is shared by ``odtctl train-now --foreground``, ``odtctl simulate`` and the daemon.
+A session never leaves a broken model behind: the worker writes a candidate; only a candidate
+that passes acceptance becomes a new version and ``current``; a crash, kill or timeout of the
+worker leaves the current model and the pending samples as they were.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from odtd.config import Config
+from odtd.errors import SessionBusy, TrainerFailed
+from odtd.home import Home
+from odtd.ingest import load_sample_arrays
+from odtd.models import ModelRepo
+from odtd.policy import Policy
+from odtd.replay import choose_replay
+from odtd.runner import WorkerRun, failure_reason
+from odtd.store import Store
+
+logger = logging.getLogger(__name__)
+
+WARMUP_STEPS = 3  # the framework's warm-up steps, skipped in every per-step statistic
+_POLL_S = 0.2
+
+
+class SessionLock:
+    """An exclusive ``flock`` on ``run/session.lock``: one session at a time across processes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: Optional[int] = None
+
+    def __enter__(self) -> SessionLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(str(self.path), os.O_RDWR | os.O_CREAT, 0o660)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise SessionBusy(f"a session is already running (pid {holder}); wait for it to finish") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class SessionRunner:
+    """Runs sessions for one home.
+
+    Args:
+        home: the state directory.
+        store: its open database.
+        config: the daemon configuration (trainer command, timeouts).
+        policy: the active policy.
+        energy_meter: optional telemetry hook with ``begin() -> token`` and
+            ``end(token, steps) -> dict`` (session energy fields); None records no energy.
+        heartbeat: called every poll while a worker runs (the systemd watchdog ping).
+    """
+
+    def __init__(
+        self,
+        home: Home,
+        store: Store,
+        config: Config,
+        policy: Policy,
+        energy_meter: Any = None,
+        heartbeat: Optional[Callable[[], None]] = None,
+    ) -> None:
+        self.home = home
+        self.store = store
+        self.config = config
+        self.policy = policy
+        self.energy_meter = energy_meter
+        self.heartbeat = heartbeat
+        self.model = store.meta("model")
+        self.classes = store.meta("classes")
+        self.input_shape = store.meta("input_shape")
+        self.repo = ModelRepo(home.models, self.model)
+
+    def run(self, trigger: str = "cli", day: Optional[str] = None,
+            stop: Optional[threading.Event] = None) -> dict[str, Any]:
+        """Run one session and return its session object.
+
+        Args:
+            trigger: what started it (cli, schedule, socket, simulate).
+            day: YYYY-MM-DD the session belongs to (default: today).
+            stop: set it to stop the worker at its next step boundary (outcome interrupted).
+
+        Raises:
+            SessionBusy: another session holds the lock.
+        """
+        with SessionLock(self.home.session_lock):
+            return self._run_locked(trigger, day or date.today().isoformat(), stop or threading.Event())
+
+    def _run_locked(self, trigger: str, day: str, stop: threading.Event) -> dict[str, Any]:
+        policy = self.policy
+        current = self.repo.current()
+        self.repo.verify(current)
+        pending = self.store.samples("pending", limit=policy.training.max_samples_per_session)
+        session_id = self.store.start_session(
+            day, trigger, model_version_before=current, batch_size=policy.batch.size,
+            epochs=policy.training.epochs,
+        )
+        if not pending:
+            return self._finish(session_id, outcome="skipped", reason="no pending samples",
+                                model_version_after=current, samples_new=0, samples_replay=0)
+        replay_rows = choose_replay(self.store, policy.replay, len(pending), seed=session_id)
+        job_dir = self.home.runs / f"session-{session_id}"
+        job_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            job_path, eval_name = self._write_job(job_dir, current, pending + replay_rows)
+            outcome = self._train(session_id, job_dir, job_path, stop)
+        except TrainerFailed as exc:
+            return self._finish(session_id, outcome="failed", reason=str(exc),
+                                model_version_after=current, samples_new=len(pending),
+                                samples_replay=len(replay_rows))
+        outcome.update(samples_new=len(pending), samples_replay=len(replay_rows))
+        outcome.setdefault("details", {})["evaluation_set"] = eval_name
+        if outcome["outcome"] == "interrupted":
+            outcome["model_version_after"] = current
+            return self._finish(session_id, **outcome)
+        return self._accept(session_id, current, pending, job_dir, outcome)
+
+    def _write_job(self, job_dir: Path, current: int, rows: list[dict[str, Any]]) -> tuple[Path, str]:
+        x, y = load_sample_arrays(self.home, rows, self.classes)
+        np.savez(job_dir / "train.npz", x=x, y=y)
+        validation = self.home.validation_file()
+        eval_name = "validation"
+        if not validation.exists():
+            holdout = self.store.samples("holdout")
+            eval_name = "holdout" if holdout else "none"
+            validation = job_dir / "holdout.npz" if holdout else None
+            if holdout:
+                hx, hy = load_sample_arrays(self.home, holdout, self.classes)
+                np.savez(validation, x=hx, y=hy)
+        training = self.policy.training
+        job = {
+            "protocol": 1, "mode": "train", "model": self.model, "classes": self.classes,
+            "input_shape": self.input_shape,
+            "weights_in": str(self.repo.weights_path(current)),
+            "weights_out": str(job_dir / "candidate.npz"),
+            "train_data": str(job_dir / "train.npz"),
+            "validation_data": str(validation) if validation else None,
+            "batch_size": self.policy.batch.size, "epochs": training.epochs, "max_steps": None,
+            "optimizer": training.optimizer, "learning_rate": training.learning_rate,
+            "momentum": training.momentum, "augment": training.augment,
+            "freeze_bn": training.freeze_bn, "seed": training.seed, "parent_pid": os.getpid(),
+            "precision": training.precision, "gpu_memory_limit_mb": None,
+        }  # fmt: skip
+        job_path = job_dir / "job.json"
+        job_path.write_text(json.dumps(job, indent=2), encoding="utf-8")
+        return job_path, eval_name
+
+    def _train(self, session_id: int, job_dir: Path, job_path: Path,
+               stop: threading.Event) -> dict[str, Any]:
+        """Run the worker to its end; return partial session fields.
+
+        Raises:
+            TrainerFailed: the worker crashed, was killed, timed out or reported an error.
+        """
+        timeout_s = self.policy.trainer_timeout_s or self.config.trainer.timeout_s
+        grace_s = self.config.trainer.stop_grace_s
+        energy_token = self.energy_meter.begin() if self.energy_meter else None
+        started = time.monotonic()
+        worker = WorkerRun(self.config.trainer.command(), job_path, job_dir / "worker.stderr")
+        self.store.update_session(session_id, worker_pid=worker.process.pid)
+        steps: list[dict[str, Any]] = []
+        result: Optional[dict[str, Any]] = None
+        error: Optional[dict[str, Any]] = None
+        stop_sent_at: Optional[float] = None
+        stop_reason = None
+        eof = False
+        try:
+            while not eof or worker.process.poll() is None:
+                worker.sample_memory()
+                if self.heartbeat:
+                    self.heartbeat()
+                now = time.monotonic()
+                if stop_sent_at is None and (stop.is_set() or now - started > timeout_s):
+                    stop_reason = (getattr(stop, "reason", None) or "stop requested") if stop.is_set() \
+                        else f"timed out after {timeout_s:.0f} s"
+                    worker.signal(signal.SIGUSR1)
+                    stop_sent_at = now
+                elif stop_sent_at is not None and now - stop_sent_at > 2 * grace_s:
+                    worker.signal(signal.SIGKILL)
+                elif stop_sent_at is not None and now - stop_sent_at > grace_s:
+                    worker.signal(signal.SIGTERM)
+                if eof:
+                    time.sleep(_POLL_S)
+                    continue
+                try:
+                    message = worker.lines.get(timeout=_POLL_S)
+                except queue.Empty:
+                    continue
+                if message is None:
+                    eof = True
+                elif message.get("event") == "step":
+                    steps.append(message)
+                elif message.get("event") == "result":
+                    result = message
+                elif message.get("event") == "error":
+                    error = message
+        finally:
+            worker.close()
+        duration_s = time.monotonic() - started
+        returncode = worker.process.returncode
+        fields: dict[str, Any] = {"duration_s": round(duration_s, 3), "steps": len(steps),
+                                  "peak_memory_mb": round(worker.peak_rss_mb, 1)}
+        if steps:
+            self.store.add_steps(session_id, steps)
+            fields["throughput_sps"] = throughput_sps(steps)
+        if self.energy_meter:
+            fields.update(self.energy_meter.end(energy_token, steps))
+        if result and result.get("peak_rss_mb"):
+            fields["peak_memory_mb"] = round(max(worker.peak_rss_mb, result["peak_rss_mb"]), 1)
+        if stop_reason and (result is None or result.get("status") == "interrupted"):
+            fields.update(outcome="interrupted", reason=stop_reason)
+            self.store.update_session(session_id, **fields)
+            return fields
+        if error is not None or result is None or returncode != 0:
+            self.store.update_session(session_id, **fields)
+            raise TrainerFailed(failure_reason(returncode, error, job_dir / "worker.stderr"))
+        fields.update(
+            accuracy_before=result.get("accuracy_before"), accuracy_after=result.get("accuracy_after"),
+            details={"per_class_before": result.get("per_class_before"),
+                     "per_class_after": result.get("per_class_after"),
+                     "precision": result.get("precision"),
+                     "tf_peak_memory_mb": result.get("tf_peak_memory_mb")},
+            _result=result,
+        )  # fmt: skip
+        return fields
+
+    def _accept(self, session_id: int, current: int, pending: list[dict[str, Any]],
+                job_dir: Path, fields: dict[str, Any]) -> dict[str, Any]:
+        result = fields.pop("_result")
+        before, after = fields.get("accuracy_before"), fields.get("accuracy_after")
+        tolerance = self.policy.acceptance.tolerance / 100.0
+        shas = [row["sha256"] for row in pending]
+        if before is not None and after is not None and after < before - tolerance:
+            reason = (f"validation accuracy {after:.2%} < {before:.2%} - {tolerance:.2%} "
+                      "tolerance; kept the current model")
+            with self.store.transaction():
+                self.store.mark_trained(shas, session_id)
+                return self._finish(session_id, outcome="rolled_back", reason=reason,
+                                    model_version_after=current, **fields)
+        version, manifest = self.repo.add_version(
+            job_dir / "candidate.npz", classes=self.classes, input_shape=self.input_shape,
+            param_count=result.get("param_count"), parent=current, session_id=session_id,
+            metrics={"accuracy": after}, weight_names=result.get("weight_names"), move=True,
+        )
+        reason = "accepted" if before is not None else "no evaluation data: promoted unguarded"
+        with self.store.transaction():
+            self.store.add_model_version({
+                "model": self.model, "version": version, "parent": current,
+                "session_id": session_id, "sha256": manifest["sha256"],
+                "param_count": manifest["param_count"], "accuracy": after,
+            })  # fmt: skip
+            self.store.mark_trained(shas, session_id)
+            session = self._finish(session_id, outcome="promoted", reason=reason,
+                                   model_version_after=version, **fields)
+            # The pointer moves last, inside the transaction: if it fails, nothing is recorded.
+            self.repo.set_current(version)
+        self.store.log_event("promoted", f"{self.model} v{version} is current", session_id=session_id)
+        return session
+
+    def _finish(self, session_id: int, **fields: Any) -> dict[str, Any]:
+        self.store.finish_session(session_id, **fields)
+        session = self.store.session(session_id)
+        logger.info("session %d: %s (%s)", session_id, session["outcome"], session["reason"])
+        return session
+
+
+def throughput_sps(steps: list[dict[str, Any]]) -> Optional[float]:
+    """Samples per second over the steps after the warm-up (all steps if there are few)."""
+    measured = steps[WARMUP_STEPS:] if len(steps) > WARMUP_STEPS else steps
+    seconds = sum(s["end"] - s["start"] for s in measured)
+    samples = sum(s["batch_size"] for s in measured)
+    return round(samples / seconds, 3) if seconds > 0 else None

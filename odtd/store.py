@@ -1,0 +1,448 @@
+"""The state database, ``odtd.db``: SQLite in WAL mode through sqlite-utils.
+
+One writer at a time (the daemon or a foreground ``odtctl`` session), any number of readers:
+WAL lets ``odtctl status`` read while a session writes. The schema version lives in
+``PRAGMA user_version`` and advances through the ordered ``MIGRATIONS``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
+
+import sqlite_utils
+
+from odtd.errors import StoreError
+
+logger = logging.getLogger(__name__)
+
+# The session object of the CLI contract (DESIGN.md), in its documented order.
+SESSION_KEYS = (
+    "id", "day", "started_at", "finished_at", "outcome", "reason",
+    "model_version_before", "model_version_after", "batch_size", "epochs",
+    "samples_new", "samples_replay", "steps", "duration_s", "throughput_sps",
+    "accuracy_before", "accuracy_after", "energy_j", "energy_by_rail_j",
+    "energy_source", "energy_coverage", "peak_memory_mb",
+)  # fmt: skip
+OUTCOMES = ("promoted", "rolled_back", "failed", "interrupted", "skipped")
+_JSON_COLUMNS = ("energy_by_rail_j", "details")
+
+MIGRATIONS: list[str] = [
+    # 1: the session path.
+    """
+    CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    CREATE TABLE samples (
+        sha256 TEXT PRIMARY KEY,
+        label TEXT NOT NULL,
+        day TEXT NOT NULL,
+        status TEXT NOT NULL CHECK (status IN ('pending', 'trained', 'holdout')),
+        original_path TEXT NOT NULL,
+        stored_path TEXT NOT NULL,
+        array_path TEXT NOT NULL,
+        width INTEGER NOT NULL,
+        height INTEGER NOT NULL,
+        ingested_at TEXT NOT NULL,
+        session_id INTEGER
+    );
+    CREATE INDEX samples_status ON samples (status, day);
+    CREATE TABLE quarantine (
+        id INTEGER PRIMARY KEY,
+        at TEXT NOT NULL,
+        original_path TEXT NOT NULL,
+        stored_path TEXT,
+        reason TEXT NOT NULL
+    );
+    CREATE TABLE sessions (
+        id INTEGER PRIMARY KEY,
+        day TEXT NOT NULL,
+        trigger TEXT NOT NULL,
+        state TEXT NOT NULL CHECK (state IN ('running', 'done')),
+        started_at TEXT NOT NULL,
+        finished_at TEXT,
+        outcome TEXT,
+        reason TEXT,
+        model_version_before INTEGER,
+        model_version_after INTEGER,
+        batch_size INTEGER,
+        epochs INTEGER,
+        samples_new INTEGER,
+        samples_replay INTEGER,
+        steps INTEGER,
+        duration_s REAL,
+        throughput_sps REAL,
+        accuracy_before REAL,
+        accuracy_after REAL,
+        energy_j REAL,
+        energy_by_rail_j TEXT,
+        energy_source TEXT,
+        energy_coverage REAL,
+        peak_memory_mb REAL,
+        worker_pid INTEGER,
+        details TEXT
+    );
+    CREATE TABLE steps (
+        session_id INTEGER NOT NULL REFERENCES sessions (id),
+        idx INTEGER NOT NULL,
+        epoch INTEGER NOT NULL,
+        batch_size INTEGER NOT NULL,
+        loss REAL,
+        start_mono REAL NOT NULL,
+        end_mono REAL NOT NULL,
+        energy_j REAL,
+        PRIMARY KEY (session_id, idx)
+    );
+    CREATE TABLE model_versions (
+        model TEXT NOT NULL,
+        version INTEGER NOT NULL,
+        parent INTEGER,
+        session_id INTEGER,
+        created_at TEXT NOT NULL,
+        sha256 TEXT NOT NULL,
+        param_count INTEGER,
+        accuracy REAL,
+        state TEXT NOT NULL DEFAULT 'kept',
+        PRIMARY KEY (model, version)
+    );
+    CREATE TABLE events (
+        id INTEGER PRIMARY KEY,
+        at TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        message TEXT NOT NULL,
+        data TEXT
+    );
+    CREATE TABLE daemon (
+        id INTEGER PRIMARY KEY CHECK (id = 1),
+        pid INTEGER,
+        started_at TEXT,
+        heartbeat_at TEXT,
+        next_session_at TEXT,
+        paused INTEGER NOT NULL DEFAULT 0,
+        state TEXT
+    );
+    """,
+]
+
+
+def utc_now() -> str:
+    """Return the current time as ISO 8601 UTC with seconds, e.g. 2026-11-22T02:00:07+00:00."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class Store:
+    """Typed access to ``odtd.db``; the only module that imports sqlite_utils.
+
+    Args:
+        path: the database file; created (with its schema) when missing.
+        busy_timeout_s: how long a writer waits for another writer's lock.
+    """
+
+    def __init__(self, path: Path, busy_timeout_s: float = 10.0) -> None:
+        self.path = Path(path)
+        try:
+            # isolation_level=None: no implicit transactions; ``transaction()`` opens them
+            # explicitly, so a multi-statement write is all-or-nothing.
+            conn = sqlite3.connect(
+                str(self.path), timeout=busy_timeout_s, check_same_thread=False,
+                isolation_level=None,
+            )
+            self._depth = 0
+            self._lock = threading.RLock()
+            self.db = sqlite_utils.Database(conn)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA foreign_keys=ON")
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            self.migrate()
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"{self.path}: cannot open the database ({exc})") from None
+
+    # -- schema ---------------------------------------------------------------------------
+
+    @property
+    def schema_version(self) -> int:
+        """The applied migration count (``PRAGMA user_version``)."""
+        return self.db.execute("PRAGMA user_version").fetchone()[0]
+
+    def migrate(self) -> None:
+        """Apply the migrations this database has not seen, each in its own transaction."""
+        current = self.schema_version
+        if current > len(MIGRATIONS):
+            raise StoreError(
+                f"{self.path}: schema version {current} is newer than this odtd knows "
+                f"({len(MIGRATIONS)}); upgrade odtd"
+            )
+        for number, script in enumerate(MIGRATIONS[current:], start=current + 1):
+            logger.info("migrating %s to schema version %d", self.path, number)
+            statements = [s.strip() for s in script.split(";") if s.strip()]
+            with self.transaction():
+                for statement in statements:
+                    self.db.conn.execute(statement)
+                self.db.conn.execute(f"PRAGMA user_version = {number}")
+
+    def close(self) -> None:
+        """Close the connection (checkpointing the WAL)."""
+        self.db.conn.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Run the enclosed writes as one transaction (nested calls join the outer one)."""
+        with self._lock:
+            if self._depth:
+                self._depth += 1
+                try:
+                    yield
+                finally:
+                    self._depth -= 1
+                return
+            self.db.conn.execute("BEGIN IMMEDIATE")
+            self._depth = 1
+            try:
+                yield
+            except BaseException:
+                self._depth = 0
+                self.db.conn.execute("ROLLBACK")
+                raise
+            self._depth = 0
+            self.db.conn.execute("COMMIT")
+
+    def _insert(self, table: str, row: dict[str, Any], replace: bool = False) -> int:
+        columns = ", ".join(row)
+        marks = ", ".join(f":{key}" for key in row)
+        verb = "INSERT OR REPLACE" if replace else "INSERT"
+        with self.transaction():
+            cursor = self.db.conn.execute(f"{verb} INTO {table} ({columns}) VALUES ({marks})", row)
+        return cursor.lastrowid
+
+    def _update(self, table: str, where: dict[str, Any], row: dict[str, Any]) -> None:
+        sets = ", ".join(f"{key} = :set_{key}" for key in row)
+        cond = " AND ".join(f"{key} = :where_{key}" for key in where)
+        params = {f"set_{k}": v for k, v in row.items()}
+        params.update({f"where_{k}": v for k, v in where.items()})
+        with self.transaction():
+            self.db.conn.execute(f"UPDATE {table} SET {sets} WHERE {cond}", params)
+
+    def integrity_check(self) -> str:
+        """Return SQLite's ``PRAGMA integrity_check`` verdict ('ok' when sound)."""
+        return self.db.execute("PRAGMA integrity_check").fetchone()[0]
+
+    # -- meta -----------------------------------------------------------------------------
+
+    def set_meta(self, **values: Any) -> None:
+        """Store JSON-encodable settings of this home (model name, classes, ...)."""
+        with self.transaction():
+            for key, value in values.items():
+                self._insert("meta", {"key": key, "value": json.dumps(value)}, replace=True)
+
+    def meta(self, key: str, default: Any = None) -> Any:
+        """Return a stored setting, or ``default``."""
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", [key]).fetchone()
+        return json.loads(row[0]) if row else default
+
+    # -- samples --------------------------------------------------------------------------
+
+    def has_sample(self, sha256: str) -> bool:
+        """Whether a sample with this content hash is already stored."""
+        return self.db.execute("SELECT 1 FROM samples WHERE sha256 = ?", [sha256]).fetchone() is not None
+
+    def add_sample(self, row: dict[str, Any]) -> bool:
+        """Insert a sample row; return False when its sha256 is already there (a duplicate)."""
+        with self.transaction():
+            cursor = self.db.conn.execute(
+                "INSERT OR IGNORE INTO samples (sha256, label, day, status, original_path,"
+                " stored_path, array_path, width, height, ingested_at)"
+                " VALUES (:sha256, :label, :day, :status, :original_path, :stored_path,"
+                " :array_path, :width, :height, :ingested_at)",
+                row,
+            )
+        return cursor.rowcount == 1
+
+    def add_quarantine(self, original_path: str, stored_path: Optional[str], reason: str) -> None:
+        """Record a rejected input."""
+        self._insert(
+            "quarantine",
+            {"at": utc_now(), "original_path": original_path, "stored_path": stored_path,
+             "reason": reason},
+        )
+
+    def samples(self, status: str, limit: Optional[int] = None) -> list[dict[str, Any]]:
+        """Return samples in a status, oldest day first."""
+        sql = "SELECT * FROM samples WHERE status = ? ORDER BY day, ingested_at, sha256"
+        params: list[Any] = [status]
+        if limit is not None:
+            sql += " LIMIT ?"
+            params.append(limit)
+        return list(self.db.query(sql, params))
+
+    def samples_by_sha(self, shas: Iterable[str]) -> list[dict[str, Any]]:
+        """Return the sample rows for these hashes (unknown hashes are skipped)."""
+        shas = list(shas)
+        rows: list[dict[str, Any]] = []
+        for start in range(0, len(shas), 500):
+            chunk = shas[start : start + 500]
+            marks = ",".join("?" * len(chunk))
+            rows.extend(self.db.query(f"SELECT * FROM samples WHERE sha256 IN ({marks})", chunk))
+        return rows
+
+    def mark_trained(self, shas: Iterable[str], session_id: int) -> None:
+        """Mark pending samples as trained by a session."""
+        with self.transaction():
+            self.db.conn.executemany(
+                "UPDATE samples SET status = 'trained', session_id = ? WHERE sha256 = ?"
+                " AND status = 'pending'",
+                [(session_id, sha) for sha in shas],
+            )
+
+    def sample_counts(self) -> dict[str, int]:
+        """Return counts: total, pending, trained, holdout, quarantined."""
+        counts = {"total": 0, "pending": 0, "trained": 0, "holdout": 0}
+        for status, count in self.db.execute("SELECT status, count(*) FROM samples GROUP BY status"):
+            counts[status] = count
+            counts["total"] += count
+        counts["quarantined"] = self.db.execute("SELECT count(*) FROM quarantine").fetchone()[0]
+        return counts
+
+    # -- sessions -------------------------------------------------------------------------
+
+    def start_session(self, day: str, trigger: str, **fields: Any) -> int:
+        """Insert a ``running`` session row and return its id."""
+        row = {"day": day, "trigger": trigger, "state": "running", "started_at": utc_now()}
+        row.update(fields)
+        return self._insert("sessions", row)
+
+    def finish_session(self, session_id: int, **fields: Any) -> None:
+        """Set a session's final fields and mark it done (one transaction)."""
+        if fields.get("outcome") not in OUTCOMES:
+            raise StoreError(f"session {session_id}: outcome {fields.get('outcome')!r} not in {OUTCOMES}")
+        row = _encode_json(fields)
+        row.setdefault("finished_at", utc_now())
+        row["state"] = "done"
+        self._update("sessions", {"id": session_id}, row)
+
+    def update_session(self, session_id: int, **fields: Any) -> None:
+        """Update fields of a session without finishing it."""
+        self._update("sessions", {"id": session_id}, _encode_json(fields))
+
+    def add_steps(self, session_id: int, steps: list[dict[str, Any]]) -> None:
+        """Store a session's step spans (monotonic seconds) in one transaction."""
+        rows = [
+            {"session_id": session_id, "idx": s["index"], "epoch": s.get("epoch", 0),
+             "batch_size": s["batch_size"], "loss": s.get("loss"), "start_mono": s["start"],
+             "end_mono": s["end"], "energy_j": s.get("energy_j")}
+            for s in steps
+        ]
+        with self.transaction():
+            for row in rows:
+                self._insert("steps", row, replace=True)
+
+    def steps(self, session_id: int) -> list[dict[str, Any]]:
+        """Return a session's steps in order."""
+        return list(self.db.query("SELECT * FROM steps WHERE session_id = ? ORDER BY idx", [session_id]))
+
+    def session(self, session_id: int) -> Optional[dict[str, Any]]:
+        """Return one session as a contract object, or None."""
+        rows = list(self.db.query("SELECT * FROM sessions WHERE id = ?", [session_id]))
+        return session_object(rows[0]) if rows else None
+
+    def sessions(self, limit: Optional[int] = None, done_only: bool = False) -> list[dict[str, Any]]:
+        """Return sessions as contract objects, most recent first."""
+        sql = "SELECT * FROM sessions"
+        if done_only:
+            sql += " WHERE state = 'done'"
+        sql += " ORDER BY id DESC"
+        params: list[Any] = []
+        if limit is not None:
+            sql += " LIMIT ?"
+            params.append(limit)
+        return [session_object(row) for row in self.db.query(sql, params)]
+
+    def running_sessions(self) -> list[dict[str, Any]]:
+        """Return sessions still marked running (by a live or a crashed process)."""
+        return list(self.db.query("SELECT * FROM sessions WHERE state = 'running' ORDER BY id"))
+
+    def outcome_counts(self) -> dict[str, int]:
+        """Return the number of finished sessions per outcome."""
+        counts = dict.fromkeys(OUTCOMES, 0)
+        for outcome, count in self.db.execute(
+            "SELECT outcome, count(*) FROM sessions WHERE state = 'done' GROUP BY outcome"
+        ):
+            counts[outcome] = count
+        return counts
+
+    # -- model versions -------------------------------------------------------------------
+
+    def add_model_version(self, row: dict[str, Any]) -> None:
+        """Record a model version (its files are written by ``odtd.models``)."""
+        row = dict(row)
+        row.setdefault("created_at", utc_now())
+        self._insert("model_versions", row, replace=True)
+
+    def model_versions(self, model: str) -> list[dict[str, Any]]:
+        """Return the versions of a model, newest first."""
+        return list(
+            self.db.query(
+                "SELECT * FROM model_versions WHERE model = ? ORDER BY version DESC", [model]
+            )
+        )
+
+    def set_model_version_state(self, model: str, version: int, state: str) -> None:
+        """Mark a version kept, pruned, ..."""
+        self._update("model_versions", {"model": model, "version": version}, {"state": state})
+
+    # -- events and the daemon's heartbeat --------------------------------------------------
+
+    def log_event(self, kind: str, message: str, **data: Any) -> None:
+        """Append an event (promotions, rollbacks, reloads, recoveries)."""
+        self._insert(
+            "events",
+            {"at": utc_now(), "kind": kind, "message": message,
+             "data": json.dumps(data, sort_keys=True) if data else None},
+        )
+
+    def events(self, limit: int = 20, kind: Optional[str] = None) -> list[dict[str, Any]]:
+        """Return recent events, newest first."""
+        if kind:
+            rows = self.db.query(
+                "SELECT * FROM events WHERE kind = ? ORDER BY id DESC LIMIT ?", [kind, limit]
+            )
+        else:
+            rows = self.db.query("SELECT * FROM events ORDER BY id DESC LIMIT ?", [limit])
+        return list(rows)
+
+    def write_daemon(self, **fields: Any) -> None:
+        """Upsert the daemon's liveness row (pid, heartbeat_at, next_session_at, paused)."""
+        with self.transaction():
+            self.db.conn.execute("INSERT OR IGNORE INTO daemon (id) VALUES (1)")
+            if fields:
+                self._update("daemon", {"id": 1}, fields)
+
+    def daemon_row(self) -> Optional[dict[str, Any]]:
+        """Return the daemon's liveness row, or None if no daemon ever ran here."""
+        rows = list(self.db.query("SELECT * FROM daemon WHERE id = 1"))
+        return rows[0] if rows else None
+
+    def iter_query(self, sql: str, params: Optional[list[Any]] = None) -> Iterator[dict[str, Any]]:
+        """Run a read-only query (for reports that need their own SQL)."""
+        return self.db.query(sql, params or [])
+
+
+def _encode_json(fields: dict[str, Any]) -> dict[str, Any]:
+    row = dict(fields)
+    for key in _JSON_COLUMNS:
+        if key in row and row[key] is not None and not isinstance(row[key], str):
+            row[key] = json.dumps(row[key], sort_keys=True)
+    return row
+
+
+def session_object(row: dict[str, Any]) -> dict[str, Any]:
+    """Turn a sessions row into the contract's session object (plus ``details``, ``state``)."""
+    obj = {key: row.get(key) for key in SESSION_KEYS}
+    obj["energy_by_rail_j"] = json.loads(row["energy_by_rail_j"]) if row.get("energy_by_rail_j") else None
+    obj["state"] = row.get("state")
+    obj["trigger"] = row.get("trigger")
+    obj["details"] = json.loads(row["details"]) if row.get("details") else {}
+    return obj

@@ -1,0 +1,67 @@
+"""Shared fixtures: real image files, real homes (tinycnn), the CLI in a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+def write_images(root: Path, per_class: int = 2, classes=CLASSES, seed: int = 0, size: int = 32,
+                 fmt: str = "png") -> list[Path]:
+    """Write distinct random images under root/<class>/ and return their paths."""
+    rng = np.random.default_rng(seed)
+    paths = []
+    for label in classes:
+        (root / label).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 256, size=(size, size, 3), dtype=np.uint8)
+            path = root / label / f"{i}.{fmt}"
+            Image.fromarray(pixels).save(path)
+            paths.append(path)
+    return paths
+
+
+def odtctl(*args: str, home: Path | None = None, check: bool = True,
+           timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `odtctl` in a real subprocess, the way a person does."""
+    env = dict(os.environ)
+    if home is not None:
+        env["ODTD_HOME"] = str(home)
+    proc = subprocess.run([sys.executable, "-m", "odtd.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=timeout, cwd=REPO)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"odtctl {' '.join(args)} exited {proc.returncode}:\n{proc.stderr}")
+    return proc
+
+
+def odtctl_json(*args: str, home: Path | None = None):
+    return json.loads(odtctl(*args, "--json", home=home).stdout)
+
+
+@pytest.fixture(scope="session")
+def _base_home(tmp_path_factory) -> Path:
+    """One initialised tinycnn home (a worker run), copied for each test that needs one."""
+    home = tmp_path_factory.mktemp("base") / "home"
+    odtctl("init", "--model", "tinycnn", home=home)
+    return home
+
+
+@pytest.fixture
+def home(_base_home, tmp_path) -> Path:
+    """A fresh copy of an initialised tinycnn home with the test policy."""
+    import shutil
+
+    target = tmp_path / "home"
+    shutil.copytree(_base_home, target, symlinks=True)
+    shutil.copyfile(REPO / "policies" / "tinycnn-test.yaml", target / "policy.yaml")
+    return target

@@ -1,0 +1,49 @@
+import pytest
+
+from odtd.config import Config, default_config_text, load_config
+from odtd.errors import ConfigError, PolicyError
+from odtd.policy import default_policy_text, load_policy
+
+
+def test_default_config_text_is_the_default_config(tmp_path):
+    path = tmp_path / "odtd.yaml"
+    path.write_text(default_config_text())
+    assert load_config(path) == Config()
+
+
+def test_unknown_key_names_file_and_key(tmp_path):
+    path = tmp_path / "odtd.yaml"
+    path.write_text("schedule:\n  cronn: '0 2 * * *'\n")
+    with pytest.raises(ConfigError, match=r"odtd.yaml: unknown key 'schedule.cronn'"):
+        load_config(path)
+
+
+def test_bad_cron_names_file_key_and_value(tmp_path):
+    path = tmp_path / "odtd.yaml"
+    path.write_text("schedule:\n  cron: '0 25 * * *'\n")
+    with pytest.raises(ConfigError, match=r"odtd.yaml: schedule.cron='0 25 \* \* \*': invalid cron"):
+        load_config(path)
+
+
+def test_wrong_type_and_bad_yaml(tmp_path):
+    path = tmp_path / "odtd.yaml"
+    path.write_text("inbox:\n  scan_interval_s: soon\n")
+    with pytest.raises(ConfigError, match=r"inbox.scan_interval_s='soon'"):
+        load_config(path)
+    path.write_text("schedule: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+
+
+def test_default_policy_file_matches_shipped_default(tmp_path):
+    from pathlib import Path
+
+    shipped = Path(__file__).resolve().parents[1] / "policies" / "default.yaml"
+    assert shipped.read_text() == default_policy_text()
+
+
+def test_policy_errors_name_key_and_value(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("batch:\n  size: -4\n")
+    with pytest.raises(PolicyError, match=r"p.yaml: batch.size=-4: Input should be greater than or equal to 1"):
+        load_policy(path)
