@@ -60,7 +60,10 @@ def cmd_init(args: argparse.Namespace) -> int:
     """Create an ODTD_HOME."""
     from odtd.setup_home import init_home, parse_classes
 
+    from odtd.models import check_model_name
+
     home = _home(args)
+    check_model_name(args.model)
     progress(f"initialising {home.root} with {args.model} ...")
     summary = init_home(
         home, args.model, parse_classes(args.classes),
@@ -142,8 +145,8 @@ def run_foreground_session(home: Home, trigger: str, day: Optional[str] = None) 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         config = home.load_config()
-        runner = SessionRunner(home, store, config, load_policy(home.policy_path(config)))
-        progress(f"session starting ({store.sample_counts()['pending']} pending samples) ...")
+        runner = SessionRunner(home, store, config, load_policy(home.policy_path(config)),
+                               progress=progress)
         return runner.run(trigger=trigger, day=day, stop=stop)
     finally:
         for sig, handler in previous.items():
@@ -270,8 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"odtd {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details to stderr")
+    home_help = "state directory (default: $ODTD_HOME or /var/lib/odtd)"
+    parser.add_argument("--home", help=home_help)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--home", help="state directory (default: $ODTD_HOME or /var/lib/odtd)")
+    # SUPPRESS: `odtctl --home D status` and `odtctl status --home D` both work.
+    common.add_argument("--home", default=argparse.SUPPRESS, help=home_help)
     reader = argparse.ArgumentParser(add_help=False, parents=[common])
     reader.add_argument("--json", action="store_true", help="print JSON instead of text")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -28,7 +28,7 @@ from odtd.policy import Policy, load_policy
 from odtd.report import status as build_status
 from odtd.scheduler import Scheduler, missed_fire_time
 from odtd.sdnotify import Notifier
-from odtd.session import SessionRunner
+from odtd.session import SessionLock, SessionRunner, recover_stale_sessions
 from odtd.store import Store, utc_now
 
 logger = logging.getLogger(__name__)
@@ -70,18 +70,8 @@ class Daemon:
 
     def recover(self) -> list[int]:
         """Mark sessions a crashed daemon left ``running`` as interrupted (samples stay pending)."""
-        stale = [row["id"] for row in self.store.running_sessions()]
-        for session_id in stale:
-            self.store.finish_session(
-                session_id, outcome="interrupted",
-                reason="the daemon stopped during this session (crash, kill or power loss); "
-                       "its samples stay pending",
-            )  # fmt: skip
-            self.store.log_event("recovered", f"session {session_id} marked interrupted",
-                                 session_id=session_id)
-            logger.warning("session %d was left running by a previous daemon: marked interrupted",
-                           session_id)
-        return stale
+        with SessionLock(self.home.session_lock):
+            return recover_stale_sessions(self.store)
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT; return the exit status."""

@@ -76,6 +76,7 @@ class SessionRunner:
         energy_meter: optional telemetry hook with ``begin() -> token`` and
             ``end(token, steps) -> dict`` (session energy fields); None records no energy.
         heartbeat: called every poll while a worker runs (the systemd watchdog ping).
+        progress: called with one-line progress messages (the CLI prints them to stderr).
     """
 
     def __init__(
@@ -86,6 +87,7 @@ class SessionRunner:
         policy: Policy,
         energy_meter: Any = None,
         heartbeat: Optional[Callable[[], None]] = None,
+        progress: Optional[Callable[[str], None]] = None,
     ) -> None:
         self.home = home
         self.store = store
@@ -93,6 +95,7 @@ class SessionRunner:
         self.policy = policy
         self.energy_meter = energy_meter
         self.heartbeat = heartbeat
+        self.progress = progress or (lambda message: None)
         self.model = store.meta("model")
         self.classes = store.meta("classes")
         self.input_shape = store.meta("input_shape")
@@ -111,6 +114,7 @@ class SessionRunner:
             SessionBusy: another session holds the lock.
         """
         with SessionLock(self.home.session_lock):
+            recover_stale_sessions(self.store)
             return self._run_locked(trigger, day or date.today().isoformat(), stop or threading.Event())
 
     def _run_locked(self, trigger: str, day: str, stop: threading.Event) -> dict[str, Any]:
@@ -128,16 +132,23 @@ class SessionRunner:
         replay_rows = choose_replay(self.store, policy.replay, len(pending), seed=session_id)
         job_dir = self.home.runs / f"session-{session_id}"
         job_dir.mkdir(parents=True, exist_ok=True)
+        counts = {"samples_new": len(pending), "samples_replay": len(replay_rows)}
+        self.progress(f"session {session_id}: {len(pending)} new + {len(replay_rows)} replay samples, "
+                      f"batch {policy.batch.size}, {policy.training.epochs} epochs; worker starting")
         try:
             job_path, eval_name = self._write_job(job_dir, current, pending + replay_rows)
             outcome = self._train(session_id, job_dir, job_path, stop)
         except TrainerFailed as exc:
             return self._finish(session_id, outcome="failed", reason=str(exc),
-                                model_version_after=current, samples_new=len(pending),
-                                samples_replay=len(replay_rows))
-        outcome.update(samples_new=len(pending), samples_replay=len(replay_rows))
+                                model_version_after=current, **counts)
+        except BaseException as exc:
+            # Record before propagating: a session row must never stay `running` by our hand.
+            self._finish(session_id, outcome="failed", reason=f"internal error: {exc!r}",
+                         model_version_after=current, **counts)
+            raise
+        outcome.update(counts)
         outcome.setdefault("details", {})["evaluation_set"] = eval_name
-        if outcome["outcome"] == "interrupted":
+        if outcome.get("outcome") == "interrupted":
             outcome["model_version_after"] = current
             return self._finish(session_id, **outcome)
         return self._accept(session_id, current, pending, job_dir, outcome)
@@ -191,9 +202,14 @@ class SessionRunner:
         stop_sent_at: Optional[float] = None
         stop_reason = None
         eof = False
+        last_progress = started
         try:
             while not eof or worker.process.poll() is None:
                 worker.sample_memory()
+                if steps and time.monotonic() - last_progress > 2.0:
+                    # Progress for `odtctl status` while the session runs.
+                    last_progress = time.monotonic()
+                    self.store.update_session(session_id, steps=len(steps))
                 if self.heartbeat:
                     self.heartbeat()
                 now = time.monotonic()
@@ -216,7 +232,14 @@ class SessionRunner:
                 if message is None:
                     eof = True
                 elif message.get("event") == "step":
+                    if not steps or message.get("epoch") != steps[-1].get("epoch"):
+                        self.progress(f"session {session_id}: epoch {message.get('epoch', 0) + 1}"
+                                      f"/{self.policy.training.epochs}")
                     steps.append(message)
+                elif message.get("event") == "eval":
+                    self.progress(f"session {session_id}: accuracy {message.get('phase')} training "
+                                  f"{message.get('accuracy', 0) * 100:.1f}% on {message.get('samples')} "
+                                  "evaluation samples")
                 elif message.get("event") == "result":
                     result = message
                 elif message.get("event") == "error":
@@ -243,8 +266,8 @@ class SessionRunner:
             raise TrainerFailed(failure_reason(returncode, error, job_dir / "worker.stderr"))
         fields.update(
             accuracy_before=result.get("accuracy_before"), accuracy_after=result.get("accuracy_after"),
-            details={"per_class_before": result.get("per_class_before"),
-                     "per_class_after": result.get("per_class_after"),
+            details={"per_class_before": _by_class(self.classes, result.get("per_class_before")),
+                     "per_class_after": _by_class(self.classes, result.get("per_class_after")),
                      "precision": result.get("precision"),
                      "tf_peak_memory_mb": result.get("tf_peak_memory_mb")},
             _result=result,
@@ -286,9 +309,38 @@ class SessionRunner:
 
     def _finish(self, session_id: int, **fields: Any) -> dict[str, Any]:
         self.store.finish_session(session_id, **fields)
+        _remove_bulky_files(self.home.runs / f"session-{session_id}")
         session = self.store.session(session_id)
         logger.info("session %d: %s (%s)", session_id, session["outcome"], session["reason"])
         return session
+
+
+def _by_class(classes: list[str], values: Optional[list[Optional[float]]]) -> Optional[dict[str, Any]]:
+    return dict(zip(classes, values)) if values is not None else None
+
+
+def _remove_bulky_files(job_dir: Path) -> None:
+    # The job file and the worker's stderr stay for diagnosis; data and weights go.
+    for name in ("train.npz", "holdout.npz", "candidate.npz", "candidate.npz.tmp"):
+        (job_dir / name).unlink(missing_ok=True)
+
+
+def recover_stale_sessions(store: Store) -> list[int]:
+    """Mark sessions left ``running`` by a dead process as interrupted; return their ids.
+
+    Call it only while holding the session lock: then no live process can own such a row.
+    Their samples were never marked trained, so they stay pending.
+    """
+    stale = [row["id"] for row in store.running_sessions()]
+    for session_id in stale:
+        store.finish_session(
+            session_id, outcome="interrupted",
+            reason="the process running this session died (crash, kill or power loss); "
+                   "its samples stay pending",
+        )  # fmt: skip
+        store.log_event("recovered", f"session {session_id} marked interrupted", session_id=session_id)
+        logger.warning("session %d was left running by a dead process: marked interrupted", session_id)
+    return stale
 
 
 def throughput_sps(steps: list[dict[str, Any]]) -> Optional[float]:

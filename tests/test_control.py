@@ -1,0 +1,73 @@
+"""The control protocol over a real Unix socket."""
+
+import json
+import socket
+import stat
+
+import pytest
+
+from odtd.control import ControlServer, request
+from odtd.errors import DaemonUnavailable, OdtdError, SessionBusy
+
+
+@pytest.fixture
+def server(tmp_path):
+    def handler(op, args):
+        if op == "ping":
+            return {"pong": True}
+        if op == "train-now":
+            raise SessionBusy("a session is already running")
+        if op == "status":
+            raise ZeroDivisionError("bug")
+        return {"op": op, "args": args}
+
+    srv = ControlServer(tmp_path / "run" / "odtd.sock", handler)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def _raw(path, payload: bytes) -> dict:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(path))
+    sock.sendall(payload)
+    data = sock.makefile("rb").readline()
+    sock.close()
+    return json.loads(data)
+
+
+def test_socket_mode_and_ping(server):
+    assert stat.S_IMODE(server.path.stat().st_mode) == 0o660
+    assert request(server.path, "ping") == {"pong": True}
+    assert request(server.path, "pause", {"x": 1}) == {"op": "pause", "args": {"x": 1}}
+
+
+def test_every_request_gets_a_reply(server):
+    assert _raw(server.path, b"not json\n")["error"].startswith("malformed request")
+    assert "protocol version 7" in _raw(server.path, b'{"v": 7, "op": "ping"}\n')["error"]
+    assert "unknown operation 'dance'" in _raw(server.path, b'{"v": 1, "op": "dance"}\n')["error"]
+    with pytest.raises(OdtdError, match="already running"):
+        request(server.path, "train-now")
+    with pytest.raises(OdtdError, match="internal error: ZeroDivisionError"):
+        request(server.path, "status")
+    assert request(server.path, "ping") == {"pong": True}  # still serving
+
+
+def test_no_daemon_is_one_clear_error(tmp_path):
+    with pytest.raises(DaemonUnavailable, match="--foreground.*systemctl start odtd"):
+        request(tmp_path / "run" / "odtd.sock", "ping")
+
+
+def test_stale_socket_is_replaced_and_live_one_refused(tmp_path, server):
+    with pytest.raises(OdtdError, match="already running"):
+        ControlServer(server.path, lambda op, args: None)
+    stale = tmp_path / "stale.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(stale))
+    s.close()  # the file stays, nobody listens
+    srv = ControlServer(stale, lambda op, args: "ok")
+    srv.start()
+    try:
+        assert request(stale, "ping") == "ok"
+    finally:
+        srv.stop()

@@ -1,0 +1,105 @@
+"""The session path end to end through the real CLI, worker subprocess and SQLite."""
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+from conftest import REPO, odtctl, odtctl_json, write_images
+from odtd.store import SESSION_KEYS
+
+
+def _current(home):
+    return (home / "models" / "tinycnn" / "current").read_text().strip()
+
+
+def test_ingest_train_status(home, tmp_path):
+    write_images(tmp_path / "imgs", per_class=7)
+    ingest = odtctl_json("ingest", str(tmp_path / "imgs"), home=home)
+    assert ingest["accepted"] == 70 and ingest["rejected"] == 0
+    session = odtctl_json("train-now", "--foreground", home=home)
+    assert set(SESSION_KEYS) <= set(session)
+    assert session["outcome"] == "promoted"
+    assert session["samples_new"] == 70 - ingest["holdout"]
+    assert session["steps"] > 0 and session["peak_memory_mb"] > 50
+    assert session["model_version_after"] == session["model_version_before"] + 1
+    status = odtctl_json("status", home=home)
+    assert status["sessions"][0]["id"] == session["id"]
+    assert status["model"]["version"] == session["model_version_after"]
+    assert status["samples"]["pending"] == 0
+    steps = sqlite3.connect(home / "odtd.db").execute(
+        "SELECT count(*), min(end_mono - start_mono) FROM steps WHERE session_id = ?",
+        [session["id"]]).fetchone()
+    assert steps[0] == session["steps"] and steps[1] > 0
+    history = odtctl_json("history", "--limit", "1", home=home)
+    assert [s["id"] for s in history] == [session["id"]]
+    text = odtctl("status", home=home).stdout
+    assert "promoted" in text and "accuracy trend" in text
+
+
+def test_nothing_pending_is_skipped(home):
+    session = odtctl_json("train-now", "--foreground", home=home)
+    assert (session["outcome"], session["reason"]) == ("skipped", "no pending samples")
+
+
+def test_killed_worker_fails_cleanly_and_next_session_succeeds(home, tmp_path):
+    write_images(tmp_path / "imgs", per_class=7)
+    odtctl("ingest", str(tmp_path / "imgs"), home=home)
+    policy = (home / "policy.yaml").read_text().replace("epochs: 2", "epochs: 500")
+    (home / "policy.yaml").write_text(policy)
+    before = _current(home)
+    pending = odtctl_json("status", home=home)["samples"]["pending"]
+    env = dict(os.environ, ODTD_HOME=str(home))
+    cli = subprocess.Popen([sys.executable, "-m", "odtd.cli", "train-now", "--foreground", "--json"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    db = sqlite3.connect(home / "odtd.db")
+    worker_pid = None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and worker_pid is None:
+        row = db.execute("SELECT worker_pid, steps FROM sessions WHERE state = 'running'").fetchone()
+        if row and row[0] and (row[1] or 0) > 0:  # the worker is mid-training
+            worker_pid = row[0]
+        time.sleep(0.2)
+    assert worker_pid, "the worker never started training"
+    os.kill(worker_pid, signal.SIGKILL)
+    out, err = cli.communicate(timeout=60)
+    session = json.loads(out)
+    assert cli.returncode == 1
+    assert session["outcome"] == "failed"
+    assert "SIGKILL" in session["reason"]
+    assert _current(home) == before
+    assert odtctl_json("status", home=home)["samples"]["pending"] == pending
+    # The current model is whole, and the next session succeeds.
+    (home / "policy.yaml").write_text(policy.replace("epochs: 500", "epochs: 1"))
+    again = odtctl_json("train-now", "--foreground", home=home)
+    assert again["outcome"] == "promoted"
+
+
+def test_second_session_is_refused_while_one_holds_the_lock(home):
+    import fcntl
+
+    lock = home / "run" / "session.lock"
+    lock.parent.mkdir(exist_ok=True)
+    with open(lock, "w") as handle:
+        handle.write("4242")
+        handle.flush()
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        proc = odtctl("train-now", "--foreground", home=home, check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "Error: a session is already running (pid 4242); wait for it to finish"
+
+
+def test_cli_errors_are_one_line(home, tmp_path):
+    proc = odtctl("ingest", "/no/such/path", home=home, check=False)
+    assert proc.returncode == 1
+    assert proc.stderr == "Error: /no/such/path: no such file or directory\n"
+    proc = odtctl("init", "--model", "tinycnn", home=home, check=False)
+    assert proc.returncode == 1 and "already an odtd home; pass --force" in proc.stderr
+    proc = odtctl("status", home=tmp_path / "nothing", check=False)
+    assert proc.returncode == 1 and "not an odtd home" in proc.stderr
+    proc = odtctl("init", "--model", "resnet9000", home=tmp_path / "new", check=False)
+    assert proc.stderr.startswith("Error: unknown model 'resnet9000'")
+    assert not (tmp_path / "new").exists()
