@@ -123,7 +123,9 @@ def cmd_train_now(args: argparse.Namespace) -> int:
         from odtd.control import request_train_now
 
         session = request_train_now(_home(args), wait=args.wait, force=args.force)
-        emit(args, session, _session_line(session) if "outcome" in session else json.dumps(session))
+        text = _session_line(session) if "outcome" in session else \
+            "session started in the daemon; follow it with `odtctl status`"
+        emit(args, session, text)
         return 0
     session = run_foreground_session(_home(args), trigger="cli")
     emit(args, session, _session_line(session))
@@ -190,6 +192,34 @@ def cmd_history(args: argparse.Namespace) -> int:
     finally:
         store.close()
     emit(args, sessions, "\n".join(sessions_table(sessions)) if sessions else "no sessions yet")
+    return 0
+
+
+@command("pause")
+def cmd_pause(args: argparse.Namespace) -> int:
+    """Hold scheduled sessions."""
+    return _control(args, "pause", "scheduled sessions paused (train-now still works)")
+
+
+@command("resume")
+def cmd_resume(args: argparse.Namespace) -> int:
+    """Resume scheduled sessions."""
+    return _control(args, "resume", "scheduled sessions resumed")
+
+
+@command("reload")
+def cmd_reload(args: argparse.Namespace) -> int:
+    """Ask the daemon to re-read odtd.yaml and the policy."""
+    return _control(args, "reload", "config and policy reloaded")
+
+
+def _control(args: argparse.Namespace, op: str, text: str) -> int:
+    from odtd.control import request
+
+    home = _home(args)
+    home.require()
+    result = request(home.socket_path, op)
+    emit(args, result, text)
     return 0
 
 
@@ -331,6 +361,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fixed validation set size when the home is created")
     p.add_argument("--fresh", action="store_true", help="re-create the home first (deletes its state)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data draws")
+
+    for name, text in (("pause", "hold scheduled sessions (the daemon keeps running)"),
+                       ("resume", "resume scheduled sessions"),
+                       ("reload", "make the daemon re-read odtd.yaml and the policy")):
+        sub.add_parser(name, parents=[reader], help=text, description=text[0].upper() + text[1:] + ".")
 
     for extra in EXTRA_PARSERS:
         extra(sub, common, reader)

@@ -172,7 +172,11 @@ class Daemon:
         schedule = self.config.schedule
         rows = list(self.store.iter_query(
             "SELECT started_at FROM sessions WHERE trigger = 'schedule' ORDER BY id DESC LIMIT 1"))
-        last = datetime.fromisoformat(rows[0]["started_at"]).astimezone() if rows else None
+        # A run is owed only for fire times after the last scheduled session, and after the
+        # home was created: a new install does not train at once for last night.
+        marks = [rows[0]["started_at"]] if rows else []
+        marks += [self.store.meta("created_at")] if self.store.meta("created_at") else []
+        last = max(datetime.fromisoformat(m) for m in marks).astimezone() if marks else None
         missed = missed_fire_time(schedule.cron, last, datetime.now().astimezone(),
                                   schedule.misfire_grace_s)
         if missed is not None:

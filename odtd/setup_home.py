@@ -17,7 +17,7 @@ from odtd.ingest import BadImage, decode_image, discover
 from odtd.models import ModelRepo, check_model_name, check_weights_file
 from odtd.policy import default_policy_text
 from odtd.runner import run_job
-from odtd.store import Store
+from odtd.store import Store, utc_now
 from odtd.trainer import catalog
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def init_home(
         np.savez(home.validation_file(), x=val[0], y=val[1])
     store = Store(home.db_path)
     try:
-        store.set_meta(model=model, classes=classes, input_shape=input_shape)
+        store.set_meta(model=model, classes=classes, input_shape=input_shape, created_at=utc_now())
         version, manifest = create_base_version(home, config, model, classes, input_shape,
                                                 weights, seed)
         store.add_model_version({
