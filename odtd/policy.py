@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import List, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from odtd.config import describe_validation_error, read_yaml_mapping
 from odtd.errors import PolicyError
@@ -15,10 +15,57 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class SchedulePolicy(_Strict):
+    """Overrides of ``odtd.yaml``'s schedule for this policy."""
+
+    cron: Optional[str] = Field(default=None, description="five-field crontab; null keeps odtd.yaml's")
+
+
 class BatchPolicy(_Strict):
     """Batch size, the knob that decides memory (and energy per sample)."""
 
-    size: int = Field(default=16, ge=1, description="samples per training step")
+    size: int = Field(default=16, ge=1, le=4096, description="samples per training step")
+    candidates: List[int] = Field(default=[4, 8, 16, 32, 64], description="sizes `profile` tries")
+    memory_budget_mb: Optional[float] = Field(
+        default=None, gt=0, description="peak worker memory allowed; null = no budget")
+    headroom_pct: float = Field(default=15.0, ge=0, lt=100,
+                                description="kept free below the budget for prediction error")
+    on_oom: Literal["halve", "skip"] = "halve"
+
+    @field_validator("candidates")
+    @classmethod
+    def _positive(cls, value: List[int]) -> List[int]:
+        if not value or any(size < 1 for size in value):
+            raise ValueError(f"{value} must be a non-empty list of sizes >= 1")
+        return sorted(set(value))
+
+
+class EnergyPolicy(_Strict):
+    """The energy budget of one session."""
+
+    budget_j: Optional[float] = Field(default=None, gt=0, description="joules per session; null = none")
+    on_over_budget: Literal["fewer_epochs", "smaller_batch", "skip"] = "fewer_epochs"
+
+
+class GatesPolicy(_Strict):
+    """Conditions for a session to start and to go on (checked every ``check_interval_s``)."""
+
+    require_charging: bool = False
+    min_battery_pct: Optional[float] = Field(default=None, ge=0, le=100)
+    max_temp_c: Optional[float] = Field(default=None, gt=0, lt=150)
+    max_system_load: Optional[float] = Field(default=None, gt=0,
+                                             description="1-minute load average per core")
+    min_idle_s: Optional[float] = Field(default=None, ge=0,
+                                        description="seconds since the last user input")
+    window: Optional[str] = Field(default=None, description='local time window, e.g. "01:00-06:00"')
+    check_interval_s: float = Field(default=5.0, gt=0)
+
+    @field_validator("window")
+    @classmethod
+    def _window(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            parse_window(value)
+        return value
 
 
 class TrainingPolicy(_Strict):
@@ -44,6 +91,8 @@ class ReplayPolicy(_Strict):
 
     ratio: float = Field(default=1.0, ge=0, le=20, description="replay samples per new sample")
     capacity_samples: int = Field(default=2000, ge=0)
+    capacity_mb: Optional[float] = Field(default=None, gt=0,
+                                         description="cap on the stored originals of the buffer")
     max_samples: int = Field(default=512, ge=0, description="cap on replay samples per session")
 
 
@@ -56,14 +105,44 @@ class AcceptancePolicy(_Strict):
     )
 
 
+class ModelsPolicy(_Strict):
+    """Model version retention."""
+
+    keep_versions: int = Field(default=10, ge=2, description="versions kept on disk (current and "
+                               "its parent always are)")
+
+
 class Policy(_Strict):
     """Everything in ``policy.yaml``."""
 
+    schedule: SchedulePolicy = SchedulePolicy()
+    objective: Literal["energy", "time", "balanced"] = "energy"
+    objective_eta: float = Field(default=0.5, ge=0, le=1,
+                                 description="balanced: eta x energy + (1-eta) x max_power x time")
     batch: BatchPolicy = BatchPolicy()
+    energy: EnergyPolicy = EnergyPolicy()
+    gates: GatesPolicy = GatesPolicy()
+    models: ModelsPolicy = ModelsPolicy()
     training: TrainingPolicy = TrainingPolicy()
     replay: ReplayPolicy = ReplayPolicy()
     acceptance: AcceptancePolicy = AcceptancePolicy()
     trainer_timeout_s: Optional[float] = Field(default=None, gt=0)
+
+
+def parse_window(text: str) -> tuple[int, int]:
+    """Parse "HH:MM-HH:MM" into minutes after midnight (start, end); the window may wrap midnight."""
+    parts = text.split("-")
+    if len(parts) != 2:
+        raise ValueError(f"{text!r} is not a window like '01:00-06:00'")
+    minutes = []
+    for part in parts:
+        hour, _, minute = part.strip().partition(":")
+        if not (hour.isdigit() and minute.isdigit() and int(hour) < 24 and int(minute) < 60):
+            raise ValueError(f"{text!r} is not a window like '01:00-06:00'")
+        minutes.append(int(hour) * 60 + int(minute))
+    if minutes[0] == minutes[1]:
+        raise ValueError(f"{text!r} is an empty window")
+    return minutes[0], minutes[1]
 
 
 def load_policy(path: Path, missing_ok: bool = True) -> Policy:
@@ -76,9 +155,16 @@ def load_policy(path: Path, missing_ok: bool = True) -> Policy:
         return Policy()
     data = read_yaml_mapping(path, PolicyError)
     try:
-        return Policy.model_validate(data)
+        policy = Policy.model_validate(data)
     except ValidationError as exc:
         raise PolicyError(describe_validation_error(path, exc)) from None
+    if policy.schedule.cron:
+        from odtd.scheduler import validate_cron
+
+        problem = validate_cron(policy.schedule.cron)
+        if problem:
+            raise PolicyError(f"{path}: schedule.cron={policy.schedule.cron!r}: {problem}")
+    return policy
 
 
 def default_policy_text() -> str:
