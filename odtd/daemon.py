@@ -20,7 +20,7 @@ from typing import Any, Optional
 from odtd import __version__
 from odtd.config import Config, resolve_home
 from odtd.control import ControlServer
-from odtd.errors import OdtdError, SessionBusy
+from odtd.errors import ConfigError, OdtdError, PolicyError, SessionBusy
 from odtd.home import Home
 from odtd.inbox import InboxWatcher
 from odtd.ingest import Ingestor
@@ -34,6 +34,7 @@ from odtd.store import Store, utc_now
 logger = logging.getLogger(__name__)
 
 _TICK_S = 0.5
+EX_CONFIG = 78  # sysexits.h: configuration error; the unit's RestartPreventExitStatus
 
 
 class Daemon:
@@ -292,7 +293,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except OdtdError as exc:
         for line in str(exc).splitlines():
             print(f"Error: {line}", file=sys.stderr)
-        return 1
+        return EX_CONFIG if isinstance(exc, (ConfigError, PolicyError)) else 1
     signal.signal(signal.SIGTERM, lambda signum, frame: daemon.request_shutdown("SIGTERM"))
     signal.signal(signal.SIGINT, lambda signum, frame: daemon.request_shutdown("SIGINT"))
     signal.signal(signal.SIGHUP, lambda signum, frame: daemon.request_reload())

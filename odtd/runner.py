@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from odtd.errors import TrainerFailed
+from odtd.sdnotify import NOTIFY_ENV_VARS
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +35,11 @@ class WorkerRun:
         self._stderr = open(stderr_path, "wb")
         # A new session keeps a terminal's Ctrl-C away from the worker: the runner decides how
         # it stops (step boundary first), so a foreground session ends `interrupted`, not torn.
+        # The worker must not speak to systemd in the daemon's name.
+        env = {k: v for k, v in os.environ.items() if k not in NOTIFY_ENV_VARS}
         self.process = subprocess.Popen(
             [*command, str(job_path)], stdout=subprocess.PIPE, stderr=self._stderr,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            stdin=subprocess.DEVNULL, start_new_session=True, env=env,
         )
         self.lines: queue.Queue[Optional[dict[str, Any]]] = queue.Queue()
         self.peak_rss_mb = 0.0

@@ -160,13 +160,13 @@ def test_bad_config_exits_with_one_line(daemon_home):
     (daemon_home / "odtd.yaml").write_text("schedule:\n  cron: 'every night'\n")
     proc = subprocess.run([sys.executable, "-m", "odtd.daemon", "run", "--home", str(daemon_home)],
                           capture_output=True, text=True, timeout=30, cwd=REPO)
-    assert proc.returncode == 1
+    assert proc.returncode == 78  # EX_CONFIG: systemd does not restart-loop on it
     assert proc.stderr.count("\n") == 1
     assert "odtd.yaml: schedule.cron='every night'" in proc.stderr
     (daemon_home / "odtd.yaml").write_text("inbox:\n  scan_every: 3\n")
     proc = subprocess.run([sys.executable, "-m", "odtd.daemon", "run", "--home", str(daemon_home)],
                           capture_output=True, text=True, timeout=30, cwd=REPO)
-    assert proc.returncode == 1 and "unknown key 'inbox.scan_every'" in proc.stderr
+    assert proc.returncode == 78 and "unknown key 'inbox.scan_every'" in proc.stderr
 
 
 def test_sighup_with_broken_policy_keeps_the_old_one(daemon_home):
