@@ -22,13 +22,16 @@ from odtd.home import Home
 
 logger = logging.getLogger(__name__)
 
-COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}  # filled by @command
 
 
-def command(name: str) -> Callable[[Callable[[argparse.Namespace], int]], Callable[[argparse.Namespace], int]]:
+Handler = Callable[[argparse.Namespace], int]
+
+
+def command(name: str) -> Callable[[Handler], Handler]:
     """Register a handler for a sub-command."""
 
-    def register(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def register(func: Handler) -> Handler:
         COMMANDS[name] = func
         return func
 
@@ -58,9 +61,8 @@ def _home(args: argparse.Namespace) -> Home:
 @command("init")
 def cmd_init(args: argparse.Namespace) -> int:
     """Create an ODTD_HOME."""
-    from odtd.setup_home import init_home, parse_classes
-
     from odtd.models import check_model_name
+    from odtd.setup_home import init_home, parse_classes
 
     home = _home(args)
     check_model_name(args.model)
@@ -248,9 +250,11 @@ def cmd_models(args: argparse.Namespace) -> int:
     try:
         if action == "versions":
             rows = versions.list_versions(home, store)
+            from odtd.report import _pct
+
             text = "\n".join(
                 f"{'*' if r['current'] else ' '} v{r['version']:<4} parent {r['parent']!s:<5} "
-                f"session {r['session_id']!s:<5} accuracy {r['accuracy'] if r['accuracy'] is None else round(r['accuracy'] * 100, 2)!s:<6} "
+                f"session {r['session_id']!s:<5} accuracy {_pct(r['accuracy']):<6} "
                 f"{r['state']:<7} {r['sha256'][:12]}  {r['created_at']}" for r in rows)  # fmt: skip
             emit(args, rows, text)
         elif action == "rollback":
@@ -315,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("init", parents=[reader], help="create an ODTD_HOME with model version 0",
                        description="Create ODTD_HOME: config, policy, database, model v0, validation set.")
     p.add_argument("--model", required=True, help="registry name (see `odtctl models`)")
-    p.add_argument("--weights", help="starting weights (.npz from `odtctl models export`); default: fresh init")
+    p.add_argument("--weights",
+                   help="starting weights (.npz from `odtctl models export`); default: fresh init")
     p.add_argument("--classes", help="comma-separated class names (default: the ten CIFAR-10 classes)")
     p.add_argument("--validation", help="directory of <label>/<image> files: the fixed validation set")
     p.add_argument("--force", action="store_true", help="replace an existing home (deletes its state)")

@@ -275,7 +275,8 @@ def configure_logging(verbose: bool) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``odtd``."""
-    parser = argparse.ArgumentParser(prog="odtd", description="odtd, the on-device continual-learning daemon.")
+    parser = argparse.ArgumentParser(prog="odtd",
+                                     description="odtd, the on-device continual-learning daemon.")
     parser.add_argument("--version", action="version", version=f"odtd {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", help="run the daemon in the foreground (systemd runs this)",

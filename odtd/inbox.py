@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from odtd.ingest import IngestReport, Ingestor
+from odtd.ingest import Ingestor, IngestReport
 
 logger = logging.getLogger(__name__)
 

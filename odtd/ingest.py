@@ -264,7 +264,9 @@ class Ingestor:
         logger.info("quarantined %s: %s", path, reason)
 
 
-def load_sample_arrays(home: Home, rows: list[dict[str, Any]], classes: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def load_sample_arrays(
+    home: Home, rows: list[dict[str, Any]], classes: list[str]
+) -> tuple[np.ndarray, np.ndarray]:
     """Stack the decoded pixels of sample rows into (x uint8 NHWC, y int64)."""
     index = {name: i for i, name in enumerate(classes)}
     if not rows:

@@ -138,7 +138,9 @@ class ModelRepo:
         try:
             return json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
-            raise ModelError(f"{self.name} v{version}: no such version (see `odtctl models versions`)") from None
+            raise ModelError(
+                f"{self.name} v{version}: no such version (see `odtctl models versions`)"
+            ) from None
         except ValueError as exc:
             raise ModelError(f"{path}: damaged manifest ({exc})") from None
 

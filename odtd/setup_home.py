@@ -149,7 +149,9 @@ def create_base_version(
     return version, manifest
 
 
-def load_validation_dir(path: Path, classes: list[str], input_shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+def load_validation_dir(
+    path: Path, classes: list[str], input_shape: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray]:
     """Decode a ``<label>/<file>`` directory into the fixed validation arrays.
 
     Raises:

@@ -53,7 +53,8 @@ class DataSource:
     def __init__(self, options: SimulationOptions) -> None:
         self.options = options
         self.classes = list(datasets.CLASSES)
-        self.dataset = None if options.dataset == "synthetic" else datasets.open_dataset(Path(options.dataset))
+        synthetic = options.dataset == "synthetic"
+        self.dataset = None if synthetic else datasets.open_dataset(Path(options.dataset))
         if self.dataset is not None:
             self.classes = list(self.dataset.classes)
 

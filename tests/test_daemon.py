@@ -1,6 +1,5 @@
 """`odtd run` as a real background process: liveness, inbox, socket, signals, crash recovery."""
 
-import json
 import os
 import shutil
 import signal
@@ -12,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, odtctl, odtctl_json, write_images
+
 from odtd.store import SESSION_KEYS
 
 FAST_CONFIG = """\

@@ -1,11 +1,11 @@
 import numpy as np
 import pytest
+from conftest import CLASSES, write_images
 from PIL import Image
 
-from conftest import CLASSES, write_images
 from odtd.errors import IngestError
 from odtd.home import Home
-from odtd.ingest import Ingestor, decode_image, BadImage, discover
+from odtd.ingest import BadImage, Ingestor, decode_image, discover
 from odtd.store import Store
 
 

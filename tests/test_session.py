@@ -9,6 +9,7 @@ import sys
 import time
 
 from conftest import REPO, odtctl, odtctl_json, write_images
+
 from odtd.store import SESSION_KEYS
 
 
