@@ -136,6 +136,7 @@ def cmd_train_now(args: argparse.Namespace) -> int:
 
 def run_foreground_session(home: Home, trigger: str, day: Optional[str] = None) -> dict[str, Any]:
     """Run one session in this process tree; Ctrl-C or SIGTERM stop it at a step boundary."""
+    from odtd.energy_meter import SessionEnergyMeter, running_sampler
     from odtd.policy import load_policy
     from odtd.session import SessionRunner
 
@@ -149,9 +150,11 @@ def run_foreground_session(home: Home, trigger: str, day: Optional[str] = None) 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         config = home.load_config()
-        runner = SessionRunner(home, store, config, load_policy(home.policy_path(config)),
-                               progress=progress)
-        return runner.run(trigger=trigger, day=day, stop=stop)
+        policy = load_policy(home.policy_path(config))
+        with running_sampler(config.telemetry) as sampler:
+            runner = SessionRunner(home, store, config, policy, progress=progress,
+                                   energy_meter=SessionEnergyMeter(sampler))
+            return runner.run(trigger=trigger, day=day, stop=stop)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -372,12 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
                        ("reload", "make the daemon re-read odtd.yaml and the policy")):
         sub.add_parser(name, parents=[reader], help=text, description=text[0].upper() + text[1:] + ".")
 
-    for extra in EXTRA_PARSERS:
-        extra(sub, common, reader)
+    from odtd.cli_policy import add_parsers as add_policy_parsers
+
+    add_policy_parsers(sub, common, reader)
     return parser
-
-
-EXTRA_PARSERS: list[Callable[[Any, argparse.ArgumentParser, argparse.ArgumentParser], None]] = []
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -404,4 +405,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m odtd.cli` runs this file as __main__, a second copy of odtd.cli: delegate to the
+    # imported module, whose COMMANDS also holds the handlers other modules register.
+    from odtd.cli import main as _main
+
+    sys.exit(_main())

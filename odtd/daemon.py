@@ -20,6 +20,7 @@ from typing import Any, Optional
 from odtd import __version__
 from odtd.config import Config, resolve_home
 from odtd.control import ControlServer
+from odtd.energy_meter import SessionEnergyMeter, make_sampler
 from odtd.errors import ConfigError, OdtdError, PolicyError, SessionBusy
 from odtd.home import Home
 from odtd.inbox import InboxWatcher
@@ -59,6 +60,8 @@ class Daemon:
         self.scheduler = Scheduler(self._scheduled_session, schedule.cron, schedule.jitter_s,
                                    schedule.misfire_grace_s)
         self.control: Optional[ControlServer] = None
+        self.sampler = make_sampler(self.config.telemetry)
+        self.telemetry_backend = self.sampler.backend
         self.paused = False
         self._shutdown = threading.Event()
         self._reload = threading.Event()
@@ -77,6 +80,9 @@ class Daemon:
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT; return the exit status."""
         self.recover()
+        self.sampler.start()
+        logger.info("telemetry: %s every %.0f ms", self.telemetry_backend.source,
+                    self.sampler.interval_s * 1000)
         self.control = ControlServer(self.home.socket_path, self.handle_request)
         self.control.start()
         self.scheduler.start()
@@ -120,6 +126,8 @@ class Daemon:
             while thread.is_alive():
                 thread.join(timeout=_TICK_S)
                 self.notifier.watchdog()
+        self.sampler.stop()
+        self.telemetry_backend.close()
         self.store.write_daemon(state="stopped", heartbeat_at=utc_now(), next_session_at=None)
         self.store.close()
         logger.info("stopped")
@@ -219,6 +227,7 @@ class Daemon:
         self.notifier.status(f"training ({trigger})")
         try:
             runner = SessionRunner(self.home, store, self.config, self.policy,
+                                   energy_meter=SessionEnergyMeter(self.sampler),
                                    heartbeat=self.notifier.watchdog)
             self._last_session = runner.run(trigger=trigger, stop=stop)
         except OdtdError as exc:

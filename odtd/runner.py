@@ -43,6 +43,7 @@ class WorkerRun:
         )
         self.lines: queue.Queue[Optional[dict[str, Any]]] = queue.Queue()
         self.peak_rss_mb = 0.0
+        self.min_available_mb: Optional[float] = None
         self._reader = threading.Thread(target=self._read, name="worker-stdout", daemon=True)
         self._reader.start()
 
@@ -59,7 +60,20 @@ class WorkerRun:
         self.lines.put(None)
 
     def sample_memory(self) -> None:
-        """Track the worker's peak RSS from /proc (VmHWM), so even a killed worker has one."""
+        """Track the worker's peak RSS (VmHWM) and the system's lowest MemAvailable, from /proc.
+
+        Read here rather than only reported by the worker, so even a killed worker has a figure.
+        """
+        try:
+            with open("/proc/meminfo", encoding="ascii") as handle:
+                for line in handle:
+                    if line.startswith("MemAvailable:"):
+                        available = int(line.split()[1]) / 1024.0
+                        if self.min_available_mb is None or available < self.min_available_mb:
+                            self.min_available_mb = round(available, 1)
+                        break
+        except (OSError, ValueError):
+            logger.debug("no MemAvailable in /proc/meminfo")
         try:
             with open(f"/proc/{self.process.pid}/status", encoding="ascii") as handle:
                 for line in handle:

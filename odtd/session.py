@@ -202,6 +202,7 @@ class SessionRunner:
         stop_sent_at: Optional[float] = None
         stop_reason = None
         eof = False
+        worker_ready = False
         last_progress = started
         try:
             while not eof or worker.process.poll() is None:
@@ -213,7 +214,10 @@ class SessionRunner:
                 if self.heartbeat:
                     self.heartbeat()
                 now = time.monotonic()
-                if stop_sent_at is None and (stop.is_set() or now - started > timeout_s):
+                # SIGUSR1 before the worker's "start" line could arrive before its handler is
+                # installed and kill it outright; wait for the line (kill escalation still runs).
+                timed_out = now - started > timeout_s
+                if stop_sent_at is None and (worker_ready or timed_out) and (stop.is_set() or timed_out):
                     stop_reason = (getattr(stop, "reason", None) or "stop requested") if stop.is_set() \
                         else f"timed out after {timeout_s:.0f} s"
                     worker.signal(signal.SIGUSR1)
@@ -231,6 +235,8 @@ class SessionRunner:
                     continue
                 if message is None:
                     eof = True
+                elif message.get("event") == "start":
+                    worker_ready = True
                 elif message.get("event") == "step":
                     if not steps or message.get("epoch") != steps[-1].get("epoch"):
                         self.progress(f"session {session_id}: epoch {message.get('epoch', 0) + 1}"
@@ -250,11 +256,15 @@ class SessionRunner:
         returncode = worker.process.returncode
         fields: dict[str, Any] = {"duration_s": round(duration_s, 3), "steps": len(steps),
                                   "peak_memory_mb": round(worker.peak_rss_mb, 1)}
+        details: dict[str, Any] = {"min_mem_available_mb": worker.min_available_mb}
+        if self.energy_meter:
+            energy = self.energy_meter.end(energy_token, steps)  # also sets each step's energy_j
+            details["energy"] = energy.pop("energy_details")
+            fields.update(energy)
         if steps:
             self.store.add_steps(session_id, steps)
             fields["throughput_sps"] = throughput_sps(steps)
-        if self.energy_meter:
-            fields.update(self.energy_meter.end(energy_token, steps))
+        fields["details"] = details
         if result and result.get("peak_rss_mb"):
             fields["peak_memory_mb"] = round(max(worker.peak_rss_mb, result["peak_rss_mb"]), 1)
         if stop_reason and (result is None or result.get("status") == "interrupted"):
@@ -266,12 +276,13 @@ class SessionRunner:
             raise TrainerFailed(failure_reason(returncode, error, job_dir / "worker.stderr"))
         fields.update(
             accuracy_before=result.get("accuracy_before"), accuracy_after=result.get("accuracy_after"),
-            details={"per_class_before": _by_class(self.classes, result.get("per_class_before")),
-                     "per_class_after": _by_class(self.classes, result.get("per_class_after")),
-                     "precision": result.get("precision"),
-                     "tf_peak_memory_mb": result.get("tf_peak_memory_mb")},
             _result=result,
-        )  # fmt: skip
+        )
+        details.update(
+            per_class_before=_by_class(self.classes, result.get("per_class_before")),
+            per_class_after=_by_class(self.classes, result.get("per_class_after")),
+            precision=result.get("precision"), tf_peak_memory_mb=result.get("tf_peak_memory_mb"),
+        )
         return fields
 
     def _accept(self, session_id: int, current: int, pending: list[dict[str, Any]],

@@ -17,12 +17,13 @@ import numpy as np
 
 from odtd import datasets
 from odtd.config import Config
+from odtd.energy_meter import SessionEnergyMeter, running_sampler
 from odtd.errors import ConfigError
 from odtd.home import Home
 from odtd.ingest import Ingestor, discover
 from odtd.models import ModelRepo
 from odtd.policy import load_policy
-from odtd.report import _pct, sessions_table
+from odtd.report import _pct, energy_text, sessions_table
 from odtd.runner import run_job
 from odtd.session import SessionRunner
 from odtd.setup_home import init_home
@@ -116,30 +117,39 @@ def simulate(home: Home, options: SimulationOptions,
         if options.pretrain_samples > 0:
             pretrain = pretrain_base(home, source, options, progress)
     store = home.open_store()
+    config = home.load_config()
     try:
-        config = home.load_config()
-        runner = SessionRunner(home, store, config, load_policy(home.policy_path(config)))
-        shape = store.meta("input_shape")
-        ingestor = Ingestor(home, store, store.meta("classes"), (shape[1], shape[0]))
-        offset = len(store.sessions(done_only=True))
-        start = date.fromisoformat(options.start_day) if options.start_day else date.today()
-        sessions = []
-        for index in range(options.days):
-            day = (start + timedelta(days=index)).isoformat()
-            with tempfile.TemporaryDirectory(dir=home.runs) as tmp:
-                source.write_day(index, offset, Path(tmp))
-                report = ingestor.ingest(discover(Path(tmp), None), day=day)
-            progress(f"day {index + 1}/{options.days} ({day}): ingested {report.accepted} "
-                     f"({report.holdout} held out); training ...")
-            session = runner.run(trigger="simulate", day=day)
-            sessions.append(session)
-            progress(f"day {index + 1}/{options.days}: {session['outcome']}, accuracy "
-                     f"{_pct(session['accuracy_before'])} -> {_pct(session['accuracy_after'])}, "
-                     f"{session['duration_s']} s")
+        with running_sampler(config.telemetry) as sampler:
+            sessions = _run_days(home, store, config, source, options, sampler, progress)
     finally:
         store.close()
     return {"sessions": sessions, "pretrain": pretrain,
             "table": sessions_table(list(reversed(sessions)))}
+
+
+def _run_days(home: Home, store: Store, config: Config, source: DataSource,
+              options: SimulationOptions, sampler: Any,
+              progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    runner = SessionRunner(home, store, config, load_policy(home.policy_path(config)),
+                           energy_meter=SessionEnergyMeter(sampler))
+    shape = store.meta("input_shape")
+    ingestor = Ingestor(home, store, store.meta("classes"), (shape[1], shape[0]))
+    offset = len(store.sessions(done_only=True))
+    start = date.fromisoformat(options.start_day) if options.start_day else date.today()
+    sessions = []
+    for index in range(options.days):
+        day = (start + timedelta(days=index)).isoformat()
+        with tempfile.TemporaryDirectory(dir=home.runs) as tmp:
+            source.write_day(index, offset, Path(tmp))
+            report = ingestor.ingest(discover(Path(tmp), None), day=day)
+        progress(f"day {index + 1}/{options.days} ({day}): ingested {report.accepted} "
+                 f"({report.holdout} held out); training ...")
+        session = runner.run(trigger="simulate", day=day)
+        sessions.append(session)
+        progress(f"day {index + 1}/{options.days}: {session['outcome']}, accuracy "
+                 f"{_pct(session['accuracy_before'])} -> {_pct(session['accuracy_after'])}, "
+                 f"{session['duration_s']} s, energy {energy_text(session)}")
+    return sessions
 
 
 def pretrain_base(home: Home, source: DataSource, options: SimulationOptions,

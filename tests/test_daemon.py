@@ -30,6 +30,7 @@ def start_daemon(home: Path, env_extra=None) -> subprocess.Popen:
     env = dict(os.environ, ODTD_HOME=str(home), **(env_extra or {}))
     proc = subprocess.Popen([sys.executable, "-m", "odtd.daemon", "run"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    _STARTED.append(proc)
     wait_for(lambda: _running(home) or proc.poll() is not None, 30)
     if proc.poll() is not None:
         raise AssertionError(f"daemon exited {proc.returncode}: {proc.stderr.read()}")
@@ -66,7 +67,16 @@ def stop(proc: subprocess.Popen) -> int:
 @pytest.fixture
 def daemon_home(home):
     (home / "odtd.yaml").write_text(FAST_CONFIG)
-    return home
+    yield home
+    # Never leave a daemon behind when a test fails half-way.
+    for proc in list(_STARTED):
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    _STARTED.clear()
+
+
+_STARTED: list = []
 
 
 def _long_policy(home: Path) -> None:

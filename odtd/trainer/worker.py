@@ -1,0 +1,635 @@
+"""The trainer worker: ``python -m odtd.trainer.worker JOB.json`` (see docs/worker-protocol.md).
+
+The only process that imports TensorFlow. It reads one job file, prints protocol events as JSON
+lines on stdout and exits: 0 done (``ok`` or ``interrupted``), 2 error (an ``error`` event was
+printed), 3 parent gone. Diagnostics and TensorFlow's logging go to stderr.
+
+The job is validated, and its data files read, before TensorFlow is imported, so a bad job fails
+in well under a second. Standard library, numpy and TensorFlow only; Python 3.6-compatible;
+tf.keras 2 and Keras 3 alike.
+
+Units: memory figures are MB of 1024 * 1024 bytes; times are seconds on ``time.monotonic()``
+(CLOCK_MONOTONIC, shared by every process on the machine).
+"""
+
+import json
+import os
+import resource
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from odtd.trainer import catalog
+
+PROTOCOL_VERSION = 1
+EXIT_ERROR = 2
+EXIT_PARENT_GONE = 3
+PARENT_POLL_INTERVAL_S = 0.5
+PRECISIONS = ("fp32", "mixed_float16", "mixed_bfloat16", "auto")
+AUGMENT_PAD_PX = 4
+_STARTED_AT = time.monotonic()
+_REQUIRED = object()
+
+# key -> (kind, default). Mode-specific requirements are checked in load_job.
+JOB_KEYS = {
+    "protocol": ("int", _REQUIRED),
+    "mode": ("str", _REQUIRED),
+    "model": ("str", _REQUIRED),
+    "classes": ("classes", _REQUIRED),
+    "input_shape": ("shape", _REQUIRED),
+    "weights_in": ("path", None),
+    "weights_out": ("path", None),
+    "train_data": ("path", None),
+    "validation_data": ("path", None),
+    "batch_size": ("positive_int", None),
+    "epochs": ("count", None),
+    "max_steps": ("positive_int", None),
+    "optimizer": ("str", None),
+    "learning_rate": ("positive_float", None),
+    "momentum": ("float", 0.0),
+    "augment": ("bool", False),
+    "freeze_bn": ("bool", False),
+    "seed": ("int", 0),
+    "parent_pid": ("positive_int", None),
+    "precision": ("str", "fp32"),
+    "gpu_memory_limit_mb": ("positive_int", None),
+}
+MODE_REQUIRES = {
+    "init": ("weights_out",),
+    "train": ("train_data", "batch_size", "epochs", "optimizer", "learning_rate"),
+    "profile": ("train_data", "batch_size", "max_steps", "optimizer", "learning_rate"),
+}
+
+
+class BadJob(Exception):
+    """The job file or a file it names is invalid; the message names the key, value and fix."""
+
+
+def emit(event: str, **fields: Any) -> None:
+    """Print one protocol event as a JSON line on stdout and flush it.
+
+    Non-finite floats (a diverged loss) are printed as null, keeping every line valid JSON.
+    """
+    fields["event"] = event
+    print(json.dumps(_finite(fields), allow_nan=False), flush=True)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if np.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return _is_int(value) or isinstance(value, float)
+
+
+# kind -> (what a valid value is, for messages; its check)
+_KINDS = {
+    "int": ("an integer", _is_int),
+    "positive_int": ("a positive integer", lambda v: _is_int(v) and v > 0),
+    "count": ("a non-negative integer", lambda v: _is_int(v) and v >= 0),
+    "float": ("a non-negative number", lambda v: _is_number(v) and v >= 0),
+    "positive_float": ("a positive number", lambda v: _is_number(v) and v > 0),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "path": ("a file path", lambda v: isinstance(v, str) and v != ""),
+    "classes": ("a non-empty list of class names",
+                lambda v: isinstance(v, list) and len(v) > 0
+                and all(isinstance(name, str) for name in v)),
+    "shape": ("[height, width, channels] of positive integers",
+              lambda v: isinstance(v, list) and len(v) == 3
+              and all(_is_int(size) and size > 0 for size in v)),
+}
+
+
+def _check_value(key: str, kind: str, value: Any) -> Any:
+    wanted, check = _KINDS[kind]
+    if not check(value):
+        raise BadJob("{} must be {}, got {!r}".format(key, wanted, value))
+    return float(value) if kind.endswith("float") else value
+
+
+def load_job(path: str) -> Dict[str, Any]:
+    """Read and validate a job file.
+
+    Args:
+        path: The job's JSON file.
+
+    Returns:
+        Every key of ``JOB_KEYS``, defaults filled in.
+
+    Raises:
+        BadJob: Unreadable file, unknown or missing key, or an invalid value.
+    """
+    try:
+        with open(path) as job_file:
+            raw = json.load(job_file)
+    except (OSError, ValueError) as error:
+        raise BadJob("cannot read job file {}: {}".format(path, error)) from None
+    if not isinstance(raw, dict):
+        raise BadJob("job file {} must hold a JSON object".format(path))
+    unknown = sorted(set(raw) - set(JOB_KEYS))
+    if unknown:
+        raise BadJob("unknown job keys {}; known keys: {}".format(unknown, ", ".join(JOB_KEYS)))
+    job = {}
+    for key, (kind, default) in JOB_KEYS.items():
+        if raw.get(key) is None:
+            if default is _REQUIRED:
+                raise BadJob("job key {} is required".format(key))
+            job[key] = default
+        else:
+            job[key] = _check_value(key, kind, raw[key])
+    choices = {
+        "mode": tuple(MODE_REQUIRES),
+        "optimizer": ("sgd", "adam", None),
+        "precision": PRECISIONS,
+    }
+    for key, allowed in choices.items():
+        if job[key] not in allowed:
+            raise BadJob("{}={!r} is not one of {}".format(key, job[key], list(allowed)))
+    if job["protocol"] != PROTOCOL_VERSION:
+        raise BadJob("protocol={} is not supported; this worker speaks protocol {}".format(
+            job["protocol"], PROTOCOL_VERSION))
+    try:
+        catalog.get(job["model"])
+    except ValueError as error:
+        raise BadJob(str(error)) from None
+    for key in MODE_REQUIRES[job["mode"]]:
+        if job[key] is None:
+            raise BadJob("mode {} needs job key {}".format(job["mode"], key))
+    for key in ("weights_in", "train_data", "validation_data"):
+        if job[key] is not None and not os.path.isfile(job[key]):
+            raise BadJob("{}: file {} does not exist".format(key, job[key]))
+    if job["weights_out"] is not None:
+        out_dir = os.path.dirname(os.path.abspath(job["weights_out"]))
+        if not os.path.isdir(out_dir):
+            raise BadJob("weights_out: directory {} does not exist".format(out_dir))
+    return job
+
+
+def load_dataset(key: str, path: str, input_shape: List[int], num_classes: int
+                 ) -> Tuple[np.ndarray, np.ndarray]:
+    """Read a samples ``.npz`` (``x`` uint8 (N, h, w, c), ``y`` integer labels (N,)).
+
+    Args:
+        key: The job key naming the file, for messages.
+        path: The ``.npz`` file.
+        input_shape: The model's (height, width, channels).
+        num_classes: Labels must lie in [0, num_classes).
+
+    Returns:
+        ``(x, y)`` with ``y`` as int64.
+
+    Raises:
+        BadJob: Unreadable file, missing array, wrong dtype or shape, label out of range.
+    """
+    try:
+        with np.load(path, allow_pickle=False) as arrays:
+            x, y = arrays["x"], arrays["y"]
+    except (OSError, ValueError, KeyError) as error:
+        raise BadJob("{}: cannot read x and y from {}: {}".format(key, path, error)) from None
+    if x.dtype != np.uint8 or x.shape[1:] != tuple(input_shape) or len(x) == 0:
+        raise BadJob("{}: x in {} must be uint8 (N>0, {}), got {} {}".format(
+            key, path, ", ".join(map(str, input_shape)), x.dtype, x.shape))
+    if y.dtype.kind not in "iu" or y.shape != (len(x),):
+        raise BadJob("{}: y in {} must be integers of shape ({},), got {} {}".format(
+            key, path, len(x), y.dtype, y.shape))
+    if y.min() < 0 or y.max() >= num_classes:
+        raise BadJob("{}: labels in {} must lie in [0, {}), got [{}, {}]".format(
+            key, path, num_classes, y.min(), y.max()))
+    return x, y.astype(np.int64)
+
+
+def watch_parent(parent_pid: int) -> None:
+    """Exit with status 3 when the parent process is no longer ``parent_pid``.
+
+    Checks once now, then from a daemon thread every ``PARENT_POLL_INTERVAL_S``. On Linux it also
+    asks the kernel for SIGKILL on parent death (``PR_SET_PDEATHSIG``), whichever comes first.
+    That "parent" is the thread that spawned us (prctl(2)), so the spawning thread must live as
+    long as the worker.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            pr_set_pdeathsig = 1
+            if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
+                print("odtd worker: prctl(PR_SET_PDEATHSIG) failed, errno {}; polling only".format(
+                    ctypes.get_errno()), file=sys.stderr)
+        except (OSError, AttributeError) as error:
+            print("odtd worker: no prctl ({}); polling only".format(error), file=sys.stderr)
+
+    def parent_gone() -> bool:
+        if os.getppid() == parent_pid:
+            return False
+        print("odtd worker: parent {} is gone, exiting".format(parent_pid), file=sys.stderr)
+        return True
+
+    def poll() -> None:
+        while not parent_gone():
+            time.sleep(PARENT_POLL_INTERVAL_S)
+        os._exit(EXIT_PARENT_GONE)
+
+    if parent_gone():
+        sys.exit(EXIT_PARENT_GONE)
+    threading.Thread(target=poll, name="parent-watch", daemon=True).start()
+
+
+def peak_rss_mb(status_path: str = "/proc/self/status") -> float:
+    """Return this process's peak resident set size in MB (1024 * 1024 bytes).
+
+    The larger of ``getrusage`` ``ru_maxrss`` (KiB on Linux) and ``VmHWM`` from ``status_path``.
+    """
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        with open(status_path) as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    peak_kib = max(peak_kib, int(line.split()[1]))
+    except OSError as error:
+        print("odtd worker: no {} ({}); using getrusage".format(status_path, error),
+              file=sys.stderr)
+    return peak_kib / 1024.0
+
+
+def resolve_precision(requested: str, gpu_visible: bool, cpuinfo_path: str = "/proc/cpuinfo"
+                      ) -> str:
+    """Resolve the job's ``precision``, turning ``auto`` into a concrete choice.
+
+    ``auto`` is ``mixed_float16`` with a GPU, ``mixed_bfloat16`` on a CPU with native bfloat16
+    (``avx512_bf16`` or ``amx_bf16`` in the cpuinfo flags), else ``fp32``.
+    """
+    if requested != "auto":
+        return requested
+    if gpu_visible:
+        return "mixed_float16"
+    try:
+        with open(cpuinfo_path) as cpuinfo:
+            flags = set()
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    flags.update(line.split(":", 1)[-1].split())
+    except OSError as error:
+        print("odtd worker: cannot read {} ({}); precision fp32".format(cpuinfo_path, error),
+              file=sys.stderr)
+        return "fp32"
+    return "mixed_bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "fp32"
+
+
+def iterate_batches(num_samples: int, batch_size: int, epochs: Optional[int],
+                    max_steps: Optional[int], rng: np.random.RandomState
+                    ) -> Iterator[Tuple[int, np.ndarray]]:
+    """Yield ``(epoch, sample indices)`` per step, reshuffling every epoch.
+
+    With ``epochs`` set, each epoch visits every sample once and its last batch may be short.
+    With ``epochs`` None (profile mode), epochs run back to back and every batch is full, even
+    when there are fewer samples than ``batch_size``, so a profile measures that batch size.
+    ``max_steps`` caps the number of steps either way.
+    """
+    step = 0
+    if epochs is not None:
+        for epoch in range(epochs):
+            order = rng.permutation(num_samples)
+            for begin in range(0, num_samples, batch_size):
+                if max_steps is not None and step >= max_steps:
+                    return
+                yield epoch, order[begin:begin + batch_size]
+                step += 1
+        return
+    stream = np.empty(0, dtype=np.int64)
+    consumed = 0
+    while max_steps is None or step < max_steps:
+        while len(stream) < batch_size:
+            stream = np.concatenate([stream, rng.permutation(num_samples)])
+        yield consumed // num_samples, stream[:batch_size]
+        stream = stream[batch_size:]
+        consumed += batch_size
+        step += 1
+
+
+def write_weights(weights: List[np.ndarray], path: str) -> None:
+    """Write weights as ``w0000``, ``w0001``, ... to ``path`` atomically (temp, fsync, rename)."""
+    temp_path = path + ".tmp"
+    with open(temp_path, "wb") as out:
+        np.savez(out, **{"w{:04d}".format(i): array for i, array in enumerate(weights)})
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(temp_path, path)
+    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def read_weights(path: str, expected: List[np.ndarray], names: List[str]) -> List[np.ndarray]:
+    """Read a weights ``.npz`` and check it against the model's current weights.
+
+    Raises:
+        BadJob: Missing or extra arrays, or a shape that differs from the model's.
+    """
+    keys = ["w{:04d}".format(i) for i in range(len(expected))]
+    try:
+        with np.load(path, allow_pickle=False) as arrays:
+            if sorted(arrays.files) != keys:
+                raise BadJob("weights_in {} holds {} arrays; the model has {} weights".format(
+                    path, len(arrays.files), len(keys)))
+            weights = [arrays[key] for key in keys]
+    except (OSError, ValueError) as error:
+        raise BadJob("weights_in: cannot read {}: {}".format(path, error)) from None
+    for index, (array, current) in enumerate(zip(weights, expected)):
+        if array.shape != current.shape:
+            raise BadJob("weights_in {}: w{:04d} ({}) has shape {}, the model needs {}".format(
+                path, index, names[index], array.shape, current.shape))
+    return weights
+
+
+def configure_gpus(tf: Any, memory_limit_mb: Optional[int]) -> bool:
+    """Set GPU memory growth, or a memory limit, before anything touches the GPU.
+
+    Returns:
+        Whether a GPU is visible (no-op and False on a CPU-only machine).
+    """
+    gpus = tf.config.list_physical_devices("GPU")
+    for gpu in gpus:
+        if memory_limit_mb is None:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        else:
+            tf.config.set_logical_device_configuration(
+                gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=memory_limit_mb)])
+    return bool(gpus)
+
+
+def make_optimizer(tf: Any, job: Dict[str, Any], precision: str) -> Any:
+    """Build the job's optimizer, wrapped in a LossScaleOptimizer for float16."""
+    if job["optimizer"] == "sgd":
+        optimizer = tf.keras.optimizers.SGD(learning_rate=job["learning_rate"],
+                                            momentum=job["momentum"])
+    else:
+        optimizer = tf.keras.optimizers.Adam(learning_rate=job["learning_rate"])
+    if precision == "mixed_float16":
+        optimizer = tf.keras.mixed_precision.LossScaleOptimizer(optimizer)
+    return optimizer
+
+
+def augment_batch(tf: Any, images: Any) -> Any:
+    """Flip each image horizontally at random and crop it from a 4-pixel zero-padded copy.
+
+    Vectorised per batch (one random offset per image), for use inside a ``tf.function``.
+    """
+    shape = tf.shape(images)
+    count, height, width = shape[0], shape[1], shape[2]
+    flip = tf.random.uniform([count]) < 0.5
+    images = tf.where(flip[:, None, None, None], tf.reverse(images, axis=[2]), images)
+    pad = AUGMENT_PAD_PX
+    padded = tf.pad(images, [[0, 0], [pad, pad], [pad, pad], [0, 0]])
+    top = tf.random.uniform([count], 0, 2 * pad + 1, dtype=tf.int32)
+    left = tf.random.uniform([count], 0, 2 * pad + 1, dtype=tf.int32)
+    rows = top[:, None] + tf.range(height)[None, :]
+    cols = left[:, None] + tf.range(width)[None, :]
+    padded = tf.gather(padded, rows, axis=1, batch_dims=1)
+    return tf.gather(padded, cols, axis=2, batch_dims=1)
+
+
+def make_train_step(tf: Any, model: Any, optimizer: Any, input_shape: List[int],
+                    augment: bool) -> Callable[[Any, Any], Any]:
+    """Return a compiled step ``(uint8 images, int64 labels) -> mean loss`` that updates weights.
+
+    The input signature has a free batch dimension, so a short last batch does not retrace.
+    """
+    from odtd.trainer import nets
+
+    variables = model.trainable_variables
+    # tf.keras 2 and Keras 3 spell loss scaling differently; Keras 3 unscales in apply_gradients.
+    legacy_scaling = hasattr(optimizer, "get_scaled_loss")
+    keras3_scaling = not legacy_scaling and hasattr(optimizer, "scale_loss")
+
+    @tf.function(input_signature=[tf.TensorSpec([None] + list(input_shape), tf.uint8),
+                                  tf.TensorSpec([None], tf.int64)])
+    def train_step(images: Any, labels: Any) -> Any:
+        if augment:
+            images = augment_batch(tf, images)
+        with tf.GradientTape() as tape:
+            logits = model(nets.preprocess(images), training=True)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=labels, logits=logits))
+            if legacy_scaling:
+                scaled_loss = optimizer.get_scaled_loss(loss)
+            elif keras3_scaling:
+                scaled_loss = optimizer.scale_loss(loss)
+            else:
+                scaled_loss = loss
+        gradients = tape.gradient(scaled_loss, variables)
+        if legacy_scaling:
+            gradients = optimizer.get_unscaled_gradients(gradients)
+        optimizer.apply_gradients(zip(gradients, variables))
+        return loss
+
+    return train_step
+
+
+def make_eval_step(tf: Any, model: Any, input_shape: List[int]) -> Callable[[Any, Any], Any]:
+    """Return a compiled ``(images, labels) -> (per-sample losses, predicted classes)``."""
+    from odtd.trainer import nets
+
+    @tf.function(input_signature=[tf.TensorSpec([None] + list(input_shape), tf.uint8),
+                                  tf.TensorSpec([None], tf.int64)])
+    def eval_step(images: Any, labels: Any) -> Any:
+        logits = model(nets.preprocess(images), training=False)
+        losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+        return losses, tf.argmax(logits, axis=-1)
+
+    return eval_step
+
+
+def evaluate(eval_step: Callable[[Any, Any], Any], x: np.ndarray, y: np.ndarray,
+             num_classes: int, batch_size: int, should_stop: Callable[[], bool]
+             ) -> Optional[Dict[str, Any]]:
+    """Evaluate in batches of ``batch_size``; None if a stop was requested meanwhile.
+
+    Returns:
+        ``accuracy``, ``loss`` (mean), ``per_class`` (accuracy per class, None for a class
+        without samples), ``samples`` and ``seconds``.
+    """
+    started = time.monotonic()
+    loss_sum = 0.0
+    correct = np.zeros(len(y), dtype=bool)
+    for begin in range(0, len(y), batch_size):
+        if should_stop():
+            return None
+        losses, predicted = eval_step(x[begin:begin + batch_size], y[begin:begin + batch_size])
+        loss_sum += float(np.sum(losses.numpy(), dtype=np.float64))
+        correct[begin:begin + batch_size] = predicted.numpy() == y[begin:begin + batch_size]
+    totals = np.bincount(y, minlength=num_classes)
+    hits = np.bincount(y[correct], minlength=num_classes)
+    return {
+        "accuracy": float(np.mean(correct)),
+        "loss": loss_sum / len(y),
+        "per_class": [float(h) / t if t else None for h, t in zip(hits, totals)],
+        "samples": int(len(y)),
+        "seconds": time.monotonic() - started,
+    }
+
+
+def run(job: Dict[str, Any], data: Dict[str, Tuple[np.ndarray, np.ndarray]],
+        should_stop: Callable[[], bool]) -> None:
+    """Run a validated job, printing its events; the caller turns exceptions into error events.
+
+    Args:
+        job: From ``load_job``.
+        data: ``train_data`` / ``validation_data`` -> ``(x, y)`` from ``load_dataset``.
+        should_stop: True once SIGUSR1 asked for a stop at the next step boundary.
+    """
+    import tensorflow as tf
+
+    from odtd.trainer import nets
+
+    gpu_visible = configure_gpus(tf, job["gpu_memory_limit_mb"])
+    precision = resolve_precision(job["precision"], gpu_visible)
+    tf.keras.mixed_precision.set_global_policy(
+        "float32" if precision == "fp32" else precision)
+    emit("start", pid=os.getpid(), python=".".join(map(str, sys.version_info[:3])),
+         tensorflow=tf.__version__, keras=getattr(tf.keras, "__version__", None),
+         precision=precision, t=time.monotonic())
+
+    tf.keras.utils.set_random_seed(job["seed"])
+    num_classes = len(job["classes"])
+    model = nets.build(job["model"], num_classes, job["input_shape"])
+    names = [(getattr(v, "path", None) or v.name).split(":")[0] for v in model.weights]
+    if job["weights_in"] is not None:
+        model.set_weights(read_weights(job["weights_in"], model.get_weights(), names))
+    result = {
+        "status": "ok", "accuracy_before": None, "accuracy_after": None,
+        "per_class_before": None, "per_class_after": None, "steps": 0, "samples": 0,
+        "param_count": int(model.count_params()), "weights_out": None, "weight_names": names,
+        "train_seconds": 0.0, "precision": precision,
+    }
+    mode = job["mode"]
+    if mode != "init":
+        result.update(_train(tf, job, model, precision, data, should_stop))
+    if result["status"] == "ok" and mode != "profile" and job["weights_out"] is not None:
+        write_weights(model.get_weights(), job["weights_out"])
+        result["weights_out"] = job["weights_out"]
+    result["peak_rss_mb"] = peak_rss_mb()
+    result["tf_peak_memory_mb"] = (
+        tf.config.experimental.get_memory_info("GPU:0")["peak"] / (1024.0 * 1024.0)
+        if gpu_visible else None)
+    result["duration_s"] = time.monotonic() - _STARTED_AT
+    emit("result", **result)
+
+
+def _train(tf: Any, job: Dict[str, Any], model: Any, precision: str,
+           data: Dict[str, Tuple[np.ndarray, np.ndarray]], should_stop: Callable[[], bool]
+           ) -> Dict[str, Any]:
+    """Evaluate before, train, evaluate after; return the result fields this produces."""
+    if job["freeze_bn"]:
+        # A non-trainable BatchNormalization runs in inference mode in tf.keras 2 and Keras 3:
+        # moving statistics, gamma and beta all stay as loaded.
+        for layer in model.layers:
+            if isinstance(layer, tf.keras.layers.BatchNormalization):
+                layer.trainable = False
+    profiling = job["mode"] == "profile"
+    num_classes = len(job["classes"])
+    batch_size = job["batch_size"]
+    fields: Dict[str, Any] = {"status": "interrupted"}
+    validation = None if profiling else data.get("validation_data")
+    if validation is not None:
+        # Evaluating at the training batch size keeps the session's memory within what the
+        # profile measured for that size.
+        eval_step = make_eval_step(tf, model, job["input_shape"])
+        before = evaluate(eval_step, validation[0], validation[1], num_classes, batch_size,
+                          should_stop)
+        if before is None:
+            return fields
+        emit("eval", phase="before", **before)
+        fields["accuracy_before"] = before["accuracy"]
+        fields["per_class_before"] = before["per_class"]
+
+    x_train, y_train = data["train_data"]
+    images, labels = tf.constant(x_train), tf.constant(y_train)
+    train_step = make_train_step(tf, model, make_optimizer(tf, job, precision),
+                                 job["input_shape"], job["augment"])
+    batches = iterate_batches(len(y_train), batch_size, None if profiling else job["epochs"],
+                              job["max_steps"], np.random.RandomState(job["seed"]))
+    steps = samples = 0
+    train_started = time.monotonic()
+    for epoch, indices in batches:
+        if should_stop():
+            break
+        start = time.monotonic()
+        batch = tf.constant(indices)
+        loss = float(train_step(tf.gather(images, batch), tf.gather(labels, batch)))
+        end = time.monotonic()
+        emit("step", index=steps, epoch=epoch, batch_size=len(indices), loss=loss,
+             start=start, end=end)
+        steps += 1
+        samples += len(indices)
+    fields.update(steps=steps, samples=samples, train_seconds=time.monotonic() - train_started)
+    if should_stop():
+        return fields
+    if validation is not None:
+        after = evaluate(eval_step, validation[0], validation[1], num_classes, batch_size,
+                         should_stop)
+        if after is None:
+            return fields
+        emit("eval", phase="after", **after)
+        fields["accuracy_after"] = after["accuracy"]
+        fields["per_class_after"] = after["per_class"]
+    fields["status"] = "ok"
+    return fields
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the job named on the command line; return the exit status (0, 2 or 3)."""
+    stop_requested = threading.Event()
+    # First thing, so a SIGUSR1 during TensorFlow's import does not kill the process.
+    signal.signal(signal.SIGUSR1, lambda signum, frame: stop_requested.set())
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        if len(args) != 1:
+            raise BadJob("usage: python -m odtd.trainer.worker JOB.json")
+        job = load_job(args[0])
+        if job["parent_pid"] is not None:
+            watch_parent(job["parent_pid"])
+        data = {}
+        if job["mode"] != "init":
+            for key in ("train_data", "validation_data"):
+                if job[key] is not None:
+                    data[key] = load_dataset(key, job[key], job["input_shape"],
+                                             len(job["classes"]))
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        run(job, data, stop_requested.is_set)
+    except BadJob as error:
+        emit("error", kind="bad_job", message=str(error))
+        return EXIT_ERROR
+    except MemoryError as error:
+        emit("error", kind="oom", message="MemoryError: {}".format(error))
+        return EXIT_ERROR
+    except Exception as error:  # every failure must reach the caller as an event
+        tf = sys.modules.get("tensorflow")
+        if tf is not None and isinstance(error, tf.errors.ResourceExhaustedError):
+            emit("error", kind="oom", message=str(error).strip().split("\n")[0])
+            return EXIT_ERROR
+        traceback.print_exc()
+        emit("error", kind="exception", message="{}: {}".format(type(error).__name__, error))
+        return EXIT_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

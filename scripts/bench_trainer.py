@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""Benchmark the trainer worker's training step against plain Keras ``model.fit``.
+
+For each batch size, the real worker runs in profile mode (a subprocess, as the daemon runs it)
+and its step spans give samples/s; then ``model.fit`` trains the same model, fresh, on the same
+random uint8 data (scaled the same way, fed through a prefetched tf.data pipeline, so fit is not
+handicapped), in this process, timed by a callback. This process is idle while a worker runs.
+Both skip the first warm-up steps and measure the same number of steps; samples/s is the batch
+size over the median step duration (a step: from fetching its batch to its loss being ready),
+best of ``--rounds`` interleaved runs per side. fp32, SGD with momentum, no augmentation, on
+both sides.
+
+    python scripts/bench_trainer.py [--json] [--batch-sizes 4,16,64] [--steps 20] [--rounds 2]
+
+Prints ``{"machine", "tensorflow", "results": [{"batch_size", "worker_sps", "fit_sps",
+"ratio"}]}`` with ``--json`` (ratio = worker_sps / fit_sps; above 1 means the worker is faster),
+else a table. ``load_average_1m`` (before, after) shows whether something else competed for the
+CPU meanwhile: the numbers are only comparable on an otherwise idle machine.
+"""
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+NUM_CLASSES = 10
+INPUT_SHAPE = (32, 32, 3)
+SAMPLES = 512
+LEARNING_RATE = 0.01
+MOMENTUM = 0.9
+
+
+def machine() -> str:
+    """Describe the CPU this ran on."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass  # not Linux: keep platform's answer
+    return f"{platform.machine()}, {model}, {os.cpu_count()} CPUs"
+
+
+def random_data(seed: int = 0) -> tuple:
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 256, (SAMPLES, *INPUT_SHAPE), dtype=np.uint8)
+    y = rng.integers(0, NUM_CLASSES, SAMPLES).astype(np.int64)
+    return x, y
+
+
+def throughput_sps(spans: list, batch_size: int) -> float:
+    """Samples per second at the median step duration of spans [(start, end)].
+
+    The median, not the mean: on a shared machine a burst of background load stretches a few
+    steps, and both sides are measured the same way.
+    """
+    return batch_size / float(np.median([end - start for start, end in spans]))
+
+
+def worker_sps(model: str, batch_size: int, warmup_steps: int, steps: int, workdir: Path) -> float:
+    """Run the real worker in profile mode; samples/s over its measured steps."""
+    job = {
+        "protocol": 1, "mode": "profile", "model": model,
+        "classes": [f"class{i}" for i in range(NUM_CLASSES)], "input_shape": list(INPUT_SHAPE),
+        "weights_in": None, "weights_out": None, "train_data": str(workdir / "train.npz"),
+        "validation_data": None, "batch_size": batch_size, "epochs": 1,
+        "max_steps": warmup_steps + steps, "optimizer": "sgd", "learning_rate": LEARNING_RATE,
+        "momentum": MOMENTUM, "augment": False, "freeze_bn": False, "seed": 0, "parent_pid": None,
+        "precision": "fp32", "gpu_memory_limit_mb": None,
+    }  # fmt: skip
+    job_path = workdir / f"job-{batch_size}.json"
+    job_path.write_text(json.dumps(job))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT),
+                                                                     os.environ.get("PYTHONPATH")])))
+    run = subprocess.run([sys.executable, "-m", "odtd.trainer.worker", str(job_path)],
+                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=False)
+    events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    errors = [e["message"] for e in events if e["event"] == "error"]
+    if run.returncode != 0 or errors:
+        raise RuntimeError(f"worker exited {run.returncode}: {errors or run.stderr[-2000:]}")
+    measured = [e for e in events if e["event"] == "step"][warmup_steps:]
+    if {e["batch_size"] for e in measured} != {batch_size}:
+        raise RuntimeError(f"worker ran batches other than {batch_size}")
+    return throughput_sps([(e["start"], e["end"]) for e in measured], batch_size)
+
+
+def fit_sps(model_name: str, batch_size: int, warmup_steps: int, steps: int, x, y) -> float:
+    """Train the same model with ``model.fit``; samples/s over the same measured steps."""
+    import tensorflow as tf
+
+    from odtd.trainer import nets
+
+    class StepTimer(tf.keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.spans = []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.started = time.monotonic()
+
+        def on_train_batch_end(self, batch, logs=None):
+            if logs and "loss" in logs:
+                float(logs["loss"])  # wait for the step, as the worker does for its loss
+            self.spans.append((self.started, time.monotonic()))
+
+    tf.keras.utils.set_random_seed(0)
+    model = nets.build(model_name, NUM_CLASSES, INPUT_SHAPE)
+    model.compile(
+        optimizer=tf.keras.optimizers.SGD(learning_rate=LEARNING_RATE, momentum=MOMENTUM),
+        loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    dataset = (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .shuffle(len(y), seed=0)
+        .repeat()
+        .batch(batch_size)
+        .map(lambda images, labels: (nets.preprocess(images), labels))
+        .prefetch(tf.data.AUTOTUNE)
+    )
+    timer = StepTimer()
+    model.fit(dataset, epochs=1, steps_per_epoch=warmup_steps + steps, callbacks=[timer],
+              verbose=0, shuffle=False)
+    return throughput_sps(timer.spans[warmup_steps:], batch_size)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--model", default="densenet40")
+    parser.add_argument("--batch-sizes", default="4,16,64",
+                        help="comma-separated batch sizes (default 4,16,64)")
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per run")
+    parser.add_argument("--warmup-steps", type=int, default=3, help="steps skipped first")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="runs per side and batch size; the best counts (default 2)")
+    args = parser.parse_args()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    batch_sizes = [int(size) for size in args.batch_sizes.split(",")]
+    x, y = random_data()
+
+    load_before = os.getloadavg()[0]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_trainer-") as tmp:
+        np.savez(Path(tmp) / "train.npz", x=x, y=y)
+        for size in batch_sizes:
+            worker, fit = [], []
+            # Interleaved rounds, best of each side: background load can only slow a run down.
+            for _ in range(args.rounds):
+                worker.append(worker_sps(args.model, size, args.warmup_steps, args.steps,
+                                         Path(tmp)))
+                fit.append(fit_sps(args.model, size, args.warmup_steps, args.steps, x, y))
+            rows.append({"batch_size": size, "worker_sps": round(max(worker), 2),
+                         "fit_sps": round(max(fit), 2), "ratio": round(max(worker) / max(fit), 3)})
+    import tensorflow as tf
+
+    report = {
+        "machine": machine(),
+        "tensorflow": tf.__version__,
+        "model": args.model,
+        "measured_steps": args.steps,
+        "warmup_steps": args.warmup_steps,
+        "rounds": args.rounds,
+        "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "results": rows,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{args.model} on {report['machine']}, TensorFlow {report['tensorflow']}, "
+          f"{args.steps} measured steps after {args.warmup_steps} warm-up, best of {args.rounds}, "
+          f"load average {report['load_average_1m']}")
+    print(f"{'batch':>6} {'worker sps':>11} {'fit sps':>9} {'ratio':>7}")
+    for row in report["results"]:
+        print(f"{row['batch_size']:>6} {row['worker_sps']:>11.1f} {row['fit_sps']:>9.1f} "
+              f"{row['ratio']:>7.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""The trainer worker, run for real: subprocesses, TensorFlow, tinycnn on tiny synthetic data.
+
+TensorFlow is only ever imported in child processes, never in the test process.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from odtd.trainer import catalog, worker
+
+REPO = Path(__file__).resolve().parents[1]
+CLASSES = ["red", "green", "blue"]
+SHAPE = [32, 32, 3]
+
+
+def write_samples(path: Path, count: int, labels=None, seed: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 256, (count, *SHAPE), dtype=np.uint8)
+    y = rng.integers(0, len(CLASSES), count) if labels is None else np.asarray(labels)
+    np.savez(path, x=x, y=y.astype(np.int64))
+    return str(path)
+
+
+def write_job(directory: Path, name: str = "job", **keys) -> Path:
+    job = {
+        "protocol": 1, "mode": "train", "model": "tinycnn", "classes": CLASSES,
+        "input_shape": SHAPE, "weights_in": None, "weights_out": None, "train_data": None,
+        "validation_data": None, "batch_size": 8, "epochs": 2, "max_steps": None,
+        "optimizer": "sgd", "learning_rate": 0.05, "momentum": 0.9, "augment": False,
+        "freeze_bn": False, "seed": 0, "parent_pid": None, "precision": "fp32",
+        "gpu_memory_limit_mb": None,
+    }  # fmt: skip
+    job.update(keys)
+    path = directory / f"{name}.json"
+    path.write_text(json.dumps(job))
+    return path
+
+
+def worker_command(job_path: Path) -> list:
+    return [sys.executable, "-m", "odtd.trainer.worker", str(job_path)]
+
+
+def run_worker(job_path: Path, timeout_s: float = 120):
+    proc = subprocess.run(worker_command(job_path), capture_output=True, text=True, cwd=REPO,
+                          timeout=timeout_s)
+    events = [json.loads(line) for line in proc.stdout.splitlines()]
+    return proc.returncode, events, proc.stderr
+
+
+def by_event(events, name):
+    return [e for e in events if e["event"] == name]
+
+
+def bn_statistics(weights_path, names):
+    with np.load(weights_path, allow_pickle=False) as arrays:
+        return {name: arrays[f"w{i:04d}"] for i, name in enumerate(names)
+                if "moving_mean" in name or "moving_variance" in name}
+
+
+@pytest.fixture(scope="module")
+def initial(tmp_path_factory):
+    """One init run: (weights path, result event)."""
+    directory = tmp_path_factory.mktemp("init")
+    weights = directory / "init.npz"
+    code, events, stderr = run_worker(write_job(directory, mode="init", weights_out=str(weights),
+                                                seed=7))
+    assert code == 0, stderr
+    return weights, by_event(events, "result")[0]
+
+
+@pytest.fixture
+def data(tmp_path):
+    """Training data and a validation set that has no sample of the last class."""
+    return {"train_data": write_samples(tmp_path / "train.npz", 40, seed=1),
+            "validation_data": write_samples(tmp_path / "val.npz", 12, labels=[0] * 6 + [1] * 6,
+                                             seed=2)}
+
+
+def test_catalog_counts_equal_the_built_keras_models():
+    script = (
+        "import json; from odtd.trainer import catalog, nets; print(json.dumps({"
+        "'densenet40': nets.build('densenet40', 10).count_params(),"
+        "'tinycnn': nets.build('tinycnn', 10).count_params(),"
+        "'tinycnn_gray_3': nets.build('tinycnn', 3, (16, 16, 1)).count_params()}))"
+    )
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=120, check=True)
+    keras_counts = json.loads(proc.stdout.splitlines()[-1])
+    assert keras_counts["densenet40"] == catalog.param_count("densenet40", 10)
+    assert 900_000 <= keras_counts["densenet40"] <= 1_100_000
+    assert keras_counts["tinycnn"] == catalog.param_count("tinycnn", 10)
+    assert keras_counts["tinycnn_gray_3"] == catalog.param_count("tinycnn", 3, (16, 16, 1))
+
+
+def test_catalog_rejects_unknown_model_naming_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown model 'resnet50'; known models: densenet40"):
+        catalog.param_count("resnet50", 10)
+    assert len(catalog.DEFAULT_CLASSES) == 10 and catalog.DEFAULT_CLASSES[0] == "airplane"
+
+
+def test_init_writes_fresh_weights_of_the_catalog_size(initial):
+    weights, result = initial
+    assert result["status"] == "ok" and result["steps"] == 0
+    assert result["param_count"] == catalog.param_count("tinycnn", len(CLASSES))
+    with np.load(weights, allow_pickle=False) as arrays:
+        assert sorted(arrays.files) == [f"w{i:04d}" for i in range(len(result["weight_names"]))]
+        assert sum(arrays[key].size for key in arrays.files) == result["param_count"]
+    assert not Path(str(weights) + ".tmp").exists()
+
+
+def test_train_reports_ordered_spans_and_writes_loadable_weights(tmp_path, initial, data):
+    out = tmp_path / "candidate.npz"
+    job = write_job(tmp_path, weights_in=str(initial[0]), weights_out=str(out), augment=True,
+                    **data)
+    code, events, stderr = run_worker(job)
+    assert code == 0, stderr
+    kinds = [e["event"] for e in events]
+    assert kinds == ["start", "eval"] + ["step"] * 10 + ["eval", "result"]
+    start, result = events[0], events[-1]
+    assert start["precision"] == "fp32" and start["pid"] > 0
+    steps = by_event(events, "step")
+    assert [s["index"] for s in steps] == list(range(10))
+    assert [s["epoch"] for s in steps] == [0] * 5 + [1] * 5
+    times = [start["t"]] + [t for s in steps for t in (s["start"], s["end"])]
+    assert times == sorted(times)
+    before, after = by_event(events, "eval")
+    assert (before["phase"], after["phase"]) == ("before", "after")
+    assert before["per_class"][2] is None and after["samples"] == 12
+    assert result["status"] == "ok" and result["steps"] == 10 and result["samples"] == 80
+    assert result["accuracy_after"] == after["accuracy"]
+    assert result["weights_out"] == str(out) and result["peak_rss_mb"] > 0
+    assert result["tf_peak_memory_mb"] is None  # no GPU here
+    trained = bn_statistics(out, result["weight_names"])
+    initial_stats = bn_statistics(initial[0], result["weight_names"])
+    assert any(not np.array_equal(trained[k], initial_stats[k]) for k in trained)
+
+
+def test_freeze_bn_keeps_moving_statistics(tmp_path, initial, data):
+    out = tmp_path / "candidate.npz"
+    job = write_job(tmp_path, weights_in=str(initial[0]), weights_out=str(out), freeze_bn=True,
+                    **data)
+    code, events, stderr = run_worker(job)
+    assert code == 0, stderr
+    names = events[-1]["weight_names"]
+    trained, before = bn_statistics(out, names), bn_statistics(initial[0], names)
+    assert len(trained) == 4
+    for name in trained:
+        np.testing.assert_array_equal(trained[name], before[name], err_msg=name)
+    with np.load(out) as new, np.load(initial[0]) as old:
+        assert not np.array_equal(new["w0000"], old["w0000"])  # the convolutions did train
+
+
+def test_profile_runs_full_batches_in_mixed_float16(tmp_path):
+    train = write_samples(tmp_path / "train.npz", 5)
+    job = write_job(tmp_path, mode="profile", train_data=train, batch_size=16, max_steps=4,
+                    optimizer="adam", learning_rate=0.001, augment=True,
+                    precision="mixed_float16", weights_out=str(tmp_path / "never.npz"))
+    code, events, stderr = run_worker(job)
+    assert code == 0, stderr
+    assert events[0]["precision"] == "mixed_float16"
+    assert [s["batch_size"] for s in by_event(events, "step")] == [16] * 4
+    assert not by_event(events, "eval") and events[-1]["weights_out"] is None
+    assert not (tmp_path / "never.npz").exists()
+
+
+def test_missing_data_file_is_a_bad_job(tmp_path):
+    job = write_job(tmp_path, train_data=str(tmp_path / "absent.npz"))
+    code, events, _ = run_worker(job, timeout_s=30)
+    assert code == 2
+    assert events == [{"event": "error", "kind": "bad_job",
+                       "message": f"train_data: file {tmp_path / 'absent.npz'} does not exist"}]
+
+
+def test_unknown_job_key_is_a_bad_job(tmp_path):
+    job = write_job(tmp_path, batch_sise=8)
+    code, events, _ = run_worker(job, timeout_s=30)
+    assert code == 2 and events[0]["kind"] == "bad_job"
+    assert "unknown job keys ['batch_sise']" in events[0]["message"]
+
+
+def test_sigusr1_stops_at_a_step_boundary_without_weights(tmp_path, data):
+    out = tmp_path / "candidate.npz"
+    job = write_job(tmp_path, weights_out=str(out), epochs=10_000, **data)
+    proc = subprocess.Popen(worker_command(job), stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, cwd=REPO)
+    try:
+        events = []
+        for line in proc.stdout:
+            events.append(json.loads(line))
+            if events[-1]["event"] == "step":
+                proc.send_signal(signal.SIGUSR1)
+                break
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    events += [json.loads(line) for line in rest.splitlines()]
+    assert proc.returncode == 0
+    result = events[-1]
+    assert result["event"] == "result" and result["status"] == "interrupted"
+    assert 1 <= result["steps"] < 50_000 and result["weights_out"] is None
+    assert [e["phase"] for e in by_event(events, "eval")] == ["before"]
+    assert not out.exists() and not Path(str(out) + ".tmp").exists()
+
+
+def test_exits_3_when_the_parent_is_not_parent_pid(tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    job = write_job(tmp_path, mode="init", weights_out=str(tmp_path / "w.npz"),
+                    parent_pid=gone.pid)
+    code, events, _ = run_worker(job, timeout_s=30)
+    assert code == 3 and events == []
+
+
+def test_auto_precision_follows_gpu_then_cpu_bf16_flags(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16\n")
+    assert worker.resolve_precision("auto", True, str(cpuinfo)) == "mixed_float16"
+    assert worker.resolve_precision("auto", False, str(cpuinfo)) == "mixed_bfloat16"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\n")
+    assert worker.resolve_precision("auto", False, str(cpuinfo)) == "fp32"
+    assert worker.resolve_precision("mixed_float16", False, str(cpuinfo)) == "mixed_float16"
+
+
+def test_peak_rss_reads_vmhwm_in_mib(tmp_path):
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmHWM:\t 104857600 kB\nVmRSS:\t 1024 kB\n")
+    assert worker.peak_rss_mb(str(status)) == 102400.0
+
+
+def test_trainer_package_stays_python36_compatible():
+    vermin = shutil.which("vermin", path=str(Path(sys.executable).parent)) or shutil.which(
+        "vermin")
+    if vermin is None:
+        pytest.skip("vermin is not installed")
+    proc = subprocess.run([vermin, "-t=3.6-", "--no-tips", "--violations", "--eval-annotations",
+                           "odtd/trainer"], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
