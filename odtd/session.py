@@ -34,6 +34,7 @@ from odtd.store import Store
 
 logger = logging.getLogger(__name__)
 
+GROUP_VALIDATION, GROUP_HOLDOUT = 0, 1  # evaluation groups (docs/worker-protocol.md)
 WARMUP_STEPS = 3  # the framework's warm-up steps, skipped in every per-step statistic
 _POLL_S = 0.2
 
@@ -156,15 +157,7 @@ class SessionRunner:
     def _write_job(self, job_dir: Path, current: int, rows: list[dict[str, Any]]) -> tuple[Path, str]:
         x, y = load_sample_arrays(self.home, rows, self.classes)
         np.savez(job_dir / "train.npz", x=x, y=y)
-        validation = self.home.validation_file()
-        eval_name = "validation"
-        if not validation.exists():
-            holdout = self.store.samples("holdout")
-            eval_name = "holdout" if holdout else "none"
-            validation = job_dir / "holdout.npz" if holdout else None
-            if holdout:
-                hx, hy = load_sample_arrays(self.home, holdout, self.classes)
-                np.savez(validation, x=hx, y=hy)
+        eval_name, validation = self._write_evaluation_set(job_dir)
         training = self.policy.training
         job = {
             "protocol": 1, "mode": "train", "model": self.model, "classes": self.classes,
@@ -182,6 +175,27 @@ class SessionRunner:
         job_path = job_dir / "job.json"
         job_path.write_text(json.dumps(job, indent=2), encoding="utf-8")
         return job_path, eval_name
+
+    def _write_evaluation_set(self, job_dir: Path) -> tuple[str, Optional[Path]]:
+        """Write the evaluation ``.npz``: validation set (group 0), then held-out samples (group 1).
+
+        Acceptance uses group 0 when it exists, else group 1.
+        """
+        parts = []
+        if self.home.validation_file().exists():
+            with np.load(self.home.validation_file(), allow_pickle=False) as data:
+                parts.append((data["x"], data["y"], GROUP_VALIDATION))
+        holdout = self.store.samples("holdout")
+        if holdout:
+            hx, hy = load_sample_arrays(self.home, holdout, self.classes)
+            parts.append((hx, hy, GROUP_HOLDOUT))
+        if not parts:
+            return "none", None
+        path = job_dir / "evaluation.npz"
+        np.savez(path, x=np.concatenate([p[0] for p in parts]),
+                 y=np.concatenate([p[1] for p in parts]),
+                 group=np.concatenate([np.full(len(p[1]), p[2], dtype=np.int64) for p in parts]))
+        return ("validation" if parts[0][2] == GROUP_VALIDATION else "holdout"), path
 
     def _train(self, session_id: int, job_dir: Path, job_path: Path,
                stop: threading.Event) -> dict[str, Any]:
@@ -274,10 +288,16 @@ class SessionRunner:
         if error is not None or result is None or returncode != 0:
             self.store.update_session(session_id, **fields)
             raise TrainerFailed(failure_reason(returncode, error, job_dir / "worker.stderr"))
+        before = result.get("by_group_before") or {}
+        after = result.get("by_group_after") or {}
+        primary = str(GROUP_VALIDATION) if str(GROUP_VALIDATION) in before else str(GROUP_HOLDOUT)
         fields.update(
-            accuracy_before=result.get("accuracy_before"), accuracy_after=result.get("accuracy_after"),
+            accuracy_before=before.get(primary, result.get("accuracy_before")),
+            accuracy_after=after.get(primary, result.get("accuracy_after")),
             _result=result,
         )
+        details.update(holdout_accuracy_before=before.get(str(GROUP_HOLDOUT)),
+                       holdout_accuracy_after=after.get(str(GROUP_HOLDOUT)))
         details.update(
             per_class_before=_by_class(self.classes, result.get("per_class_before")),
             per_class_after=_by_class(self.classes, result.get("per_class_after")),
@@ -332,8 +352,9 @@ def _by_class(classes: list[str], values: Optional[list[Optional[float]]]) -> Op
 
 def _remove_bulky_files(job_dir: Path) -> None:
     # The job file and the worker's stderr stay for diagnosis; data and weights go.
-    for name in ("train.npz", "holdout.npz", "candidate.npz", "candidate.npz.tmp"):
+    for name in ("train.npz", "candidate.npz", "candidate.npz.tmp"):
         (job_dir / name).unlink(missing_ok=True)
+    (job_dir / "evaluation.npz").unlink(missing_ok=True)
 
 
 def recover_stale_sessions(store: Store) -> list[int]:

@@ -58,6 +58,7 @@ JOB_KEYS = {
     "parent_pid": ("positive_int", None),
     "precision": ("str", "fp32"),
     "gpu_memory_limit_mb": ("positive_int", None),
+    "eval_batch_size": ("positive_int", None),
 }
 MODE_REQUIRES = {
     "init": ("weights_out",),
@@ -458,13 +459,15 @@ def make_eval_step(tf: Any, model: Any, input_shape: List[int]) -> Callable[[Any
 
 
 def evaluate(eval_step: Callable[[Any, Any], Any], x: np.ndarray, y: np.ndarray,
-             num_classes: int, batch_size: int, should_stop: Callable[[], bool]
-             ) -> Optional[Dict[str, Any]]:
+             num_classes: int, batch_size: int, should_stop: Callable[[], bool],
+             groups: Optional[np.ndarray] = None) -> Optional[Dict[str, Any]]:
     """Evaluate in batches of ``batch_size``; None if a stop was requested meanwhile.
 
     Returns:
         ``accuracy``, ``loss`` (mean), ``per_class`` (accuracy per class, None for a class
-        without samples), ``samples`` and ``seconds``.
+        without samples), ``by_group`` (accuracy per value of ``groups``, e.g. the base
+        validation set and the device's held-out samples; empty without groups), ``samples``
+        and ``seconds``.
     """
     started = time.monotonic()
     loss_sum = 0.0
@@ -481,9 +484,23 @@ def evaluate(eval_step: Callable[[Any, Any], Any], x: np.ndarray, y: np.ndarray,
         "accuracy": float(np.mean(correct)),
         "loss": loss_sum / len(y),
         "per_class": [float(h) / t if t else None for h, t in zip(hits, totals)],
+        "by_group": {} if groups is None else {
+            str(g): float(np.mean(correct[groups == g])) for g in np.unique(groups)},
         "samples": int(len(y)),
         "seconds": time.monotonic() - started,
     }
+
+
+def load_groups(path: str, count: int) -> Optional[np.ndarray]:
+    """Read the optional ``group`` array of a validation ``.npz`` (one integer per sample)."""
+    with np.load(path, allow_pickle=False) as arrays:
+        if "group" not in arrays.files:
+            return None
+        groups = arrays["group"]
+    if groups.shape != (count,) or groups.dtype.kind not in "iu":
+        raise BadJob("validation_data: group in {} must be {} integers, got {} {}".format(
+            path, count, groups.dtype, groups.shape))
+    return groups
 
 
 def run(job: Dict[str, Any], data: Dict[str, Tuple[np.ndarray, np.ndarray]],
@@ -548,17 +565,21 @@ def _train(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     batch_size = job["batch_size"]
     fields: Dict[str, Any] = {"status": "interrupted"}
     validation = None if profiling else data.get("validation_data")
+    # Evaluating at the training batch size (the default) keeps the session's memory within
+    # what the profile measured for that size.
+    eval_batch_size = job["eval_batch_size"] or batch_size
+    groups = None
     if validation is not None:
-        # Evaluating at the training batch size keeps the session's memory within what the
-        # profile measured for that size.
+        groups = load_groups(job["validation_data"], len(validation[1]))
         eval_step = make_eval_step(tf, model, job["input_shape"])
-        before = evaluate(eval_step, validation[0], validation[1], num_classes, batch_size,
-                          should_stop)
+        before = evaluate(eval_step, validation[0], validation[1], num_classes, eval_batch_size,
+                          should_stop, groups)
         if before is None:
             return fields
         emit("eval", phase="before", **before)
         fields["accuracy_before"] = before["accuracy"]
         fields["per_class_before"] = before["per_class"]
+        fields["by_group_before"] = before["by_group"]
 
     x_train, y_train = data["train_data"]
     images, labels = tf.constant(x_train), tf.constant(y_train)
@@ -583,13 +604,14 @@ def _train(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     if should_stop():
         return fields
     if validation is not None:
-        after = evaluate(eval_step, validation[0], validation[1], num_classes, batch_size,
-                         should_stop)
+        after = evaluate(eval_step, validation[0], validation[1], num_classes, eval_batch_size,
+                         should_stop, groups)
         if after is None:
             return fields
         emit("eval", phase="after", **after)
         fields["accuracy_after"] = after["accuracy"]
         fields["per_class_after"] = after["per_class"]
+        fields["by_group_after"] = after["by_group"]
     fields["status"] = "ok"
     return fields
 
