@@ -228,6 +228,23 @@ def _control(args: argparse.Namespace, op: str, text: str) -> int:
     return 0
 
 
+@command("plot")
+def cmd_plot(args: argparse.Namespace) -> int:
+    """Write accuracy, energy and peak memory over the sessions to a PNG."""
+    from odtd.plot import plot_sessions
+
+    home = _home(args)
+    store = home.open_store()
+    try:
+        sessions = list(reversed(store.sessions(limit=args.limit, done_only=True)))
+        title = f"odtd: {store.meta('model')} in {home.root}"
+    finally:
+        store.close()
+    out = plot_sessions(sessions, Path(args.out), title)
+    emit(args, {"out": str(out), "sessions": len(sessions)}, f"wrote {out} ({len(sessions)} sessions)")
+    return 0
+
+
 # -- models --------------------------------------------------------------------------------
 
 
@@ -346,6 +363,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("history", parents=[reader], help="sessions, most recent first")
     p.add_argument("--limit", type=int, default=50, help="sessions to show (default 50)")
+
+    p = sub.add_parser("plot", parents=[reader], help="accuracy, energy and memory over days, to PNG",
+                       description="Draw accuracy (validation set and device hold-out), energy per "
+                                   "session and peak memory over the sessions into one PNG "
+                                   "(needs matplotlib: pip install 'odtd[plot]').")
+    p.add_argument("--out", required=True, help="the PNG to write")
+    p.add_argument("--limit", type=int, default=365, help="most recent sessions to draw (default 365)")
 
     p = sub.add_parser("models", parents=[reader], help="model registry, versions, rollback, export",
                        description="With no action: the registry with parameter counts. "
