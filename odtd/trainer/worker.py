@@ -64,6 +64,7 @@ MODE_REQUIRES = {
     "init": ("weights_out",),
     "train": ("train_data", "batch_size", "epochs", "optimizer", "learning_rate"),
     "profile": ("train_data", "batch_size", "max_steps", "optimizer", "learning_rate"),
+    "evaluate": ("weights_in", "validation_data", "batch_size"),
 }
 
 
@@ -537,7 +538,9 @@ def run(job: Dict[str, Any], data: Dict[str, Tuple[np.ndarray, np.ndarray]],
         "train_seconds": 0.0, "precision": precision,
     }
     mode = job["mode"]
-    if mode != "init":
+    if mode == "evaluate":
+        result.update(_evaluate_only(tf, job, model, data, should_stop))
+    elif mode != "init":
         result.update(_train(tf, job, model, precision, data, should_stop))
     if result["status"] == "ok" and mode != "profile" and job["weights_out"] is not None:
         write_weights(model.get_weights(), job["weights_out"])
@@ -548,6 +551,21 @@ def run(job: Dict[str, Any], data: Dict[str, Tuple[np.ndarray, np.ndarray]],
         if gpu_visible else None)
     result["duration_s"] = time.monotonic() - _STARTED_AT
     emit("result", **result)
+
+
+def _evaluate_only(tf: Any, job: Dict[str, Any], model: Any,
+                   data: Dict[str, Tuple[np.ndarray, np.ndarray]], should_stop: Callable[[], bool]
+                   ) -> Dict[str, Any]:
+    """Score the loaded weights once on ``validation_data`` (reported as the "after" figures)."""
+    x, y = data["validation_data"]
+    groups = load_groups(job["validation_data"], len(y))
+    scores = evaluate(make_eval_step(tf, model, job["input_shape"]), x, y, len(job["classes"]),
+                      job["eval_batch_size"] or job["batch_size"], should_stop, groups)
+    if scores is None:
+        return {"status": "interrupted"}
+    emit("eval", phase="after", **scores)
+    return {"status": "ok", "accuracy_after": scores["accuracy"],
+            "per_class_after": scores["per_class"], "by_group_after": scores["by_group"]}
 
 
 def _train(tf: Any, job: Dict[str, Any], model: Any, precision: str,
