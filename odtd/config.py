@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from odtd.errors import ConfigError
 
@@ -73,7 +73,16 @@ class TelemetryConfig(_Strict):
 
     backend: str = "auto"
     interval_ms: float = Field(default=10.0, gt=0)
-    replay_file: Optional[str] = None
+    replay_file: Optional[str] = Field(default=None, description="the recording the replay backend plays")
+    replay_interval_ms: Optional[float] = Field(
+        default=None, gt=0, description="interval of a replayed tegrastats log without timestamps")
+
+    @model_validator(mode="after")
+    def _replay_needs_file(self) -> TelemetryConfig:
+        if self.backend == "replay" and not self.replay_file:
+            raise ValueError("backend 'replay' needs telemetry.replay_file (a .jsonl recording "
+                             "or a tegrastats log)")
+        return self
 
 
 class MetricsConfig(_Strict):

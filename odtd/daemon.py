@@ -25,6 +25,7 @@ from odtd.errors import ConfigError, OdtdError, PolicyError, SessionBusy
 from odtd.home import Home
 from odtd.inbox import InboxWatcher
 from odtd.ingest import Ingestor
+from odtd.metrics import prometheus_text, write_textfile
 from odtd.policy import Policy, load_policy
 from odtd.report import status as build_status
 from odtd.scheduler import Scheduler, missed_fire_time
@@ -237,8 +238,18 @@ class Daemon:
             logger.exception("session crashed in the daemon")
             self._last_session = {"error": "session crashed in the daemon; see its log"}
         finally:
+            self._write_metrics(store)
             store.close()
             self.notifier.status(f"idle; next session {self._next_session_at()}")
+
+    def _write_metrics(self, store: Store) -> None:
+        path = self.config.metrics.textfile
+        if not path:
+            return
+        try:
+            write_textfile(Path(path), prometheus_text(self.home, store))
+        except OSError as exc:
+            logger.error("cannot write metrics to %s: %s", path, exc)
 
     # -- control socket -------------------------------------------------------------------------
 

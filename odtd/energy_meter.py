@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 from odtd.config import TelemetryConfig
-from odtd.telemetry import Sampler, open_backend, step_energies
+from odtd.telemetry import Sampler, open_backend
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +46,9 @@ class SessionEnergyMeter:
         """Close the window; set each step's ``energy_j``; return the session's energy fields."""
         report = self.sampler.close_window(token["key"])
         if steps:
-            samples = self.sampler.samples_between(steps[0]["start"], steps[-1]["end"])
-            per_step = step_energies(samples, [(s["start"], s["end"]) for s in steps],
-                                     self.sampler.interval_s, report.source)
+            # Per-step figures come from the sampler's ring (10 minutes): in a longer session
+            # the earliest steps have none, and the session total (streamed) is unaffected.
+            per_step = self.sampler.span_energies([(s["start"], s["end"]) for s in steps])
             for step, step_report in zip(steps, per_step):
                 step["energy_j"] = step_report.energy_j
         baseline_w = token["baseline_power_w"]
@@ -85,7 +85,11 @@ def make_sampler(telemetry: TelemetryConfig) -> Sampler:
     Raises:
         TelemetryUnavailable: the named backend cannot run here (the message says the fix).
     """
-    options = {"path": telemetry.replay_file} if telemetry.replay_file else {}
+    # A replayed recording loops, so a demo or test session never runs out of samples.
+    options: dict[str, Any] = {}
+    if telemetry.backend == "replay":
+        options = {"path": telemetry.replay_file, "loop": True,
+                   "interval_ms": telemetry.replay_interval_ms}
     backend = open_backend(telemetry.backend, **options)
     return Sampler(backend, interval_s=telemetry.interval_ms / 1000.0)
 
