@@ -171,6 +171,7 @@ class SessionRunner:
             "momentum": training.momentum, "augment": training.augment,
             "freeze_bn": training.freeze_bn, "seed": training.seed, "parent_pid": os.getpid(),
             "precision": training.precision, "gpu_memory_limit_mb": None,
+            "eval_batch_size": training.eval_batch_size,
         }  # fmt: skip
         job_path = job_dir / "job.json"
         job_path.write_text(json.dumps(job, indent=2), encoding="utf-8")
