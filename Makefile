@@ -17,8 +17,12 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# Pre-train DenseNet40 briefly on the built-in synthetic "server" images, then simulate 7 days
+# of 64 new "device" images each through the real session path, and show the result.
 demo: $(STAMP)
-	$(BIN)/python scripts/demo.py --home demo-home
+	$(BIN)/odtctl --home demo-home simulate --fresh --model densenet40 --days 7 --per-day 64 \
+		--pretrain-samples 1500 --pretrain-epochs 3 --validation-samples 300 --policy policies/demo.yaml
+	$(BIN)/odtctl --home demo-home status
 
 lint: $(STAMP)
 	$(BIN)/ruff check odtd tests scripts

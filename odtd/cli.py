@@ -311,6 +311,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         days=args.days, per_day=args.per_day, model=args.model, dataset=args.dataset,
         pretrain_samples=args.pretrain_samples, pretrain_epochs=args.pretrain_epochs,
         validation_samples=args.validation_samples, fresh=args.fresh, seed=args.seed,
+        policy=args.policy,
     )  # fmt: skip
     result = simulate(_home(args), options, progress=progress)
     emit(args, result, None if args.json else "\n".join(result["table"]))
@@ -393,15 +394,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fixed validation set size when the home is created")
     p.add_argument("--fresh", action="store_true", help="re-create the home first (deletes its state)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data draws")
+    p.add_argument("--policy", help="policy file to install when the home is created")
 
     for name, text in (("pause", "hold scheduled sessions (the daemon keeps running)"),
                        ("resume", "resume scheduled sessions"),
                        ("reload", "make the daemon re-read odtd.yaml and the policy")):
         sub.add_parser(name, parents=[reader], help=text, description=text[0].upper() + text[1:] + ".")
 
-    from odtd.cli_policy import add_parsers as add_policy_parsers
+    # Command groups in their own modules; importing them registers their handlers.
+    from odtd import cli_policy, cli_telemetry
 
-    add_policy_parsers(sub, common, reader)
+    cli_policy.add_parsers(sub, common, reader)
+    cli_telemetry.add_parsers(sub, common, reader)
     return parser
 
 

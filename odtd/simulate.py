@@ -45,6 +45,7 @@ class SimulationOptions:
     validation_samples: int = 500
     fresh: bool = False
     seed: int = 0
+    policy: Optional[str] = None
     start_day: Optional[str] = None
 
 
@@ -114,6 +115,8 @@ def simulate(home: Home, options: SimulationOptions,
         progress(f"creating {home.root} with {options.model} ...")
         init_home(home, options.model, source.classes, force=options.fresh, seed=options.seed,
                   validation_arrays=source.validation())
+        if options.policy:
+            install_policy(home, Path(options.policy))
         if options.pretrain_samples > 0:
             pretrain = pretrain_base(home, source, options, progress)
     store = home.open_store()
@@ -152,6 +155,13 @@ def _run_days(home: Home, store: Store, config: Config, source: DataSource,
     return sessions
 
 
+def install_policy(home: Home, policy: Path) -> None:
+    """Validate a policy file and make it the home's active policy."""
+    load_policy(policy, missing_ok=False)
+    config = home.load_config()
+    home.policy_path(config).write_text(policy.read_text(encoding="utf-8"), encoding="utf-8")
+
+
 def pretrain_base(home: Home, source: DataSource, options: SimulationOptions,
                   progress: Callable[[str], None]) -> dict[str, Any]:
     """Train the base model on server data (standing in for the server) and make it current."""
@@ -162,6 +172,7 @@ def pretrain_base(home: Home, source: DataSource, options: SimulationOptions,
         repo = ModelRepo(home.models, model)
         parent = repo.current()
         config: Config = home.load_config()
+        precision = load_policy(home.policy_path(config)).training.precision
         with tempfile.TemporaryDirectory(dir=home.runs) as tmp:
             np.savez(Path(tmp) / "server.npz", x=x, y=y)
             job = {
@@ -174,7 +185,7 @@ def pretrain_base(home: Home, source: DataSource, options: SimulationOptions,
                 "batch_size": options.pretrain_batch_size, "epochs": options.pretrain_epochs,
                 "max_steps": None, "optimizer": "sgd", "learning_rate": options.pretrain_learning_rate,
                 "momentum": 0.9, "augment": True, "freeze_bn": False, "seed": options.seed,
-                "parent_pid": None, "precision": "fp32", "gpu_memory_limit_mb": None,
+                "parent_pid": None, "precision": precision, "gpu_memory_limit_mb": None,
             }  # fmt: skip
             total_steps = options.pretrain_epochs * -(-len(y) // options.pretrain_batch_size)
 

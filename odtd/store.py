@@ -126,6 +126,32 @@ MIGRATIONS: list[str] = [
         state TEXT
     );
     """,
+    # 2: profiles, one row per (profile run, precision, batch size); ``odtctl profile``.
+    """
+    CREATE TABLE profiles (
+        profile_id INTEGER NOT NULL,
+        created_at TEXT NOT NULL,
+        model TEXT NOT NULL,
+        backend TEXT,
+        board TEXT,
+        steps INTEGER NOT NULL,
+        batch_size INTEGER NOT NULL,
+        precision TEXT NOT NULL,
+        precision_resolved TEXT,
+        status TEXT NOT NULL CHECK (status IN ('ok', 'does_not_fit')),
+        reason TEXT,
+        samples_per_s REAL,
+        step_s REAL,
+        energy_per_sample_j REAL,
+        energy_per_sample_by_rail_j TEXT,
+        energy_source TEXT,
+        energy_coverage REAL,
+        mean_power_w REAL,
+        peak_memory_mb REAL,
+        PRIMARY KEY (profile_id, precision, batch_size)
+    );
+    CREATE INDEX profiles_model ON profiles (model, profile_id);
+    """,
 ]
 
 
@@ -424,6 +450,52 @@ class Store:
         """Return the daemon's liveness row, or None if no daemon ever ran here."""
         rows = list(self.db.query("SELECT * FROM daemon WHERE id = 1"))
         return rows[0] if rows else None
+
+    # -- profiles -------------------------------------------------------------------------
+
+    def add_profile_rows(self, model: str, backend: Optional[str], board: Optional[str],
+                         steps: int, rows: list[dict[str, Any]]) -> int:
+        """Store one profile run (a row per precision and batch size); return its profile id."""
+        keys = ("batch_size", "precision", "precision_resolved", "status", "reason",
+                "samples_per_s", "step_s", "energy_per_sample_j", "energy_per_sample_by_rail_j",
+                "energy_source", "energy_coverage", "mean_power_w", "peak_memory_mb")
+        with self.transaction():
+            profile_id = self.db.execute(
+                "SELECT COALESCE(MAX(profile_id), 0) + 1 FROM profiles").fetchone()[0]
+            created_at = utc_now()
+            for row in rows:
+                record = {key: row.get(key) for key in keys}
+                by_rail = record["energy_per_sample_by_rail_j"]
+                record["energy_per_sample_by_rail_j"] = (
+                    json.dumps(by_rail, sort_keys=True) if by_rail is not None else None)
+                record.update(profile_id=profile_id, created_at=created_at, model=model,
+                              backend=backend, board=board, steps=steps)
+                self._insert("profiles", record)
+        return profile_id
+
+    def latest_profile(self, model: str) -> list[dict[str, Any]]:
+        """Return the newest measurement of each (precision, batch size) profiled for ``model``.
+
+        Later runs add sizes to earlier ones (``odtctl profile --batch-sizes 32`` after 4,8,16
+        extends that profile) and replace re-measured sizes. Only runs on the board of the newest
+        run count. Rows keep their own ``profile_id``; ``[]`` when the model was never profiled.
+        """
+        newest = self.db.execute(
+            "SELECT board FROM profiles WHERE model = ? ORDER BY profile_id DESC LIMIT 1",
+            [model]).fetchone()
+        if newest is None:
+            return []
+        rows = self.db.query(
+            "SELECT * FROM profiles WHERE model = ? AND board IS ? ORDER BY profile_id DESC",
+            [model, newest[0]])
+        latest: dict[tuple[str, int], dict[str, Any]] = {}
+        for row in rows:
+            key = (row["precision"], row["batch_size"])
+            if key not in latest:
+                by_rail = row["energy_per_sample_by_rail_j"]
+                row["energy_per_sample_by_rail_j"] = json.loads(by_rail) if by_rail else None
+                latest[key] = row
+        return [latest[key] for key in sorted(latest)]
 
     def iter_query(self, sql: str, params: Optional[list[Any]] = None) -> Iterator[dict[str, Any]]:
         """Run a read-only query (for reports that need their own SQL)."""

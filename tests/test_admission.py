@@ -1,0 +1,158 @@
+"""Admission: every on_over_budget branch, the memory budget, and the runtime OOM rule."""
+
+import signal
+
+import pytest
+
+from odtd.admission import (
+    RUN,
+    SKIP,
+    admit,
+    admit_session,
+    is_oom,
+    learned_oom_limit,
+    oom_retry_batch,
+    predict,
+    record_oom,
+)
+from odtd.policy import Policy
+from odtd.profiles import DOES_NOT_FIT, OK, ProfileResult, ProfileRow
+from odtd.store import Store
+
+SIZES = (4, 8, 16, 32)
+
+
+def make_profile(energy=(1.0, 0.8, 0.7, 0.65), sps=(10.0, 15.0, 20.0, 22.0), failed=()):
+    """A profile whose peak memory is exactly 1000 MB + 50 MB x batch."""
+    rows = [ProfileRow(size, "fp32", OK, samples_per_s=rate, energy_per_sample_j=joules,
+                       peak_memory_mb=1000.0 + 50.0 * size, energy_source="ina3221",
+                       mean_power_w=7.0)
+            for size, rate, joules in zip(SIZES, sps, energy)]
+    rows += [ProfileRow(size, "fp32", DOES_NOT_FIT, reason="worker killed by SIGKILL")
+             for size in failed]
+    return ProfileResult(1, "densenet40", "ina3221", "Jetson TX2", 10, tuple(rows))
+
+
+def policy(size=16, epochs=3, budget_mb=None, budget_j=None, on_over_budget="fewer_epochs",
+           on_oom="halve"):
+    return Policy.model_validate({
+        "batch": {"size": size, "candidates": list(SIZES), "memory_budget_mb": budget_mb,
+                  "headroom_pct": 15, "on_oom": on_oom},
+        "energy": {"budget_j": budget_j, "on_over_budget": on_over_budget},
+        "training": {"epochs": epochs},
+    })
+
+
+def test_prediction_arithmetic():
+    p = predict(make_profile(), "fp32", 16, samples=100, epochs=3)
+    assert (p.time_s, p.energy_j, p.peak_mb, p.basis) == (15.0, 210.0, 1800.0, "measured")
+    between = predict(make_profile(), "fp32", 12, samples=100, epochs=1)
+    assert between.basis == "interpolated" and 15.0 < 100 / between.time_s < 20.0
+    assert predict(make_profile(), "fp32", 64, 100, 1).basis == "nearest measured"
+    assert predict(make_profile(), "fp32", 64, 100, 1).peak_mb == 4200.0
+
+
+def test_within_budgets_runs_as_the_policy_says():
+    a = admit(policy(budget_mb=4000, budget_j=1000), make_profile(), samples=100)
+    assert (a.decision, a.batch_size, a.epochs, a.changes) == (RUN, 16, 3, ())
+    assert (a.predicted_time_s, a.predicted_energy_j, a.predicted_peak_mb) == (15.0, 210.0, 1800.0)
+    assert a.reason == "within budgets"
+
+
+def test_memory_over_budget_takes_the_largest_fitting_candidate():
+    # 2000 MB less 15% = 1700 MB: 32 needs 2600, 16 needs 1800, 8 needs 1400.
+    a = admit(policy(size=32, budget_mb=2000), make_profile(), samples=100)
+    assert (a.decision, a.batch_size, a.predicted_peak_mb) == (RUN, 8, 1400.0)
+    assert a.changes == ("batch 32 -> 8: predicted peak 2600 MB > 1700 MB (2000 MB budget less "
+                         "15% headroom)",)
+
+
+def test_memory_over_budget_with_nothing_fitting_skips():
+    a = admit(policy(size=16, budget_mb=1000), make_profile(), samples=100)
+    assert a.decision == SKIP
+    assert a.reason.endswith("and no smaller candidate fits")
+
+
+def test_a_size_that_did_not_run_in_the_profile_is_refused():
+    a = admit(policy(size=32, budget_mb=None), make_profile(failed=(16,)), samples=100)
+    assert (a.decision, a.batch_size) == (RUN, 8)
+    assert a.changes[0] == "batch 32 -> 8: batch 16 did not run in the profile"
+
+
+def test_fewer_epochs_fits_the_energy_budget():
+    a = admit(policy(budget_j=150), make_profile(), samples=100)
+    assert (a.decision, a.batch_size, a.epochs, a.predicted_energy_j) == (RUN, 16, 2, 140.0)
+    assert a.changes == ("epochs 3 -> 2: predicted 210 J > budget 150 J",)
+
+
+def test_fewer_epochs_skips_when_one_epoch_is_over_budget():
+    a = admit(policy(budget_j=50), make_profile(), samples=100)
+    assert a.decision == SKIP
+    assert a.reason == "predicted 210 J > budget 50 J, and one epoch needs 70 J"
+
+
+def test_smaller_batch_fits_the_energy_budget():
+    # A board where small batches cost less per sample: 0.5 J at 4, 0.6 J at 8, 0.7 J at 16.
+    profile = make_profile(energy=(0.5, 0.6, 0.7, 0.8))
+    a = admit(policy(budget_j=190, on_over_budget="smaller_batch"), profile, samples=100)
+    assert (a.decision, a.batch_size, a.epochs, a.predicted_energy_j) == (RUN, 8, 3, 180.0)
+    assert a.changes == ("batch 16 -> 8: predicted 210 J > budget 190 J",)
+
+
+def test_smaller_batch_skips_when_no_smaller_size_fits():
+    a = admit(policy(budget_j=150, on_over_budget="smaller_batch"), make_profile(), samples=100)
+    assert a.decision == SKIP
+    assert a.reason == "predicted 210 J > budget 150 J, and no smaller candidate fits it"
+
+
+def test_skip_on_over_budget():
+    a = admit(policy(budget_j=150, on_over_budget="skip"), make_profile(), samples=100)
+    assert a.decision == SKIP
+    assert a.reason == "predicted 210 J > budget 150 J (energy.on_over_budget: skip)"
+
+
+def test_energy_budget_without_energy_figures_runs_with_a_note():
+    a = admit(policy(budget_j=10), make_profile(energy=(None,) * 4), samples=100)
+    assert a.decision == RUN and a.predicted_energy_j is None
+    assert a.reason == "energy budget not checked: the profile has no energy figures"
+
+
+def test_no_profile_runs_unchecked():
+    a = admit(policy(budget_mb=100, budget_j=1), None, samples=100)
+    assert (a.decision, a.batch_size, a.predicted_time_s) == (RUN, 16, None)
+    assert "no profile" in a.reason
+
+
+def test_learned_oom_limit_starts_below_it():
+    a = admit(policy(size=32), make_profile(), samples=100, oom_limit=32)
+    assert (a.decision, a.batch_size) == (RUN, 16)
+    assert a.changes == ("batch 32 -> 16: batch 32 ran out of memory in an earlier session",)
+    # No candidate below the limit: half of it.
+    assert admit(policy(size=4), None, samples=100, oom_limit=4).batch_size == 2
+
+
+@pytest.mark.parametrize("on_oom,failed,retry", [
+    ("halve", 32, 16), ("halve", 3, 1), ("halve", 1, None), ("skip", 32, None),
+])
+def test_oom_retry_batch(on_oom, failed, retry):
+    assert oom_retry_batch(policy(on_oom=on_oom).batch, failed) == retry
+
+
+def test_is_oom_recognises_the_error_event_and_sigkill():
+    assert is_oom({"event": "error", "kind": "oom", "message": "OOM when allocating"}, 2)
+    assert is_oom(None, -signal.SIGKILL)
+    assert not is_oom({"event": "error", "kind": "exception", "message": "boom"}, 2)
+    assert not is_oom(None, -signal.SIGSEGV)
+    assert not is_oom(None, 0)
+
+
+def test_learned_limit_is_remembered_in_the_store(tmp_path):
+    store = Store(tmp_path / "odtd.db")
+    store.set_meta(model="densenet40")
+    assert learned_oom_limit(store, "densenet40") is None
+    assert record_oom(store, "densenet40", 64) == 64
+    assert record_oom(store, "densenet40", 128) == 64  # a larger failure does not raise it
+    assert store.meta("oom_limit_densenet40") == 64
+    a = admit_session(store, policy(size=64), samples=100)
+    assert (a.batch_size, a.decision) == (32, RUN)
+    store.close()
