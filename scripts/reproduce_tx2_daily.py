@@ -84,9 +84,16 @@ def pretrain(args, ds, work: Path, pretrain_idx, check_npz: Path, test_npz: Path
     x, y = ds.load_arrays("train", pretrain_idx)
     data = work / "pretrain.npz"
     np.savez(data, x=x, y=y)
-    with tempfile.TemporaryDirectory(dir=work) as tmp:
-        worker(job("init", weights_out=str(work / "scratch.npz"), seed=args.seed), Path(tmp))
-    current, epochs, history = work / "scratch.npz", 0, []
+    # Resumable: each finished chunk of epochs is kept, so an interrupted run picks up there.
+    progress_file, current = work / f"{key}.progress.json", work / f"{key}.partial.npz"
+    if progress_file.exists() and current.exists():
+        state = json.loads(progress_file.read_text())
+        epochs, history, started = state["epochs"], state["history"], started - state["seconds"]
+        log(f"resuming pre-training after {epochs} epochs")
+    else:
+        with tempfile.TemporaryDirectory(dir=work) as tmp:
+            worker(job("init", weights_out=str(current), seed=args.seed), Path(tmp))
+        epochs, history = 0, []
     while epochs < args.pretrain_max_epochs:
         # Step decay: a high rate to learn fast, lower rates to settle.
         rate = 0.1 if epochs < args.pretrain_decay_epoch else 0.02
@@ -98,10 +105,11 @@ def pretrain(args, ds, work: Path, pretrain_idx, check_npz: Path, test_npz: Path
                                 momentum=0.9, augment=True, seed=args.seed + epochs,
                                 precision=args.precision, eval_batch_size=250), Path(tmp),
                             show_steps=100)
-        shutil.move(out, work / "pretrain-current.npz")
-        current = work / "pretrain-current.npz"
+        shutil.move(out, current)
         epochs += args.pretrain_chunk
         history.append({"epochs": epochs, "check_accuracy": result["accuracy_after"], "lr": rate})
+        progress_file.write_text(json.dumps({"epochs": epochs, "history": history,
+                                             "seconds": round(time.monotonic() - started, 1)}))
         log(f"pre-training: {epochs} epochs, check-set accuracy {result['accuracy_after']:.2%}")
         if result["accuracy_after"] >= args.target:
             break
@@ -256,8 +264,8 @@ def main() -> int:
     parser.add_argument("--days", type=int, default=17)
     parser.add_argument("--per-day", type=int, default=64)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-    parser.add_argument("--work", default=str(REPO / ".cache" / "reproduce"),
-                        help="cache and working directory (default .cache/reproduce)")
+    parser.add_argument("--work", default=str(Path.home() / ".cache" / "odtd" / "reproduce"),
+                        help="cache and working directory (default ~/.cache/odtd/reproduce)")
     parser.add_argument("--pretrain-images", type=int, default=20000)
     parser.add_argument("--pretrain-chunk", type=int, default=2, help="epochs per worker run")
     parser.add_argument("--pretrain-max-epochs", type=int, default=24)
