@@ -129,12 +129,13 @@ def cmd_train_now(args: argparse.Namespace) -> int:
             "session started in the daemon; follow it with `odtctl status`"
         emit(args, session, text)
         return 0
-    session = run_foreground_session(_home(args), trigger="cli")
+    session = run_foreground_session(_home(args), trigger="cli", force=args.force)
     emit(args, session, _session_line(session))
     return 0 if session["outcome"] != "failed" else 1
 
 
-def run_foreground_session(home: Home, trigger: str, day: Optional[str] = None) -> dict[str, Any]:
+def run_foreground_session(home: Home, trigger: str, day: Optional[str] = None,
+                           force: bool = False) -> dict[str, Any]:
     """Run one session in this process tree; Ctrl-C or SIGTERM stop it at a step boundary."""
     from odtd.energy_meter import SessionEnergyMeter, running_sampler
     from odtd.policy import load_policy
@@ -154,7 +155,7 @@ def run_foreground_session(home: Home, trigger: str, day: Optional[str] = None) 
         with running_sampler(config.telemetry) as sampler:
             runner = SessionRunner(home, store, config, policy, progress=progress,
                                    energy_meter=SessionEnergyMeter(sampler))
-            return runner.run(trigger=trigger, day=day, stop=stop)
+            return runner.run(trigger=trigger, day=day, stop=stop, force=force)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -230,7 +230,7 @@ class Daemon:
             runner = SessionRunner(self.home, store, self.config, self.policy,
                                    energy_meter=SessionEnergyMeter(self.sampler),
                                    heartbeat=self.notifier.watchdog)
-            self._last_session = runner.run(trigger=trigger, stop=stop)
+            self._last_session = runner.run(trigger=trigger, stop=stop, force=force)
         except OdtdError as exc:
             logger.error("session not run: %s", exc)
             self._last_session = {"error": str(exc)}

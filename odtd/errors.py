@@ -37,7 +37,16 @@ class TelemetryUnavailable(OdtdError):
 
 
 class TrainerFailed(OdtdError):
-    """The trainer worker crashed, was killed, timed out or reported an error."""
+    """The trainer worker crashed, was killed, timed out or reported an error.
+
+    Attributes:
+        oom: the worker ran out of memory (TensorFlow's ResourceExhausted, MemoryError, or the
+            kernel's OOM killer), so a smaller batch may succeed.
+    """
+
+    def __init__(self, message: str, oom: bool = False) -> None:
+        super().__init__(message)
+        self.oom = oom
 
 
 class SessionBusy(OdtdError):

@@ -44,6 +44,7 @@ class WorkerRun:
         self.lines: queue.Queue[Optional[dict[str, Any]]] = queue.Queue()
         self.peak_rss_mb = 0.0
         self.min_available_mb: Optional[float] = None
+        self.oom_kills_at_start = read_oom_kills()
         self._reader = threading.Thread(target=self._read, name="worker-stdout", daemon=True)
         self._reader.start()
 
@@ -158,6 +159,33 @@ def run_job(
     if error is not None or result is None or worker.process.returncode != 0:
         raise TrainerFailed(failure_reason(worker.process.returncode, error, job_dir / "worker.stderr"))
     return result, steps, max(worker.peak_rss_mb, result.get("peak_rss_mb") or 0.0)
+
+
+def read_oom_kills(vmstat: Path = Path("/proc/vmstat")) -> Optional[int]:
+    """The kernel's count of OOM kills (``oom_kill`` in /proc/vmstat, Linux >= 4.13), or None."""
+    try:
+        for line in vmstat.read_text(encoding="ascii").splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        logger.debug("no oom_kill counter in %s", vmstat)
+    return None
+
+
+def worker_ran_out_of_memory(error: Optional[dict[str, Any]], returncode: Optional[int],
+                             oom_kills_at_start: Optional[int]) -> bool:
+    """Whether a failed worker ran out of memory.
+
+    An ``oom`` error event says so. A SIGKILL is the kernel's OOM killer only if its kill
+    counter moved while the worker ran; on kernels without the counter (a TX2's 4.9) a SIGKILL
+    is taken as an OOM kill, since halving the batch is the safe answer either way.
+    """
+    if error is not None:
+        return error.get("kind") == "oom"
+    if returncode != -signal.SIGKILL:
+        return False
+    now = read_oom_kills()
+    return True if now is None or oom_kills_at_start is None else now > oom_kills_at_start
 
 
 def failure_reason(returncode: Optional[int], error: Optional[dict[str, Any]], stderr: Path) -> str:

@@ -16,20 +16,23 @@ import queue
 import signal
 import threading
 import time
+from contextlib import nullcontext
 from datetime import date
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
 
+from odtd.admission import SKIP, admit_session, oom_retry_batch, record_oom
 from odtd.config import Config
 from odtd.errors import SessionBusy, TrainerFailed
+from odtd.gates import FORCE_CLOSED_FILE, GateMonitor, check_gates
 from odtd.home import Home
 from odtd.ingest import load_sample_arrays
 from odtd.models import ModelRepo
 from odtd.policy import Policy
 from odtd.replay import choose_replay
-from odtd.runner import WorkerRun, failure_reason
+from odtd.runner import WorkerRun, failure_reason, worker_ran_out_of_memory
 from odtd.store import Store
 
 logger = logging.getLogger(__name__)
@@ -78,6 +81,7 @@ class SessionRunner:
             ``end(token, steps) -> dict`` (session energy fields); None records no energy.
         heartbeat: called every poll while a worker runs (the systemd watchdog ping).
         progress: called with one-line progress messages (the CLI prints them to stderr).
+        root: filesystem root the gates read (batteries, thermal zones, load).
     """
 
     def __init__(
@@ -89,6 +93,7 @@ class SessionRunner:
         energy_meter: Any = None,
         heartbeat: Optional[Callable[[], None]] = None,
         progress: Optional[Callable[[str], None]] = None,
+        root: Path = Path("/"),
     ) -> None:
         self.home = home
         self.store = store
@@ -101,24 +106,28 @@ class SessionRunner:
         self.classes = store.meta("classes")
         self.input_shape = store.meta("input_shape")
         self.repo = ModelRepo(home.models, self.model)
+        self.root = root
+        self.force_file = home.run / FORCE_CLOSED_FILE
 
     def run(self, trigger: str = "cli", day: Optional[str] = None,
-            stop: Optional[threading.Event] = None) -> dict[str, Any]:
+            stop: Optional[threading.Event] = None, force: bool = False) -> dict[str, Any]:
         """Run one session and return its session object.
 
         Args:
             trigger: what started it (cli, schedule, socket, simulate).
             day: YYYY-MM-DD the session belongs to (default: today).
             stop: set it to stop the worker at its next step boundary (outcome interrupted).
+            force: bypass the policy's gates (never the memory budget or the OOM rules).
 
         Raises:
             SessionBusy: another session holds the lock.
         """
         with SessionLock(self.home.session_lock):
             recover_stale_sessions(self.store)
-            return self._run_locked(trigger, day or date.today().isoformat(), stop or threading.Event())
+            return self._run_locked(trigger, day or date.today().isoformat(),
+                                    stop or threading.Event(), force)
 
-    def _run_locked(self, trigger: str, day: str, stop: threading.Event) -> dict[str, Any]:
+    def _run_locked(self, trigger: str, day: str, stop: threading.Event, force: bool) -> dict[str, Any]:
         policy = self.policy
         current = self.repo.current()
         self.repo.verify(current)
@@ -127,34 +136,77 @@ class SessionRunner:
             day, trigger, model_version_before=current, batch_size=policy.batch.size,
             epochs=policy.training.epochs,
         )
+        skip = {"outcome": "skipped", "model_version_after": current}
         if not pending:
-            return self._finish(session_id, outcome="skipped", reason="no pending samples",
-                                model_version_after=current, samples_new=0, samples_replay=0)
+            return self._finish(session_id, reason="no pending samples", samples_new=0,
+                                samples_replay=0, **skip)
+        closed = [] if force else [g for g in check_gates(policy.gates, self.root, None, self.force_file)
+                                   if not g.passed]
+        if closed:
+            return self._finish(session_id, reason=f"gate {closed[0].name} closed: {closed[0].reason}",
+                                samples_new=0, samples_replay=0, **skip)
         replay_rows = choose_replay(self.store, policy.replay, len(pending), seed=session_id)
+        counts = {"samples_new": len(pending), "samples_replay": len(replay_rows)}
+        admission = admit_session(self.store, policy, samples=len(pending) + len(replay_rows))
+        details: dict[str, Any] = {"admission": admission.to_dict(), "forced": force}
+        if admission.decision == SKIP:
+            return self._finish(session_id, reason=admission.reason, details=details,
+                                batch_size=admission.batch_size, epochs=admission.epochs,
+                                **counts, **skip)
         job_dir = self.home.runs / f"session-{session_id}"
         job_dir.mkdir(parents=True, exist_ok=True)
-        counts = {"samples_new": len(pending), "samples_replay": len(replay_rows)}
-        self.progress(f"session {session_id}: {len(pending)} new + {len(replay_rows)} replay samples, "
-                      f"batch {policy.batch.size}, {policy.training.epochs} epochs; worker starting")
+        batch_size, attempts = admission.batch_size, []
         try:
-            job_path, eval_name = self._write_job(job_dir, current, pending + replay_rows)
-            outcome = self._train(session_id, job_dir, job_path, stop)
-        except TrainerFailed as exc:
-            return self._finish(session_id, outcome="failed", reason=str(exc),
-                                model_version_after=current, **counts)
+            while True:
+                self.progress(f"session {session_id}: {len(pending)} new + {len(replay_rows)} "
+                              f"replay samples, batch {batch_size}, {admission.epochs} epochs; "
+                              "worker starting")
+                self.store.update_session(session_id, batch_size=batch_size, epochs=admission.epochs)
+                job_path, eval_name = self._write_job(job_dir, current, pending + replay_rows,
+                                                      batch_size, admission.epochs)
+                try:
+                    with self._gate_monitor(stop, force):
+                        outcome = self._train(session_id, job_dir, job_path, stop)
+                    break
+                except TrainerFailed as exc:
+                    retry = self._after_oom(exc, batch_size, stop)
+                    attempts.append({"batch_size": batch_size, "reason": str(exc), "oom": exc.oom})
+                    if retry is None:
+                        details["attempts"] = attempts
+                        return self._finish(session_id, outcome="failed", reason=str(exc),
+                                            model_version_after=current, details=details, **counts)
+                    self.progress(f"session {session_id}: out of memory at batch {batch_size}; "
+                                  f"retrying at batch {retry} (on_oom: halve)")
+                    batch_size = retry
         except BaseException as exc:
             # Record before propagating: a session row must never stay `running` by our hand.
             self._finish(session_id, outcome="failed", reason=f"internal error: {exc!r}",
                          model_version_after=current, **counts)
             raise
         outcome.update(counts)
-        outcome.setdefault("details", {})["evaluation_set"] = eval_name
+        details.update(outcome.get("details", {}), evaluation_set=eval_name)
+        if attempts:
+            details["attempts"] = attempts
+        outcome["details"] = details
         if outcome.get("outcome") == "interrupted":
             outcome["model_version_after"] = current
             return self._finish(session_id, **outcome)
         return self._accept(session_id, current, pending, job_dir, outcome)
 
-    def _write_job(self, job_dir: Path, current: int, rows: list[dict[str, Any]]) -> tuple[Path, str]:
+    def _gate_monitor(self, stop: threading.Event, force: bool) -> Any:
+        if force:
+            return nullcontext()
+        return GateMonitor(self.policy.gates, stop, root=self.root, force_file=self.force_file)
+
+    def _after_oom(self, exc: TrainerFailed, batch_size: int, stop: threading.Event) -> Optional[int]:
+        """Apply ``batch.on_oom`` to a failed attempt; return the batch to retry at, or None."""
+        if not exc.oom or stop.is_set():
+            return None
+        record_oom(self.store, self.model, batch_size)
+        return oom_retry_batch(self.policy.batch, batch_size)
+
+    def _write_job(self, job_dir: Path, current: int, rows: list[dict[str, Any]], batch_size: int,
+                   epochs: int) -> tuple[Path, str]:
         x, y = load_sample_arrays(self.home, rows, self.classes)
         np.savez(job_dir / "train.npz", x=x, y=y)
         eval_name, validation = self._write_evaluation_set(job_dir)
@@ -166,7 +218,7 @@ class SessionRunner:
             "weights_out": str(job_dir / "candidate.npz"),
             "train_data": str(job_dir / "train.npz"),
             "validation_data": str(validation) if validation else None,
-            "batch_size": self.policy.batch.size, "epochs": training.epochs, "max_steps": None,
+            "batch_size": batch_size, "epochs": epochs, "max_steps": None,
             "optimizer": training.optimizer, "learning_rate": training.learning_rate,
             "momentum": training.momentum, "augment": training.augment,
             "freeze_bn": training.freeze_bn, "seed": training.seed, "parent_pid": os.getpid(),
@@ -288,7 +340,8 @@ class SessionRunner:
             return fields
         if error is not None or result is None or returncode != 0:
             self.store.update_session(session_id, **fields)
-            raise TrainerFailed(failure_reason(returncode, error, job_dir / "worker.stderr"))
+            raise TrainerFailed(failure_reason(returncode, error, job_dir / "worker.stderr"),
+                                oom=worker_ran_out_of_memory(error, returncode, worker.oom_kills_at_start))
         before = result.get("by_group_before") or {}
         after = result.get("by_group_after") or {}
         primary = str(GROUP_VALIDATION) if str(GROUP_VALIDATION) in before else str(GROUP_HOLDOUT)
