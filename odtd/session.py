@@ -31,9 +31,10 @@ from odtd.home import Home
 from odtd.ingest import load_sample_arrays
 from odtd.models import ModelRepo
 from odtd.policy import Policy
-from odtd.replay import choose_replay
+from odtd.replay import choose_replay, update_buffer
 from odtd.runner import WorkerRun, failure_reason, worker_ran_out_of_memory
 from odtd.store import Store
+from odtd.versions import prune
 
 logger = logging.getLogger(__name__)
 
@@ -365,6 +366,10 @@ class SessionRunner:
         before, after = fields.get("accuracy_before"), fields.get("accuracy_after")
         tolerance = self.policy.acceptance.tolerance / 100.0
         shas = [row["sha256"] for row in pending]
+        fields["details"]["replay_buffer"] = update_buffer(
+            self.store, self.policy.replay, pending, session_id,
+            {row["sha256"]: _size(self.home.root / row["stored_path"]) for row in pending})
+        fields["details"]["forgetting"] = self._forgetting(before, after, tolerance)
         if before is not None and after is not None and after < before - tolerance:
             reason = (f"validation accuracy {after:.2%} < {before:.2%} - {tolerance:.2%} "
                       "tolerance; kept the current model")
@@ -390,7 +395,22 @@ class SessionRunner:
             # The pointer moves last, inside the transaction: if it fails, nothing is recorded.
             self.repo.set_current(version)
         self.store.log_event("promoted", f"{self.model} v{version} is current", session_id=session_id)
+        pruned = prune(self.home, self.store, keep=self.policy.models.keep_versions)
+        if pruned:
+            self.progress(f"pruned model versions {', '.join(f'v{v}' for v in pruned)}")
         return session
+
+    def _forgetting(self, before: Optional[float], after: Optional[float],
+                    tolerance: float) -> Optional[float]:
+        """Best accuracy any kept model had on the evaluation set, minus the kept one's now."""
+        if before is None or after is None:
+            return None
+        kept_now = after if after >= before - tolerance else before
+        earlier = [s["accuracy_after"] if s["outcome"] == "promoted" else s["accuracy_before"]
+                   for s in self.store.sessions(done_only=True)
+                   if s["outcome"] in ("promoted", "rolled_back")]
+        best = max([before] + [a for a in earlier if a is not None])
+        return round(max(0.0, best - kept_now), 4)
 
     def _finish(self, session_id: int, **fields: Any) -> dict[str, Any]:
         self.store.finish_session(session_id, **fields)
@@ -398,6 +418,13 @@ class SessionRunner:
         session = self.store.session(session_id)
         logger.info("session %d: %s (%s)", session_id, session["outcome"], session["reason"])
         return session
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _by_class(classes: list[str], values: Optional[list[Optional[float]]]) -> Optional[dict[str, Any]]:

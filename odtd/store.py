@@ -152,6 +152,16 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX profiles_model ON profiles (model, profile_id);
     """,
+    # 3: the replay buffer: references to samples kept by class-balanced reservoir sampling.
+    """
+    CREATE TABLE replay_buffer (
+        sha256 TEXT PRIMARY KEY REFERENCES samples (sha256),
+        label TEXT NOT NULL,
+        size_bytes INTEGER NOT NULL,
+        added_session INTEGER
+    );
+    CREATE TABLE replay_seen (label TEXT PRIMARY KEY, seen INTEGER NOT NULL);
+    """,
 ]
 
 
@@ -450,6 +460,27 @@ class Store:
         """Return the daemon's liveness row, or None if no daemon ever ran here."""
         rows = list(self.db.query("SELECT * FROM daemon WHERE id = 1"))
         return rows[0] if rows else None
+
+    # -- replay buffer ----------------------------------------------------------------------
+
+    def replay_buffer(self) -> list[dict[str, Any]]:
+        """Return the buffer's entries (sha256, label, size_bytes, added_session)."""
+        return list(self.db.query("SELECT * FROM replay_buffer ORDER BY sha256"))
+
+    def replay_seen(self) -> dict[str, int]:
+        """Return how many trained samples of each label the reservoir has been offered."""
+        return {row["label"]: row["seen"] for row in self.db.query("SELECT * FROM replay_seen")}
+
+    def update_replay(self, added: list[dict[str, Any]], removed: list[str],
+                      seen: dict[str, int]) -> None:
+        """Apply one reservoir update (entries in and out, offered counts) in one transaction."""
+        with self.transaction():
+            for sha in removed:
+                self.db.conn.execute("DELETE FROM replay_buffer WHERE sha256 = ?", [sha])
+            for row in added:
+                self._insert("replay_buffer", row, replace=True)
+            for label, count in seen.items():
+                self._insert("replay_seen", {"label": label, "seen": count}, replace=True)
 
     # -- profiles -------------------------------------------------------------------------
 
