@@ -1,0 +1,41 @@
+"""Project-wide promises: lean imports, help everywhere, README in step, shipped policies valid."""
+
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, odtctl
+
+from odtd.cli import build_parser
+from odtd.policy import load_policy
+
+
+def test_importing_cli_and_daemon_loads_no_tensorflow():
+    code = ("import sys, odtd.cli, odtd.daemon, odtd.session, odtd.simulate, odtd.profiling; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'tensorflow', 'keras', 'jtop'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def _commands():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return sorted(sub.choices)
+
+
+@pytest.mark.parametrize("name", _commands())
+def test_every_command_has_help_and_is_in_the_readme(name):
+    proc = odtctl(name, "--help")
+    assert "usage: odtctl" in proc.stdout and len(proc.stdout.splitlines()) > 3
+    assert f"odtctl {name}" in (REPO / "README.md").read_text()
+
+
+def test_daemon_has_help():
+    proc = subprocess.run([sys.executable, "-m", "odtd.daemon", "run", "--help"],
+                          capture_output=True, text=True, check=True)
+    assert "--config" in proc.stdout
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "policies").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_policy_validates(path):
+    load_policy(path, missing_ok=False)
