@@ -27,7 +27,8 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check odtd tests scripts
 	$(BIN)/vermin -t=3.6- --no-tips --violations --eval-annotations odtd/trainer
-	$(BIN)/vermin -t=3.8- --no-tips --violations --eval-annotations --exclude-regex 'odtd/trainer/.*' odtd
+	# Annotations are not evaluated on 3.8 (`from __future__ import annotations`), so not checked.
+	$(BIN)/vermin -t=3.8- --no-tips --violations --exclude-regex 'odtd/trainer/.*' odtd
 
 bench: $(STAMP)
 	$(BIN)/python scripts/bench_trainer.py --json
