@@ -83,6 +83,9 @@ class TrainingPolicy(_Strict):
     freeze_bn: bool = Field(default=True, description="BatchNorm in inference mode while training")
     max_samples_per_session: int = Field(default=512, ge=1)
     precision: Literal["fp32", "mixed_float16", "mixed_bfloat16", "auto"] = "fp32"
+    gpu_memory_limit_mb: Optional[int] = Field(
+        default=None, ge=64, description="cap on TensorFlow's GPU memory (a TX2 shares 8 GB with "
+        "the device's own application); null = grow on demand, never grab it all")
     eval_batch_size: Optional[int] = Field(
         default=None, ge=1, description="evaluation batch size; null = batch.size (memory as profiled)")
     seed: int = 0

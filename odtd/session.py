@@ -223,7 +223,7 @@ class SessionRunner:
             "optimizer": training.optimizer, "learning_rate": training.learning_rate,
             "momentum": training.momentum, "augment": training.augment,
             "freeze_bn": training.freeze_bn, "seed": training.seed, "parent_pid": os.getpid(),
-            "precision": training.precision, "gpu_memory_limit_mb": None,
+            "precision": training.precision, "gpu_memory_limit_mb": training.gpu_memory_limit_mb,
             "eval_batch_size": training.eval_batch_size,
         }  # fmt: skip
         job_path = job_dir / "job.json"

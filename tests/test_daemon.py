@@ -196,19 +196,31 @@ def test_sighup_with_broken_policy_keeps_the_old_one(daemon_home):
         assert stop(proc) == 0
 
 
-def test_sd_notify_ready_and_watchdog(daemon_home, tmp_path):
+def test_sd_notify_ready_and_watchdog_also_while_training(daemon_home, tmp_path):
     address = str(tmp_path / "notify.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(address)
     sock.settimeout(30)
+    write_images(tmp_path / "imgs", per_class=7)
+    odtctl("ingest", str(tmp_path / "imgs"), home=daemon_home)
     proc = start_daemon(daemon_home, {"NOTIFY_SOCKET": address, "WATCHDOG_USEC": "2000000"})
     try:
         messages = []
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and sum("WATCHDOG=1" in m for m in messages) < 3:
+        while not any("READY=1" in m for m in messages):
             messages.append(sock.recv(4096).decode())
-        assert any("READY=1" in m for m in messages)
-        assert sum("WATCHDOG=1" in m for m in messages) >= 3
+        odtctl("train-now", home=daemon_home)
+        # Collect until the session is over; count pings sent while it was training.
+        during, training = 0, False
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            message = sock.recv(4096).decode()
+            if "STATUS=training" in message:
+                training = True
+            elif "STATUS=idle" in message and training:
+                break
+            if training and "WATCHDOG=1" in message:
+                during += 1
+        assert training and during >= 3
     finally:
         assert stop(proc) == 0
         sock.close()
