@@ -4,7 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo lint bench clean
+COMPAT := .venv-compat
+COMPAT_STAMP := $(COMPAT)/.installed
+
+.PHONY: install test test-compat demo lint bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +27,19 @@ demo: $(STAMP)
 		--pretrain-samples 1500 --pretrain-epochs 3 --validation-samples 300 --policy policies/demo.yaml
 	$(BIN)/odtctl --home demo-home status
 
+# The oldest stack odtd supports, beside the current one: a Keras-2 TensorFlow (2.15, what a
+# JetPack-era worker looks like to tf.keras) and sqlite-utils 3.x (the Python 3.8 daemons' line).
+$(COMPAT_STAMP): pyproject.toml
+	@test -x $(COMPAT)/bin/python || $(PYTHON) -m venv $(COMPAT)
+	$(COMPAT)/bin/python -m pip install --quiet --upgrade pip
+	$(COMPAT)/bin/python -m pip install --quiet 'tensorflow==2.15.1' 'numpy<2' 'sqlite-utils>=3.35,<4' pytest
+	$(COMPAT)/bin/python -m pip install --quiet -e .
+	@touch $(COMPAT_STAMP)
+
+test-compat: $(COMPAT_STAMP)
+	$(COMPAT)/bin/python -m pytest -q -p no:cacheprovider tests/test_worker.py tests/test_store.py \
+		tests/test_session.py tests/test_learning.py tests/test_ingest.py tests/test_config.py
+
 lint: $(STAMP)
 	$(BIN)/ruff check odtd tests scripts
 	$(BIN)/vermin -t=3.6- --no-tips --violations --eval-annotations odtd/trainer
@@ -35,4 +51,4 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_telemetry.py --json
 
 clean:
-	rm -rf $(VENV) demo-home .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(COMPAT) demo-home .pytest_cache .ruff_cache
