@@ -14,11 +14,11 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 from odtd.config import TelemetryConfig
+from odtd.runner import WARMUP_STEPS
 from odtd.telemetry import Sampler, open_backend
 
 logger = logging.getLogger(__name__)
 
-WARMUP_STEPS = 3
 BASELINE_S = 2.0
 
 

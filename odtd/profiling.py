@@ -24,8 +24,8 @@ from odtd.errors import TelemetryUnavailable, TrainerFailed
 from odtd.home import Home
 from odtd.policy import TrainingPolicy
 from odtd.profiles import DOES_NOT_FIT, OK, ProfileResult, ProfileRow
-from odtd.runner import run_job
-from odtd.session import WARMUP_STEPS, SessionLock
+from odtd.runner import WARMUP_STEPS, run_job
+from odtd.session import SessionLock
 from odtd.store import Store, utc_now
 from odtd.trainer import catalog
 

@@ -21,6 +21,10 @@ from odtd.sdnotify import NOTIFY_ENV_VARS
 
 logger = logging.getLogger(__name__)
 
+# The framework's warm-up steps (graph tracing, allocator growth), skipped in every per-step
+# statistic: throughput, per-step energy, profiles.
+WARMUP_STEPS = 3
+
 
 class WorkerRun:
     """A running trainer worker: its JSON lines, its peak memory, and how to stop it.

@@ -32,14 +32,13 @@ from odtd.ingest import load_sample_arrays
 from odtd.models import ModelRepo
 from odtd.policy import Policy
 from odtd.replay import choose_replay, update_buffer
-from odtd.runner import WorkerRun, failure_reason, worker_ran_out_of_memory
+from odtd.runner import WARMUP_STEPS, WorkerRun, failure_reason, worker_ran_out_of_memory
 from odtd.store import Store
 from odtd.versions import prune
 
 logger = logging.getLogger(__name__)
 
 GROUP_VALIDATION, GROUP_HOLDOUT = 0, 1  # evaluation groups (docs/worker-protocol.md)
-WARMUP_STEPS = 3  # the framework's warm-up steps, skipped in every per-step statistic
 _POLL_S = 0.2
 
 
