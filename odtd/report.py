@@ -6,6 +6,7 @@ import os
 from datetime import datetime, timezone
 from typing import Any, Optional
 
+from odtd.errors import OdtdError
 from odtd.home import Home
 from odtd.models import ModelRepo
 from odtd.store import Store
@@ -60,6 +61,20 @@ def model_status(home: Home, store: Store) -> dict[str, Any]:
             "param_count": manifest.get("param_count"), "sha256": manifest.get("sha256")}
 
 
+def gates_status(home: Home) -> dict[str, Any]:
+    """Return the ``gates`` section: each configured gate's verdict right now."""
+    from odtd.gates import FORCE_CLOSED_FILE, check_gates
+    from odtd.policy import load_policy
+
+    try:
+        policy = load_policy(home.policy_path(home.load_config()))
+    except OdtdError as exc:
+        return {"error": str(exc), "gates": []}
+    results = check_gates(policy.gates, force_file=home.run / FORCE_CLOSED_FILE)
+    return {"error": None, "gates": [{"name": r.name, "passed": r.passed, "value": r.value,
+                                      "reason": r.reason} for r in results]}
+
+
 def status(home: Home, store: Store, limit: int = 10) -> dict[str, Any]:
     """Return the ``odtctl status --json`` object."""
     return {
@@ -67,6 +82,7 @@ def status(home: Home, store: Store, limit: int = 10) -> dict[str, Any]:
         "daemon": daemon_status(store),
         "model": model_status(home, store),
         "samples": store.sample_counts(),
+        "gates": gates_status(home),
         "sessions": store.sessions(limit=limit),
     }
 
@@ -126,6 +142,14 @@ def render_status(data: dict[str, Any]) -> str:
                  f"({m['param_count']:,} parameters)")
     lines.append(f"samples  total {s['total']}  pending {s['pending']}  trained {s['trained']}  "
                  f"holdout {s['holdout']}  quarantined {s['quarantined']}")
+    gates = data.get("gates") or {}
+    if gates.get("error"):
+        lines.append(f"gates    policy invalid: {gates['error']}")
+    elif gates.get("gates"):
+        lines.append("gates    " + "; ".join(
+            f"{g['name']} {'open' if g['passed'] else 'CLOSED'} ({g['reason']})" for g in gates["gates"]))
+    else:
+        lines.append("gates    none configured in the policy")
     sessions = data["sessions"]
     if not sessions:
         lines.append("sessions none yet: `odtctl ingest DIR` then `odtctl train-now`")

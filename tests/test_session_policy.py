@@ -88,3 +88,14 @@ def test_gate_closing_mid_session_interrupts_it(home, tmp_path):
     _set_policy(home, "epochs: 500", "epochs: 1")
     forced = odtctl_json("train-now", "--foreground", "--force", home=home)
     assert forced["outcome"] == "promoted" and forced["details"]["forced"] is True
+
+
+def test_status_reports_each_configured_gate(home):
+    (home / "policy.yaml").write_text((home / "policy.yaml").read_text()
+                                      + "gates:\n  min_battery_pct: 30\n  window: '00:00-23:59'\n")
+    (home / "run").mkdir(exist_ok=True)
+    (home / "run" / "force-gate-closed").write_text("window\n")
+    gates = {g["name"]: g for g in odtctl_json("status", home=home)["gates"]["gates"]}
+    assert gates["window"]["passed"] is False
+    assert "battery" in gates
+    assert "gates" in odtctl("status", home=home).stdout
