@@ -58,13 +58,17 @@ def plot_sessions(sessions: list[dict[str, Any]], out: Path, title: str) -> Path
     source = next((s.get("energy_source") for s in trained if s.get("energy_source")), None)
     ax_energy.set_ylabel(f"energy per session (J)\nsource: {source or 'none'}")
     ax_energy.grid(alpha=0.3, axis="y")
-    for outcome, colour in _COLOURS.items():
-        if any(s["outcome"] == outcome for s in trained):
-            ax_energy.bar([], [], color=colour, label=outcome)
-    ax_energy.legend(loc="best", fontsize=8)
+    from matplotlib.patches import Patch
 
-    ax_mem.plot(x, [s.get("peak_memory_mb") for s in trained], "o-", color="#6d597a")
+    handles = [Patch(color=colour, label=outcome) for outcome, colour in _COLOURS.items()
+               if any(s["outcome"] == outcome for s in trained)]
+    ax_energy.legend(handles=handles, loc="best", fontsize=8)
+
+    peaks = [s.get("peak_memory_mb") for s in trained]
+    ax_mem.plot(x, peaks, "o-", color="#6d597a")
     ax_mem.set_ylabel("worker peak memory (MB)")
+    # From zero: differences of a few MB must not look like growth.
+    ax_mem.set_ylim(0, 1.15 * max([p for p in peaks if p is not None] or [1.0]))
     ax_mem.grid(alpha=0.3)
     ax_mem.set_xticks(x)
     ax_mem.set_xticklabels(labels, rotation=45, ha="right", fontsize=8)
