@@ -73,6 +73,9 @@ class TelemetryConfig(_Strict):
 
     backend: str = "auto"
     interval_ms: float = Field(default=10.0, gt=0)
+    sampler_nice: int = Field(
+        default=10, ge=0, le=19,
+        description="added to the sampler thread's nice value, so it does not preempt training")
     replay_file: Optional[str] = Field(default=None, description="the recording the replay backend plays")
     replay_interval_ms: Optional[float] = Field(
         default=None, gt=0, description="interval of a replayed tegrastats log without timestamps")
@@ -195,6 +198,8 @@ trainer:
 telemetry:
   backend: auto             # auto | jtop | ina3221 | tegrastats | rapl | estimate | none | replay
   interval_ms: 10
+  sampler_nice: 10          # the sampler thread's nice above the daemon's: it reads
+                            # in training's gaps instead of preempting a step
 policy: policy.yaml         # relative to ODTD_HOME, or an absolute path
 heartbeat_interval_s: 5
 """

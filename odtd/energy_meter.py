@@ -91,7 +91,8 @@ def make_sampler(telemetry: TelemetryConfig) -> Sampler:
         options = {"path": telemetry.replay_file, "loop": True,
                    "interval_ms": telemetry.replay_interval_ms}
     backend = open_backend(telemetry.backend, **options)
-    return Sampler(backend, interval_s=telemetry.interval_ms / 1000.0)
+    return Sampler(backend, interval_s=telemetry.interval_ms / 1000.0,
+                   nice_increment=telemetry.sampler_nice)
 
 
 @contextmanager

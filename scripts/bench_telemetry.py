@@ -1,20 +1,22 @@
 #!/usr/bin/env python3
 """Benchmark what the 10 ms telemetry sampler costs a training session.
 
-The real trainer worker (``python -m odtd.trainer.worker JOB.json``, profile mode, random uint8
-data) trains densenet40 at batch 16, alternately without and with a sampler running in a thread
-of this process, which stands in for the daemon (ABAB..., to spread drift over both). The sampler
-uses the backend that applies on this machine (``estimate`` unless told otherwise) at 10 ms.
+One run of the real trainer worker (``python -m odtd.trainer.worker JOB.json``, profile mode,
+random uint8 data) trains densenet40 at batch 16 while this process, standing in for the
+daemon, switches a sampler thread on and off in alternating blocks of steps (off, on, off, on,
+...; after 3 warm-up steps). Each step's span (on the shared monotonic clock) is classed by
+whether the sampler ran for all of it or none of it; a step that straddles a switch is dropped.
+Interleaving within one process cancels what separate runs cannot: the machine's speed drifts by
+more than the effect being measured (on a 2-core VM, 20% between whole runs).
 
-Reported: training throughput (samples/s over the measured steps, after 3 warm-up steps) with and
-without the sampler and the slowdown in percent (of the means, per adjacent pair, and of the
-median step, which a stall caused by something else on the machine does not move); the
-sampler's achieved mean interval; its CPU cost as the sampler thread's own CPU time
-(``time.thread_time()`` inside the thread) and as this process's CPU time, both over wall time;
-the CPU other processes used meanwhile (a shared machine skews both arms); and, for
-illustration, the session's energy and the per-step energy joined from the worker's steps.
+Reported: training throughput with and without the sampler and the slowdown in percent (of
+all classed steps, and per adjacent off/on block pair with its mean, median and a 95% interval);
+the sampler's achieved mean interval; its CPU cost as the sampler thread's own CPU time
+(``time.thread_time()`` inside the thread) over the time it ran; the CPU other processes used
+meanwhile (a shared machine skews both arms); and, for illustration, the mean energy of a
+sampled step.
 
-    python scripts/bench_telemetry.py [--json] [--pairs 3] [--steps 20] [--backend estimate]
+    python scripts/bench_telemetry.py [--json] [--steps 240] [--block-steps 12] [--backend estimate]
 """
 
 import argparse
@@ -33,7 +35,8 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from odtd.telemetry import Sampler, open_backend, step_energies  # noqa: E402
+from odtd.config import TelemetryConfig  # noqa: E402
+from odtd.telemetry import Sampler, open_backend  # noqa: E402
 from odtd.telemetry.estimate import read_cpu_ticks  # noqa: E402
 
 NUM_CLASSES = 10
@@ -72,65 +75,102 @@ def write_job(workdir: Path, model: str, batch_size: int, max_steps: int) -> Pat
     return path
 
 
-def run_worker(job_path: Path) -> list:
-    """Run the worker to completion; return its events."""
+class SwitchedSampler:
+    """A sampler this process switches on and off, remembering when and adding up its stats."""
+
+    def __init__(self, backend_name: str, interval_s: float, nice_increment: int) -> None:
+        self.backend = open_backend(backend_name)
+        self.sampler = Sampler(self.backend, interval_s=interval_s, nice_increment=nice_increment)
+        self.switches = [(time.monotonic(), False)]  # (t_mono once switched, running after)
+        self.reads = self.failures = 0
+        self.cpu_s = self.on_s = 0.0
+        self.intervals = []
+
+    def switch(self, on: bool) -> None:
+        if on == self.sampler.running:
+            return
+        if on:
+            self.sampler.start()
+        else:
+            self.sampler.stop()
+            stats = self.sampler.stats()
+            self.reads, self.failures = self.reads + stats.reads, self.failures + stats.failures
+            self.cpu_s += stats.cpu_s
+            self.on_s += time.monotonic() - self.switches[-1][0]
+            if stats.achieved_interval_s is not None:
+                self.intervals.append((stats.samples, stats.achieved_interval_s))
+        self.switches.append((time.monotonic(), on))
+
+    def state_during(self, start: float, end: float):
+        """True/False if the sampler ran for all/none of ``[start, end]``; None if it switched."""
+        state = None
+        for t_switch, running in self.switches:
+            if t_switch <= start:
+                state = running
+            elif t_switch < end:
+                return None
+        return state
+
+    def close(self) -> None:
+        self.switch(False)
+        self.backend.close()
+
+
+def run_switched(job_path: Path, args: argparse.Namespace, sampler: SwitchedSampler) -> list:
+    """Run the worker; switch the sampler every ``block_steps`` steps; return its events."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT),
                                                         os.environ.get("PYTHONPATH")])))
-    run = subprocess.run([sys.executable, "-m", "odtd.trainer.worker", str(job_path)],
-                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=False)
-    events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    errors = [e["message"] for e in events if e["event"] == "error"]
-    if run.returncode != 0 or errors:
-        raise RuntimeError(f"worker exited {run.returncode}: {errors or run.stderr[-2000:]}")
+    events = []
+    with tempfile.TemporaryFile("w+") as stderr:
+        worker = subprocess.Popen([sys.executable, "-m", "odtd.trainer.worker", str(job_path)],
+                                  cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr,
+                                  text=True)
+        try:
+            for line in worker.stdout:
+                if not line.startswith("{"):
+                    continue
+                event = json.loads(line)
+                events.append(event)
+                if event["event"] == "step":
+                    done = event["index"] + 1 - args.warmup_steps
+                    sampler.switch(done >= 0 and (done // args.block_steps) % 2 == 1)
+                    if event["index"] % 20 == 0:
+                        print(f"step {event['index']} of {args.warmup_steps + args.steps}",
+                              file=sys.stderr, flush=True)
+        finally:
+            sampler.switch(False)
+            code = worker.wait()
+        errors = [e["message"] for e in events if e["event"] == "error"]
+        if code != 0 or errors:
+            stderr.seek(0)
+            raise RuntimeError(f"worker exited {code}: {errors or stderr.read()[-2000:]}")
     return events
 
 
-def measured_spans(events: list, warmup_steps: int) -> list:
-    return [(e["start"], e["end"], e["batch_size"])
-            for e in events if e["event"] == "step"][warmup_steps:]
+def blocks(events: list, args: argparse.Namespace, sampler: SwitchedSampler) -> list:
+    """Group classed measured steps into blocks: ``[(running, [(start, end, size), ...]), ...]``."""
+    grouped = []
+    for e in events:
+        if e["event"] != "step" or e["index"] < args.warmup_steps:
+            continue
+        running = sampler.state_during(e["start"], e["end"])
+        if running is None:
+            continue
+        block = (e["index"] - args.warmup_steps) // args.block_steps
+        if not grouped or grouped[-1][0] != block:
+            grouped.append((block, running, []))
+        grouped[-1][2].append((e["start"], e["end"], e["batch_size"]))
+    return [(running, spans) for _, running, spans in grouped]
 
 
-def throughput_sps(spans: list) -> float:
-    return sum(size for _, _, size in spans) / (spans[-1][1] - spans[0][0])
-
-
-def median_step_sps(spans: list) -> float:
-    """Samples/s of the median step: robust to a step stalled by something else on the box."""
-    return spans[0][2] / statistics.median(end - start for start, end, _ in spans)
+def sps(spans: list) -> float:
+    """Samples per second of training time (the sum of the steps' own durations)."""
+    return sum(size for _, _, size in spans) / sum(end - start for start, end, _ in spans)
 
 
 def slowdown_pct(without: float, with_sampler: float) -> float:
     return round(100.0 * (without - with_sampler) / without, 2)
-
-
-def run_with_sampler(job_path: Path, args: argparse.Namespace) -> dict:
-    backend = open_backend(args.backend)
-    sampler = Sampler(backend, interval_s=args.interval_ms / 1000.0)
-    cpu_before, wall_before = time.process_time(), time.monotonic()
-    sampler.start()
-    try:
-        sampler.open_window("session")
-        events = run_worker(job_path)
-        session = sampler.close_window("session")
-    finally:
-        sampler.stop()
-        wall_s = time.monotonic() - wall_before
-        process_cpu_s = time.process_time() - cpu_before
-        backend.close()
-    spans = measured_spans(events, args.warmup_steps)
-    stats = sampler.stats()
-    steps = step_energies(sampler.samples_between(spans[0][0] - 1.0, spans[-1][1] + 1.0),
-                          [(start, end) for start, end, _ in spans], sampler.interval_s,
-                          backend.source)
-    step_j = [r.energy_j for r in steps if r.energy_j is not None]
-    return {
-        "events": events, "sps": throughput_sps(spans), "median_sps": median_step_sps(spans),
-        "achieved_interval_s": stats.achieved_interval_s, "reads": stats.reads,
-        "failures": stats.failures, "thread_cpu_s": stats.cpu_s, "process_cpu_s": process_cpu_s,
-        "wall_s": wall_s, "session_j": session.energy_j, "coverage": session.coverage,
-        "source": session.source, "step_j_mean": statistics.mean(step_j) if step_j else None,
-    }
 
 
 def other_cpu_pct(busy_before: int, times_before: os.times_result, started: float) -> float:
@@ -149,61 +189,67 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a summary")
     parser.add_argument("--model", default="densenet40")
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=20, help="measured steps per run")
+    parser.add_argument("--steps", type=int, default=240, help="measured steps")
+    parser.add_argument("--block-steps", type=int, default=12,
+                        help="steps per block; blocks alternate sampler off and on")
     parser.add_argument("--warmup-steps", type=int, default=3, help="steps skipped first")
-    parser.add_argument("--pairs", type=int, default=3, help="without/with pairs (ABAB...)")
     parser.add_argument("--backend", default="estimate", help="telemetry backend to sample")
     parser.add_argument("--interval-ms", type=float, default=10.0)
+    parser.add_argument("--sampler-nice", type=int, default=TelemetryConfig().sampler_nice,
+                        help="nice increment of the sampler thread (the daemon's default: "
+                             "%(default)s)")
     args = parser.parse_args()
+    if args.steps < 2 * args.block_steps or args.block_steps < 2:
+        parser.error("need --block-steps >= 2 and --steps >= 2 x --block-steps")
     started = time.monotonic()
     busy_before, times_before = read_cpu_ticks(Path("/"))[0], os.times()
-    without, without_median, with_sampler = [], [], []
-    with tempfile.TemporaryDirectory(prefix="bench_telemetry-") as tmp:
-        job_path = write_job(Path(tmp), args.model, args.batch_size,
-                             args.warmup_steps + args.steps)
-        for _ in range(args.pairs):
-            spans = measured_spans(run_worker(job_path), args.warmup_steps)
-            without.append(throughput_sps(spans))
-            without_median.append(median_step_sps(spans))
-            with_sampler.append(run_with_sampler(job_path, args))
-    start_event = next(e for e in with_sampler[-1]["events"] if e["event"] == "start")
-    sps_without = statistics.mean(without)
-    sps_with = statistics.mean(run["sps"] for run in with_sampler)
-    wall_s = sum(run["wall_s"] for run in with_sampler)
+    sampler = SwitchedSampler(args.backend, args.interval_ms / 1000.0, args.sampler_nice)
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench_telemetry-") as tmp:
+            job_path = write_job(Path(tmp), args.model, args.batch_size,
+                                 args.warmup_steps + args.steps)
+            events = run_switched(job_path, args, sampler)
+        grouped = blocks(events, args, sampler)
+        on_spans = [span for running, spans in grouped if running for span in spans]
+        step_reports = sampler.sampler.span_energies([(start, end) for start, end, _ in on_spans])
+        step_j = [r.energy_j for r in step_reports if r.energy_j is not None]
+    finally:
+        sampler.close()
+    off_spans = [span for running, spans in grouped if not running for span in spans]
+    pairs = [slowdown_pct(sps(off), sps(on)) for (was_on, off), (is_on, on)
+             in zip(grouped[::2], grouped[1::2]) if not was_on and is_on]
+    half_width = 1.96 * statistics.stdev(pairs) / len(pairs) ** 0.5 if len(pairs) > 1 else None
+    samples = sum(n for n, _ in sampler.intervals)
+    start_event = next(e for e in events if e["event"] == "start")
     report = {
         "machine": machine(),
         "tensorflow": start_event.get("tensorflow"),
-        "model": args.model, "batch_size": args.batch_size,
-        "measured_steps": args.steps, "warmup_steps": args.warmup_steps,
-        "order": "ABAB (A without sampler, B with)", "pairs": args.pairs,
-        "backend": with_sampler[-1]["source"], "interval_s": args.interval_ms / 1000.0,
-        "sps_without": [round(v, 3) for v in without],
-        "sps_with": [round(run["sps"], 3) for run in with_sampler],
-        "sps_without_mean": round(sps_without, 3),
-        "sps_with_mean": round(sps_with, 3),
-        "slowdown_pct": slowdown_pct(sps_without, sps_with),
-        "per_pair_slowdown_pct": [slowdown_pct(a, b["sps"]) for a, b in zip(without, with_sampler)],
-        "median_step_slowdown_pct": slowdown_pct(
-            statistics.median(without_median),
-            statistics.median(run["median_sps"] for run in with_sampler)),
-        "run_to_run_spread_pct": round(
-            100.0 * (max(without) - min(without)) / sps_without, 2),
+        "model": args.model, "batch_size": args.batch_size, "precision": "fp32",
+        "warmup_steps": args.warmup_steps, "measured_steps": args.steps,
+        "design": f"one worker run, sampler switched off/on every {args.block_steps} steps",
+        "backend": sampler.backend.source, "interval_s": args.interval_ms / 1000.0,
+        "steps_without": len(off_spans), "steps_with": len(on_spans),
+        "steps_dropped": args.steps - len(off_spans) - len(on_spans),
+        "sps_without": round(sps(off_spans), 3),
+        "sps_with": round(sps(on_spans), 3),
+        "slowdown_pct": slowdown_pct(sps(off_spans), sps(on_spans)),
+        "block_pairs": len(pairs),
+        "per_pair_slowdown_pct": pairs,
+        "mean_pair_slowdown_pct": round(statistics.mean(pairs), 2),
+        "median_pair_slowdown_pct": round(statistics.median(pairs), 2),
+        "pair_slowdown_95ci_pct": None if half_width is None else [
+            round(statistics.mean(pairs) - half_width, 2),
+            round(statistics.mean(pairs) + half_width, 2)],
         "sampler": {
-            "achieved_interval_s": round(statistics.mean(
-                run["achieved_interval_s"] for run in with_sampler), 5),
-            "reads": sum(run["reads"] for run in with_sampler),
-            "failures": sum(run["failures"] for run in with_sampler),
-            "thread_cpu_pct_of_one_core": round(
-                100.0 * sum(run["thread_cpu_s"] for run in with_sampler) / wall_s, 3),
-            "process_cpu_pct_of_one_core": round(
-                100.0 * sum(run["process_cpu_s"] for run in with_sampler) / wall_s, 3),
+            "achieved_interval_s": round(sum(n * i for n, i in sampler.intervals) / samples, 5)
+            if samples else None,
+            "reads": sampler.reads,
+            "failures": sampler.failures,
+            "thread_cpu_pct_of_one_core": round(100.0 * sampler.cpu_s / sampler.on_s, 3),
+            "nice_increment": args.sampler_nice,
+            "sampled_steps_coverage": round(statistics.mean(r.coverage for r in step_reports), 4),
         },
-        "energy_example": {
-            "source": with_sampler[-1]["source"],
-            "session_j": round(with_sampler[-1]["session_j"], 2),
-            "coverage": round(with_sampler[-1]["coverage"], 4),
-            "j_per_measured_step": round(with_sampler[-1]["step_j_mean"], 3),
-        },
+        "j_per_sampled_step": round(statistics.mean(step_j), 3) if step_j else None,
         "bench_wall_s": round(time.monotonic() - started, 1),
         "other_processes_cpu_pct": other_cpu_pct(busy_before, times_before, started),
     }
@@ -211,9 +257,9 @@ def main() -> int:
         print(json.dumps(report, indent=2))
         return 0
     print(f"{args.model} batch {args.batch_size} on {report['machine']}: "
-          f"{report['sps_without_mean']} samples/s without the sampler, "
-          f"{report['sps_with_mean']} with ({report['slowdown_pct']}% slowdown; run-to-run "
-          f"spread {report['run_to_run_spread_pct']}%)")
+          f"{report['sps_without']} samples/s without the sampler, {report['sps_with']} with "
+          f"({report['slowdown_pct']}% slowdown; per block pair median "
+          f"{report['median_pair_slowdown_pct']}%, 95% interval {report['pair_slowdown_95ci_pct']})")
     print(f"sampler: {report['sampler']['achieved_interval_s'] * 1000:.2f} ms achieved, "
           f"{report['sampler']['thread_cpu_pct_of_one_core']}% of one core")
     return 0

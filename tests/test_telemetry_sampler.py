@@ -1,5 +1,7 @@
 """The sampler thread with a fast fake backend: cadence, gaps, bounded memory, windows."""
 
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -153,3 +155,26 @@ def test_backend_that_measures_nothing_needs_no_thread():
     report = run_window(sampler, 0.01)
     assert report.energy_j is None and report.coverage == 0.0 and report.source == "none"
     assert not sampler.wait_for_sample_after(0.0, timeout_s=0.01)
+
+
+class NiceRecordingBackend(FastBackend):
+    """Records the nice value of the thread that reads it (Linux: nice is per thread)."""
+
+    def read(self):
+        self.reader_nice = os.getpriority(os.PRIO_PROCESS, 0)
+        return super().read()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_sampler_thread_is_niced_and_the_caller_is_not():
+    backend = NiceRecordingBackend()
+    backend.open()
+    own_nice = os.getpriority(os.PRIO_PROCESS, 0)
+    sampler = Sampler(backend, interval_s=0.010, nice_increment=5)
+    sampler.start()
+    try:
+        assert sampler.wait_for_sample_after(time.monotonic(), timeout_s=2.0)
+    finally:
+        sampler.stop()
+    assert backend.reader_nice == min(19, own_nice + 5)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == own_nice

@@ -9,6 +9,7 @@ numbers per rail instead of every sample.
 
 import logging
 import math
+import os
 import threading
 import time
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -129,6 +130,7 @@ class Sampler:
         ring_seconds: float = 600.0,
         gap_factor: float = DEFAULT_GAP_FACTOR,
         on_sample: Optional[Callable[[PowerSample], None]] = None,
+        nice_increment: int = 0,
     ) -> None:
         """Prepare the sampler; the backend must already be open.
 
@@ -138,6 +140,8 @@ class Sampler:
             ring_seconds: How many seconds of raw samples to keep for ``samples_between``.
             gap_factor: Segments longer than this many intervals are gaps in energy figures.
             on_sample: Called in the sampler thread with each new sample (e.g. a recorder).
+            nice_increment: Added to the sampler thread's own nice value (Linux: per thread),
+                so its wake-ups do not preempt the trainer worker's threads mid-step.
         """
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
@@ -145,6 +149,7 @@ class Sampler:
         self.interval_s = backend.nominal_interval_s or interval_s
         self.gap_factor = gap_factor
         self._on_sample = on_sample
+        self.nice_increment = nice_increment
         self._ring = SampleRing(max(2, int(math.ceil(ring_seconds / self.interval_s)) + 1))
         self._lock = threading.Lock()
         self._sampled = threading.Condition(self._lock)
@@ -188,7 +193,19 @@ class Sampler:
         """Whether the sampler thread is alive."""
         return self._thread is not None and self._thread.is_alive()
 
+    def _lower_priority(self) -> None:
+        # On a machine whose cores all train, a wake-up at the worker's priority preempts a
+        # TensorFlow thread; the step then waits for it. A niced sampler reads in the gaps.
+        try:
+            tid = threading.get_native_id()
+            nice = min(19, os.getpriority(os.PRIO_PROCESS, tid) + self.nice_increment)
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except (AttributeError, OSError) as error:  # not Linux, or not allowed
+            logger.debug("sampler thread keeps its priority: %s", error)
+
     def _run(self) -> None:
+        if self.nice_increment:
+            self._lower_priority()
         self_paced = self.backend.nominal_interval_s is not None
         deadline = time.monotonic()
         iteration = 0
