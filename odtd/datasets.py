@@ -23,6 +23,7 @@ import numpy as np
 from PIL import Image
 
 from odtd.errors import IngestError
+from odtd.models import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -167,12 +168,10 @@ def synthetic(n: int, domain: str = "server", seed: int = 0) -> tuple[np.ndarray
 
 # --- image folders and real data sets ---------------------------------------------------------
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    # The inbox skips dot-files, so it never ingests a half-written image.
+def _write_image(path: Path, data: bytes) -> None:
+    # Hidden until renamed: an inbox never ingests a half-written image.
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.part")
-    partial.write_bytes(data)
-    os.replace(partial, path)
+    atomic_write_bytes(path, data, durable=False)
 
 
 def write_image_folder(x: np.ndarray, y: np.ndarray, classes: Sequence[str], out_dir: str | os.PathLike,
@@ -202,7 +201,7 @@ def write_image_folder(x: np.ndarray, y: np.ndarray, classes: Sequence[str], out
         buffer = io.BytesIO()
         Image.fromarray(pixels).save(buffer, **options)
         path = Path(out_dir) / classes[int(label)] / f"{start_index + offset:06d}.{fmt}"
-        _write_atomic(path, buffer.getvalue())
+        _write_image(path, buffer.getvalue())
         paths.append(path)
     return paths
 
@@ -292,7 +291,7 @@ class ImageDataset:
             if name not in labels:
                 raise KeyError(f"{self.path}: split {split!r} has no image {name!r}")
             path = Path(out_dir) / self.classes[labels[name]] / name.rsplit("/", 1)[-1]
-            _write_atomic(path, self.read_bytes(name))
+            _write_image(path, self.read_bytes(name))
             paths.append(path)
         return paths
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Optional
 
 from odtd.home import Home
+from odtd.models import atomic_write_text
 from odtd.report import daemon_status
 from odtd.store import OUTCOMES, Store
 
@@ -64,6 +64,4 @@ def prometheus_text(home: Home, store: Store) -> str:
 
 def write_textfile(path: Path, text: str) -> None:
     """Write atomically (node_exporter must never read a half-written file)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, text, durable=False)

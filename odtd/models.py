@@ -45,15 +45,27 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so readers see the old or the new content, never a mix."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
+def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
+    """Replace ``path`` with ``data`` so readers see the old or the new content, never a mix.
+
+    The content is written under a hidden, per-process name (``.NAME.PID.tmp``: an inbox scan
+    skips it, and two writers never share it) and renamed. ``durable`` also fsyncs the file
+    and its directory, for state that must survive a power cut.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+        if durable:
+            handle.flush()
+            os.fsync(handle.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
+    """`atomic_write_bytes` for UTF-8 text."""
+    atomic_write_bytes(path, text.encode("utf-8"), durable)
 
 
 def check_model_name(name: str) -> None:
