@@ -42,6 +42,7 @@ from odtd.telemetry.estimate import read_cpu_ticks  # noqa: E402
 NUM_CLASSES = 10
 INPUT_SHAPE = (32, 32, 3)
 SAMPLES = 512
+PRECISION = "fp32"
 
 
 def machine() -> str:
@@ -68,7 +69,7 @@ def write_job(workdir: Path, model: str, batch_size: int, max_steps: int) -> Pat
         "weights_in": None, "weights_out": None, "train_data": str(workdir / "train.npz"),
         "validation_data": None, "batch_size": batch_size, "epochs": 1, "max_steps": max_steps,
         "optimizer": "sgd", "learning_rate": 0.01, "momentum": 0.9, "augment": False,
-        "freeze_bn": False, "seed": 0, "parent_pid": os.getpid(), "precision": "fp32",
+        "freeze_bn": False, "seed": 0, "parent_pid": os.getpid(), "precision": PRECISION,
     }  # fmt: skip
     path = workdir / "job.json"
     path.write_text(json.dumps(job))
@@ -90,6 +91,9 @@ class SwitchedSampler:
         if on == self.sampler.running:
             return
         if on:
+            # Stamped before the thread starts and (below) after it stopped, so a step classed
+            # "without" never overlaps the sampler running.
+            self.switches.append((time.monotonic(), True))
             self.sampler.start()
         else:
             self.sampler.stop()
@@ -99,7 +103,7 @@ class SwitchedSampler:
             self.on_s += time.monotonic() - self.switches[-1][0]
             if stats.achieved_interval_s is not None:
                 self.intervals.append((stats.samples, stats.achieved_interval_s))
-        self.switches.append((time.monotonic(), on))
+            self.switches.append((time.monotonic(), False))
 
     def state_during(self, start: float, end: float):
         """True/False if the sampler ran for all/none of ``[start, end]``; None if it switched."""
@@ -148,9 +152,13 @@ def run_switched(job_path: Path, args: argparse.Namespace, sampler: SwitchedSamp
     return events
 
 
-def blocks(events: list, args: argparse.Namespace, sampler: SwitchedSampler) -> list:
-    """Group classed measured steps into blocks: ``[(running, [(start, end, size), ...]), ...]``."""
-    grouped = []
+def blocks(events: list, args: argparse.Namespace, sampler: SwitchedSampler) -> dict:
+    """Group the classed measured steps by block: ``{block: (running, [(start, end, size)])}``.
+
+    Even blocks ran without the sampler, odd ones with it; a step that straddled a switch is
+    dropped, and a step classed against its block's plan is a bug worth failing on.
+    """
+    grouped = {}
     for e in events:
         if e["event"] != "step" or e["index"] < args.warmup_steps:
             continue
@@ -158,10 +166,11 @@ def blocks(events: list, args: argparse.Namespace, sampler: SwitchedSampler) -> 
         if running is None:
             continue
         block = (e["index"] - args.warmup_steps) // args.block_steps
-        if not grouped or grouped[-1][0] != block:
-            grouped.append((block, running, []))
-        grouped[-1][2].append((e["start"], e["end"], e["batch_size"]))
-    return [(running, spans) for _, running, spans in grouped]
+        if running != (block % 2 == 1):
+            raise RuntimeError(f"step {e['index']} ran {'with' if running else 'without'} the "
+                               f"sampler in block {block}")
+        grouped.setdefault(block, (running, []))[1].append((e["start"], e["end"], e["batch_size"]))
+    return grouped
 
 
 def sps(spans: list) -> float:
@@ -210,21 +219,21 @@ def main() -> int:
                                  args.warmup_steps + args.steps)
             events = run_switched(job_path, args, sampler)
         grouped = blocks(events, args, sampler)
-        on_spans = [span for running, spans in grouped if running for span in spans]
+        on_spans = [span for running, spans in grouped.values() if running for span in spans]
         step_reports = sampler.sampler.span_energies([(start, end) for start, end, _ in on_spans])
         step_j = [r.energy_j for r in step_reports if r.energy_j is not None]
     finally:
         sampler.close()
-    off_spans = [span for running, spans in grouped if not running for span in spans]
-    pairs = [slowdown_pct(sps(off), sps(on)) for (was_on, off), (is_on, on)
-             in zip(grouped[::2], grouped[1::2]) if not was_on and is_on]
+    off_spans = [span for running, spans in grouped.values() if not running for span in spans]
+    pairs = [slowdown_pct(sps(grouped[b][1]), sps(grouped[b + 1][1]))
+             for b in sorted(grouped) if b % 2 == 0 and b + 1 in grouped]
     half_width = 1.96 * statistics.stdev(pairs) / len(pairs) ** 0.5 if len(pairs) > 1 else None
     samples = sum(n for n, _ in sampler.intervals)
     start_event = next(e for e in events if e["event"] == "start")
     report = {
         "machine": machine(),
         "tensorflow": start_event.get("tensorflow"),
-        "model": args.model, "batch_size": args.batch_size, "precision": "fp32",
+        "model": args.model, "batch_size": args.batch_size, "precision": PRECISION,
         "warmup_steps": args.warmup_steps, "measured_steps": args.steps,
         "design": f"one worker run, sampler switched off/on every {args.block_steps} steps",
         "backend": sampler.backend.source, "interval_s": args.interval_ms / 1000.0,
