@@ -112,17 +112,29 @@ def energy_text(session: dict[str, Any]) -> str:
     return f"{energy:.1f} J ({energy / 3600:.4f} Wh)"
 
 
+def _points(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value * 100:.1f} pt"
+
+
 def sessions_table(sessions: list[dict[str, Any]]) -> list[str]:
-    """Render sessions (most recent first) as aligned text lines."""
+    """Render sessions (most recent first) as aligned text lines.
+
+    ``acc before/after`` are on the acceptance set (the fixed validation set when there is one),
+    ``holdout`` is the candidate's accuracy on the device's held-out samples, ``forgetting`` the
+    best earlier accuracy of a kept model minus the kept model's now, in points.
+    """
     header = ("id", "day", "outcome", "batch", "new", "replay", "acc before", "acc after",
-              "energy", "source", "peak MB", "time s")  # fmt: skip
+              "holdout", "forgetting", "energy", "source", "peak MB", "time s")  # fmt: skip
     rows = [header]
     for s in sessions:
+        details = s.get("details") or {}
         rows.append((
             str(s["id"]), s["day"] or "-", s["outcome"] or s.get("state") or "-",
             _num(s["batch_size"]), _num(s["samples_new"]), _num(s["samples_replay"]),
-            _pct(s["accuracy_before"]), _pct(s["accuracy_after"]), energy_text(s),
-            s.get("energy_source") or "-", _num(s["peak_memory_mb"]), _num(s["duration_s"], "{:.1f}"),
+            _pct(s["accuracy_before"]), _pct(s["accuracy_after"]),
+            _pct(details.get("holdout_accuracy_after")), _points(details.get("forgetting")),
+            energy_text(s), s.get("energy_source") or "-", _num(s["peak_memory_mb"]),
+            _num(s["duration_s"], "{:.1f}"),
         ))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
@@ -161,6 +173,11 @@ def render_status(data: dict[str, Any]) -> str:
         split = "  ".join(f"{rail} {joules:.1f} J" for rail, joules in sorted(rails.items()))
         lines.append(f"last session energy by rail: {split} (coverage "
                      f"{_pct(sessions[0].get('energy_coverage'))})")
+    per_class = next((x["details"].get("per_class_after") for x in sessions
+                      if (x.get("details") or {}).get("per_class_after")), None)
+    if per_class:
+        lines.append("per class (latest evaluated candidate)  " + "  ".join(
+            f"{name} {_pct(value)}" for name, value in per_class.items()))
     # The kept model's accuracy after each session: a rolled-back candidate's is not the model's.
     trend = [x["accuracy_after"] if x["outcome"] == "promoted" else x["accuracy_before"]
              for x in reversed(sessions) if x["outcome"] in ("promoted", "rolled_back")]

@@ -39,6 +39,20 @@ def test_ingest_train_status(home, tmp_path):
     assert [s["id"] for s in history] == [session["id"]]
     text = odtctl("status", home=home).stdout
     assert "promoted" in text and "accuracy trend" in text
+    # Without a validation set the held-out samples are the evaluation set: status and history
+    # show their accuracy, the forgetting figure and the per-class accuracy.
+    details = session["details"]
+    holdout = f"{details['holdout_accuracy_after'] * 100:.1f}%"
+    forgetting = f"{details['forgetting'] * 100:.1f} pt"
+    per_class = "  ".join(f"{name} {value * 100:.1f}%" for name, value in
+                          details["per_class_after"].items() if value is not None)
+    row = text.splitlines()[text.splitlines().index(next(
+        line for line in text.splitlines() if line.strip().startswith("id "))) + 1]
+    assert holdout in row and forgetting in row
+    assert per_class.split("  ")[0] in text and "per class" in text
+    history_text = odtctl("history", home=home).stdout.splitlines()
+    assert "holdout" in history_text[0] and "forgetting" in history_text[0]
+    assert holdout in history_text[1] and forgetting in history_text[1]
 
 
 def test_nothing_pending_is_skipped(home):
