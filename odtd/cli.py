@@ -71,11 +71,13 @@ def cmd_init(args: argparse.Namespace) -> int:
         home, args.model, parse_classes(args.classes),
         weights=Path(args.weights) if args.weights else None,
         validation=Path(args.validation) if args.validation else None, force=args.force,
+        replay=Path(args.replay) if args.replay else None,
     )  # fmt: skip
     emit(args, summary,
          f"initialised {summary['home']}: {summary['model']} v{summary['version']} "
          f"({summary['param_count']:,} parameters, weights {summary['weights']}), "
-         f"{summary['validation_samples']} validation images")  # fmt: skip
+         f"{summary['validation_samples']} validation images, "
+         f"{summary['replay_samples']} replay images")  # fmt: skip
     return 0
 
 
@@ -345,6 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="starting weights (.npz from `odtctl models export`); default: fresh init")
     p.add_argument("--classes", help="comma-separated class names (default: the ten CIFAR-10 classes)")
     p.add_argument("--validation", help="directory of <label>/<image> files: the fixed validation set")
+    p.add_argument("--replay", help="directory of <label>/<image> files the base model was trained on: "
+                   "they seed the replay buffer")
     p.add_argument("--force", action="store_true", help="replace an existing home (deletes its state)")
 
     p = sub.add_parser("ingest", parents=[reader], help="add images as pending samples",

@@ -1,4 +1,4 @@
-"""``odtctl init``: a new ODTD_HOME with its config, policy, database, model v0 and validation set."""
+"""``odtctl init``: a new ODTD_HOME: config, policy, database, model v0, validation set, replay seed."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import numpy as np
 from odtd.config import Config, default_config_text
 from odtd.errors import ConfigError, IngestError
 from odtd.home import Home
-from odtd.ingest import BadImage, decode_image, discover
+from odtd.ingest import BadImage, Ingestor, decode_image, discover
 from odtd.models import ModelRepo, check_model_name, check_weights_file
-from odtd.policy import default_policy_text
+from odtd.policy import default_policy_text, load_policy
+from odtd.replay import update_buffer
 from odtd.runner import run_job
 from odtd.store import Store, utc_now
 from odtd.trainer import catalog
@@ -42,6 +43,7 @@ def init_home(
     force: bool = False,
     seed: int = 0,
     validation_arrays: Optional[tuple[np.ndarray, np.ndarray]] = None,
+    replay: Optional[Path] = None,
 ) -> dict[str, Any]:
     """Create an ODTD_HOME and return a summary.
 
@@ -54,6 +56,8 @@ def init_home(
         force: replace an existing home (its samples, sessions and models are deleted).
         seed: seed of a fresh initialisation.
         validation_arrays: (x uint8 NHWC, y) instead of a ``validation`` directory.
+        replay: a ``<label>/<file>`` directory of the base model's own training images: they
+            seed the replay buffer (see `seed_replay`).
 
     Raises:
         ConfigError: the home exists and ``force`` is not set, or an argument is invalid.
@@ -70,6 +74,11 @@ def init_home(
     val = validation_arrays
     if validation is not None:
         val = load_validation_dir(validation, classes, catalog.MODELS[model].input_shape)
+    replay_files = None
+    if replay is not None:
+        if not replay.is_dir():
+            raise IngestError(f"--replay {replay}: not a directory of <label>/<image> files")
+        replay_files = list(discover(replay, None))
     if force:
         wipe_home(home)
     for directory in home.directories():
@@ -94,13 +103,57 @@ def init_home(
         })  # fmt: skip
         store.log_event("init", f"initialised with {model} v{version}",
                         weights=str(weights) if weights else "fresh")
+        seeded = {"size": 0}
+        if replay_files is not None:
+            seeded = seed_replay(home, store, replay_files, classes, input_shape,
+                                 load_policy(policy_path))
     finally:
         store.close()
     return {
         "home": str(home.root), "model": model, "version": version, "classes": classes,
         "param_count": manifest["param_count"], "weights": str(weights) if weights else "fresh",
         "validation_samples": int(len(val[1])) if val is not None else 0,
+        "replay_samples": seeded["size"],
     }  # fmt: skip
+
+
+def seed_replay(home: Home, store: Store, files: list[tuple[Path, Optional[str]]],
+                classes: list[str], input_shape: list[int], policy: Any) -> dict[str, Any]:
+    """Put the base model's own training images into the replay buffer of a new home.
+
+    The buffer rehearses "everything trained so far", and before the first session that is the
+    base model's training data: without it, the first sessions rehearse nothing but a few days
+    of device samples, and fine-tuning on them forgets what the server taught. The images are
+    stored like ingested samples (content-addressed, never modified), marked trained (by no
+    session: the server trained them) and offered to the class-balanced reservoir, which later
+    trades them for device samples as the pool fills.
+
+    Args:
+        home: a home with no samples yet.
+        store: its open database.
+        files: (path, label) pairs from ``discover``.
+        classes: the model's classes; other labels are quarantined, as by ingest.
+        input_shape: the model's (height, width, channels).
+        policy: the home's policy (replay capacity).
+
+    Returns:
+        The ingest counts and ``size``, the buffer's size afterwards.
+
+    Raises:
+        IngestError: no image could be stored.
+    """
+    ingestor = Ingestor(home, store, classes, (input_shape[1], input_shape[0]), holdout_every=0)
+    report = ingestor.ingest(files)
+    rows = store.samples("pending")
+    if not rows:
+        raise IngestError(f"replay seed: none of {len(files)} files could be stored "
+                          f"({report.rejected} rejected); see {home.quarantine}")
+    store.mark_trained([row["sha256"] for row in rows], session_id=0)
+    result = update_buffer(store, policy.replay, rows, session_id=0, sizes_bytes={
+        row["sha256"]: (home.root / row["stored_path"]).stat().st_size for row in rows})
+    store.log_event("replay_seed", f"replay buffer seeded with {result['size']} of {len(rows)} "
+                    "base training images", rejected=report.rejected)
+    return {**report.as_dict(), "size": result["size"]}
 
 
 def wipe_home(home: Home) -> None:

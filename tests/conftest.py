@@ -13,6 +13,8 @@ import pytest
 from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
+# The CIFAR-10 JPEG archive is never part of the project: tests that need it skip without it.
+CIFAR = Path(os.environ.get("ODTD_CIFAR10", REPO.parent / "shared" / "datasets" / "cifar10-jpeg.tar.gz"))
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
 

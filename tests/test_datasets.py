@@ -1,7 +1,6 @@
 """Synthetic images, image folders, real data sets (folders and tar archives) and daily draws."""
 
 import io
-import os
 import subprocess
 import sys
 import tarfile
@@ -9,14 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import CIFAR, REPO
 from PIL import Image
 
 from odtd import datasets
 from odtd.errors import IngestError
-
-REPO = Path(__file__).resolve().parents[1]
-CIFAR = Path(os.environ.get("ODTD_CIFAR10", REPO.parent / "shared" / "datasets" / "cifar10-jpeg.tar.gz"))
-
 
 # --- synthetic --------------------------------------------------------------------------------
 

@@ -118,3 +118,30 @@ def test_cli_errors_are_one_line(home, tmp_path):
     proc = odtctl("init", "--model", "resnet9000", home=tmp_path / "new", check=False)
     assert proc.stderr.startswith("Error: unknown model 'resnet9000'")
     assert not (tmp_path / "new").exists()
+
+
+def test_init_replay_seed_is_rehearsed_from_the_first_session(tmp_path):
+    write_images(tmp_path / "seed", per_class=3, seed=1)
+    home = tmp_path / "home"
+    proc = odtctl("init", "--model", "tinycnn", "--replay", str(tmp_path / "nope"), home=home,
+                  check=False)
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error: ")]
+    assert errors == [proc.stderr.splitlines()[-1]] and errors[0].startswith("Error: --replay ")
+    assert "Traceback" not in proc.stderr
+    assert not (home / "odtd.db").exists()
+    summary = odtctl_json("init", "--model", "tinycnn", "--replay", str(tmp_path / "seed"), home=home)
+    assert summary["replay_samples"] == 30
+    counts = odtctl_json("status", home=home)["samples"]
+    assert (counts["trained"], counts["pending"], counts["holdout"]) == (30, 0, 0)
+    buffer = sqlite3.connect(home / "odtd.db").execute(
+        "SELECT count(*), count(DISTINCT label) FROM replay_buffer").fetchone()
+    assert buffer == (30, 10)
+    (home / "policy.yaml").write_text((REPO / "policies" / "tinycnn-test.yaml").read_text())
+    write_images(tmp_path / "day1", per_class=2, seed=2)
+    ingest = odtctl_json("ingest", str(tmp_path / "day1"), home=home)
+    session = odtctl_json("train-now", "--foreground", home=home)
+    new = 20 - ingest["holdout"]
+    # ratio 1.0: as many rehearsed as new, drawn from the seed (the buffer had nothing else).
+    assert session["samples_new"] == new and session["samples_replay"] == new
+    assert session["details"]["replay_buffer"]["size"] == 30 + new
