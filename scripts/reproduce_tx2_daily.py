@@ -3,11 +3,12 @@
 
 Published (TX2, plain fine-tuning): test accuracy 60.65% -> 61.32% over 17 days.
 
-1. Pre-train densenet40 on part of the training set until test accuracy is about 60%
+1. Pre-train densenet40 on part of the training set until the validation set reaches --target (60%)
    (cached under --work, so reruns skip it).
 2. odtd: a real ODTD_HOME initialised with those weights and a fixed validation set of training
    images used by nobody else; each day 64 unseen training images are ingested (odtd's Ingestor)
-   and a session runs (odtd's SessionRunner: replay, frozen BatchNorm, guarded promotion).
+   and a session runs (odtd's SessionRunner: replay seeded with pre-training images, guarded
+   promotion; the recipe is --policy, policies/densenet40-cifar10-daily.yaml by default).
 3. plain: the same days with plain fine-tuning (all 64 images, BatchNorm trained, SGD 0.005,
    momentum 0.9, 3 epochs, no replay, no acceptance guard), as in the published experiment.
 4. Day 0 and the last day: both models are scored on all 10,000 test images (the headline
@@ -300,6 +301,8 @@ def plot(rows, out: Path, summary) -> Path:
     ax.plot([0, summary["days"]], [PUBLISHED["day0"], PUBLISHED["day17"]], ":", color="grey",
             label="published TX2 (60.65 -> 61.32)")
     ax.set_ylabel(f"CIFAR-10 test accuracy (%)\n{summary['test_images']['daily']:,} test images")
+    ax.plot([0], [100 * summary["odtd"]["day0"]], "D", mfc="none", ms=11, color="grey",
+            label=f"day 0 on all {summary['test_images']['day0_and_final']:,}")
     for name, marker in (("odtd", "o"), ("plain", "s")):
         ax.plot([summary["days"]], [100 * summary[name]["final"]], marker, mfc="none", ms=11,
                 color="C0" if name == "odtd" else "C1",
