@@ -159,6 +159,49 @@ def test_freeze_bn_keeps_moving_statistics(tmp_path, initial, data):
         assert not np.array_equal(new["w0000"], old["w0000"])  # the convolutions did train
 
 
+def test_baseline_weights_are_scored_before_and_compared_image_by_image(tmp_path, initial, data):
+    # A trained candidate, then a job that goes on from it (no steps) judged against the initial
+    # weights: "before" is the baseline's score, and the paired counts per group add up to the
+    # two accuracies.
+    candidate = tmp_path / "candidate.npz"
+    code, _, stderr = run_worker(write_job(tmp_path, "train", weights_in=str(initial[0]),
+                                           weights_out=str(candidate), learning_rate=0.2, **data))
+    assert code == 0, stderr
+    rng = np.random.default_rng(3)
+    validation = tmp_path / "grouped.npz"
+    x = rng.integers(0, 256, (30, *SHAPE), dtype=np.uint8)
+    np.savez(validation, x=x, y=rng.integers(0, 3, 30).astype(np.int64),
+             group=np.array([0] * 20 + [1] * 10, dtype=np.int64))
+    scores = {}
+    for name, weights in (("baseline", initial[0]), ("candidate", candidate)):
+        code, events, stderr = run_worker(write_job(tmp_path, name, mode="evaluate",
+                                                    weights_in=str(weights),
+                                                    validation_data=str(validation)))
+        assert code == 0, stderr
+        scores[name] = events[-1]["by_group_after"]
+    assert scores["baseline"] != scores["candidate"]
+    code, events, stderr = run_worker(write_job(
+        tmp_path, "paired", weights_in=str(candidate), baseline_weights=str(initial[0]),
+        train_data=data["train_data"], validation_data=str(validation), epochs=0))
+    assert code == 0, stderr
+    result = events[-1]
+    assert result["by_group_before"] == scores["baseline"]
+    assert result["by_group_after"] == scores["candidate"]
+    paired = result["paired_by_group"]
+    assert {g: p["samples"] for g, p in paired.items()} == {"0": 20, "1": 10}
+    for group, counts in paired.items():
+        change = (scores["candidate"][group] - scores["baseline"][group]) * counts["samples"]
+        assert counts["gained"] - counts["lost"] == round(change)
+    assert sum(p["gained"] + p["lost"] for p in paired.values()) > 0
+    assert all("correct" not in e for e in by_event(events, "eval"))
+
+
+def test_baseline_weights_must_exist(tmp_path, data):
+    code, events, _ = run_worker(write_job(tmp_path, baseline_weights=str(tmp_path / "no.npz"),
+                                           **data))
+    assert code == 2 and "baseline_weights: file" in events[-1]["message"]
+
+
 def test_profile_runs_full_batches_in_mixed_float16(tmp_path):
     train = write_samples(tmp_path / "train.npz", 5)
     job = write_job(tmp_path, mode="profile", train_data=train, batch_size=16, max_steps=4,

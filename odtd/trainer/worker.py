@@ -43,6 +43,7 @@ JOB_KEYS = {
     "classes": ("classes", _REQUIRED),
     "input_shape": ("shape", _REQUIRED),
     "weights_in": ("path", None),
+    "baseline_weights": ("path", None),
     "weights_out": ("path", None),
     "train_data": ("path", None),
     "validation_data": ("path", None),
@@ -173,7 +174,7 @@ def load_job(path: str) -> Dict[str, Any]:
     for key in MODE_REQUIRES[job["mode"]]:
         if job[key] is None:
             raise BadJob("mode {} needs job key {}".format(job["mode"], key))
-    for key in ("weights_in", "train_data", "validation_data"):
+    for key in ("weights_in", "baseline_weights", "train_data", "validation_data"):
         if job[key] is not None and not os.path.isfile(job[key]):
             raise BadJob("{}: file {} does not exist".format(key, job[key]))
     if job["weights_out"] is not None:
@@ -467,8 +468,8 @@ def evaluate(eval_step: Callable[[Any, Any], Any], x: np.ndarray, y: np.ndarray,
     Returns:
         ``accuracy``, ``loss`` (mean), ``per_class`` (accuracy per class, None for a class
         without samples), ``by_group`` (accuracy per value of ``groups``, e.g. the base
-        validation set and the device's held-out samples; empty without groups), ``samples``
-        and ``seconds``.
+        validation set and the device's held-out samples; empty without groups), ``samples``,
+        ``seconds`` and ``correct`` (a boolean per sample, for ``paired_counts``; not an event field).
     """
     started = time.monotonic()
     loss_sum = 0.0
@@ -489,7 +490,27 @@ def evaluate(eval_step: Callable[[Any, Any], Any], x: np.ndarray, y: np.ndarray,
             str(g): float(np.mean(correct[groups == g])) for g in np.unique(groups)},
         "samples": int(len(y)),
         "seconds": time.monotonic() - started,
+        "correct": correct,
     }
+
+
+def paired_counts(before: np.ndarray, after: np.ndarray, groups: Optional[np.ndarray]
+                  ) -> Dict[str, Dict[str, int]]:
+    """Compare two models on the same samples: per group, how many only the new one gets right.
+
+    Returns:
+        group (``"all"`` without groups) -> ``gained`` (right after, wrong before), ``lost``
+        (wrong after, right before) and ``samples``: what a paired (McNemar) test of the
+        accuracy difference needs.
+    """
+    if groups is None:
+        masks = {"all": np.ones(len(before), dtype=bool)}
+    else:
+        masks = {str(g): groups == g for g in np.unique(groups)}
+    return {name: {"gained": int(np.sum(after[mask] & ~before[mask])),
+                   "lost": int(np.sum(before[mask] & ~after[mask])),
+                   "samples": int(np.sum(mask))}
+            for name, mask in masks.items()}
 
 
 def load_groups(path: str, count: int) -> Optional[np.ndarray]:
@@ -502,6 +523,11 @@ def load_groups(path: str, count: int) -> Optional[np.ndarray]:
         raise BadJob("validation_data: group in {} must be {} integers, got {} {}".format(
             path, count, groups.dtype, groups.shape))
     return groups
+
+
+def _weight_name(variable: Any) -> str:
+    # Keras 3 variables have a unique ``path``; tf.keras 2 names end in ":0".
+    return (getattr(variable, "path", None) or variable.name).split(":")[0]
 
 
 def run(job: Dict[str, Any], data: Dict[str, Tuple[np.ndarray, np.ndarray]],
@@ -528,7 +554,7 @@ def run(job: Dict[str, Any], data: Dict[str, Tuple[np.ndarray, np.ndarray]],
     tf.keras.utils.set_random_seed(job["seed"])
     num_classes = len(job["classes"])
     model = nets.build(job["model"], num_classes, job["input_shape"])
-    names = [(getattr(v, "path", None) or v.name).split(":")[0] for v in model.weights]
+    names = [_weight_name(v) for v in model.weights]
     if job["weights_in"] is not None:
         model.set_weights(read_weights(job["weights_in"], model.get_weights(), names))
     result = {
@@ -563,6 +589,7 @@ def _evaluate_only(tf: Any, job: Dict[str, Any], model: Any,
                       job["eval_batch_size"] or job["batch_size"], should_stop, groups)
     if scores is None:
         return {"status": "interrupted"}
+    scores.pop("correct")
     emit("eval", phase="after", **scores)
     return {"status": "ok", "accuracy_after": scores["accuracy"],
             "per_class_after": scores["per_class"], "by_group_after": scores["by_group"]}
@@ -571,7 +598,11 @@ def _evaluate_only(tf: Any, job: Dict[str, Any], model: Any,
 def _train(tf: Any, job: Dict[str, Any], model: Any, precision: str,
            data: Dict[str, Tuple[np.ndarray, np.ndarray]], should_stop: Callable[[], bool]
            ) -> Dict[str, Any]:
-    """Evaluate before, train, evaluate after; return the result fields this produces."""
+    """Evaluate before, train, evaluate after; return the result fields this produces.
+
+    With ``baseline_weights`` the "before" figures are that model's (the one the candidate must
+    beat), and training then starts from ``weights_in`` as loaded.
+    """
     if job["freeze_bn"]:
         # A non-trainable BatchNormalization runs in inference mode in tf.keras 2 and Keras 3:
         # moving statistics, gamma and beta all stay as loaded.
@@ -590,10 +621,18 @@ def _train(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     if validation is not None:
         groups = load_groups(job["validation_data"], len(validation[1]))
         eval_step = make_eval_step(tf, model, job["input_shape"])
+        start_weights = None
+        if job["baseline_weights"] is not None:
+            start_weights = model.get_weights()
+            model.set_weights(read_weights(job["baseline_weights"], start_weights,
+                                           [_weight_name(v) for v in model.weights]))
         before = evaluate(eval_step, validation[0], validation[1], num_classes, eval_batch_size,
                           should_stop, groups)
+        if start_weights is not None:
+            model.set_weights(start_weights)
         if before is None:
             return fields
+        correct_before = before.pop("correct")
         emit("eval", phase="before", **before)
         fields["accuracy_before"] = before["accuracy"]
         fields["per_class_before"] = before["per_class"]
@@ -626,6 +665,7 @@ def _train(tf: Any, job: Dict[str, Any], model: Any, precision: str,
                          should_stop, groups)
         if after is None:
             return fields
+        fields["paired_by_group"] = paired_counts(correct_before, after.pop("correct"), groups)
         emit("eval", phase="after", **after)
         fields["accuracy_after"] = after["accuracy"]
         fields["per_class_after"] = after["per_class"]
