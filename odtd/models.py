@@ -112,6 +112,19 @@ class ModelRepo:
         """Return the weights file of a version."""
         return self.version_dir(version) / WEIGHTS_NAME
 
+    @property
+    def resume_path(self) -> Path:
+        """The last refused candidate that the next session trains on (``training.resume_within``)."""
+        return self.dir / "resume.npz"
+
+    def keep_for_resume(self, candidate: Path) -> None:
+        """Keep a refused candidate as the next session's starting point (replacing any earlier)."""
+        os.replace(candidate, self.resume_path)
+
+    def clear_resume(self) -> None:
+        """Forget the resumable candidate: the next session starts from the current version."""
+        self.resume_path.unlink(missing_ok=True)
+
     def versions(self) -> list[int]:
         """Return the versions present on disk, ascending."""
         if not self.dir.is_dir():

@@ -82,6 +82,12 @@ class TrainingPolicy(_Strict):
     augment: bool = True
     freeze_bn: bool = Field(default=True, description="BatchNorm in inference mode while training")
     max_samples_per_session: int = Field(default=512, ge=1)
+    resume_within: Optional[float] = Field(
+        default=None, ge=0, le=100,
+        description="train each session from the last candidate, promoted or not, while it "
+        "scores no more than this many points below the current model (gains too small for "
+        "one session's guard add up over days; the device keeps serving current); null = "
+        "every session starts from current")
     precision: Literal["fp32", "mixed_float16", "mixed_bfloat16", "auto"] = "fp32"
     gpu_memory_limit_mb: Optional[int] = Field(
         default=None, ge=64, description="cap on TensorFlow's GPU memory (a TX2 shares 8 GB with "
@@ -94,7 +100,7 @@ class TrainingPolicy(_Strict):
 class ReplayPolicy(_Strict):
     """Rehearsal of earlier samples, mixed into each session against forgetting."""
 
-    ratio: float = Field(default=1.0, ge=0, le=20, description="replay samples per new sample")
+    ratio: float = Field(default=1.0, ge=0, le=100, description="replay samples per new sample")
     capacity_samples: int = Field(default=2000, ge=0)
     capacity_mb: Optional[float] = Field(default=None, gt=0,
                                          description="cap on the stored originals of the buffer")
@@ -108,6 +114,11 @@ class AcceptancePolicy(_Strict):
         default=1.0, ge=0, le=100,
         description="largest allowed drop in validation accuracy, in percentage points",
     )
+    confidence_z: float = Field(
+        default=0.0, ge=0, le=5,
+        description="promote only if the candidate's gain minus this many standard errors of "
+        "the paired difference (same validation images, both models) is above -tolerance; "
+        "0 = compare the two accuracies as measured")
 
 
 class ModelsPolicy(_Strict):

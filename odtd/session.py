@@ -148,7 +148,8 @@ class SessionRunner:
         replay_rows = choose_replay(self.store, policy.replay, len(pending), seed=session_id)
         counts = {"samples_new": len(pending), "samples_replay": len(replay_rows)}
         admission = admit_session(self.store, policy, samples=len(pending) + len(replay_rows))
-        details: dict[str, Any] = {"admission": admission.to_dict(), "forced": force}
+        details: dict[str, Any] = {"admission": admission.to_dict(), "forced": force,
+                                   "resumed": self._resuming()}
         if admission.decision == SKIP:
             return self._finish(session_id, reason=admission.reason, details=details,
                                 batch_size=admission.batch_size, epochs=admission.epochs,
@@ -211,10 +212,14 @@ class SessionRunner:
         np.savez(job_dir / "train.npz", x=x, y=y)
         eval_name, validation = self._write_evaluation_set(job_dir)
         training = self.policy.training
+        current_weights = str(self.repo.weights_path(current))
+        resume = self._resuming()
         job = {
             "protocol": 1, "mode": "train", "model": self.model, "classes": self.classes,
             "input_shape": self.input_shape,
-            "weights_in": str(self.repo.weights_path(current)),
+            # Resuming trains on from the last refused candidate, always judged against current.
+            "weights_in": str(self.repo.resume_path) if resume else current_weights,
+            "baseline_weights": current_weights if resume else None,
             "weights_out": str(job_dir / "candidate.npz"),
             "train_data": str(job_dir / "train.npz"),
             "validation_data": str(validation) if validation else None,
@@ -351,7 +356,8 @@ class SessionRunner:
             _result=result,
         )
         details.update(holdout_accuracy_before=before.get(str(GROUP_HOLDOUT)),
-                       holdout_accuracy_after=after.get(str(GROUP_HOLDOUT)))
+                       holdout_accuracy_after=after.get(str(GROUP_HOLDOUT)),
+                       paired=(result.get("paired_by_group") or {}).get(primary))
         details.update(
             per_class_before=_by_class(self.classes, result.get("per_class_before")),
             per_class_after=_by_class(self.classes, result.get("per_class_after")),
@@ -363,19 +369,25 @@ class SessionRunner:
                 job_dir: Path, fields: dict[str, Any]) -> dict[str, Any]:
         result = fields.pop("_result")
         before, after = fields.get("accuracy_before"), fields.get("accuracy_after")
-        tolerance = self.policy.acceptance.tolerance / 100.0
+        acceptance = self.policy.acceptance
+        tolerance = acceptance.tolerance / 100.0
         shas = [row["sha256"] for row in pending]
         fields["details"]["replay_buffer"] = update_buffer(
             self.store, self.policy.replay, pending, session_id,
             {row["sha256"]: _size(self.home.root / row["stored_path"]) for row in pending})
-        fields["details"]["forgetting"] = self._forgetting(before, after, tolerance)
-        if before is not None and after is not None and after < before - tolerance:
-            reason = (f"validation accuracy {after:.2%} < {before:.2%} - {tolerance:.2%} "
-                      "tolerance; kept the current model")
+        refusal = None
+        if before is not None and after is not None:
+            refusal = refusal_reason(before, after, tolerance, acceptance.confidence_z,
+                                     fields["details"].get("paired"))
+        fields["details"]["forgetting"] = self._forgetting(before, before if refusal else after)
+        if refusal:
             with self.store.transaction():
                 self.store.mark_trained(shas, session_id)
-                return self._finish(session_id, outcome="rolled_back", reason=reason,
-                                    model_version_after=current, **fields)
+                session = self._finish_refused(session_id, job_dir, before, after,
+                                               reason=refusal + "; kept the current model",
+                                               outcome="rolled_back", model_version_after=current,
+                                               **fields)
+            return session
         version, manifest = self.repo.add_version(
             job_dir / "candidate.npz", classes=self.classes, input_shape=self.input_shape,
             param_count=result.get("param_count"), parent=current, session_id=session_id,
@@ -393,18 +405,33 @@ class SessionRunner:
                                    model_version_after=version, **fields)
             # The pointer moves last, inside the transaction: if it fails, nothing is recorded.
             self.repo.set_current(version)
+        self.repo.clear_resume()  # the promoted candidate is current: go on from there
         self.store.log_event("promoted", f"{self.model} v{version} is current", session_id=session_id)
         pruned = prune(self.home, self.store, keep=self.policy.models.keep_versions)
         if pruned:
             self.progress(f"pruned model versions {', '.join(f'v{v}' for v in pruned)}")
         return session
 
-    def _forgetting(self, before: Optional[float], after: Optional[float],
-                    tolerance: float) -> Optional[float]:
+    def _resuming(self) -> bool:
+        """Whether this session trains on from a refused candidate (``training.resume_within``)."""
+        return self.policy.training.resume_within is not None and self.repo.resume_path.exists()
+
+    def _finish_refused(self, session_id: int, job_dir: Path, before: float, after: float,
+                        **fields: Any) -> dict[str, Any]:
+        """Finish a rolled-back session, keeping its candidate to resume from if the policy says so."""
+        within = self.policy.training.resume_within
+        candidate = job_dir / "candidate.npz"
+        if within is not None and after >= before - within / 100.0 and candidate.exists():
+            self.repo.keep_for_resume(candidate)
+            fields["details"]["kept_for_resume"] = True
+        else:
+            self.repo.clear_resume()
+        return self._finish(session_id, **fields)
+
+    def _forgetting(self, before: Optional[float], kept_now: Optional[float]) -> Optional[float]:
         """Best accuracy any kept model had on the evaluation set, minus the kept one's now."""
-        if before is None or after is None:
+        if before is None or kept_now is None:
             return None
-        kept_now = after if after >= before - tolerance else before
         earlier = [s["accuracy_after"] if s["outcome"] == "promoted" else s["accuracy_before"]
                    for s in self.store.sessions(done_only=True)
                    if s["outcome"] in ("promoted", "rolled_back")]
@@ -417,6 +444,36 @@ class SessionRunner:
         session = self.store.session(session_id)
         logger.info("session %d: %s (%s)", session_id, session["outcome"], session["reason"])
         return session
+
+
+def refusal_reason(before: float, after: float, tolerance: float, confidence_z: float,
+                   paired: Optional[dict[str, int]]) -> Optional[str]:
+    """Why a candidate may not replace the current model, or None if it may.
+
+    The candidate passes if its validation gain, less ``confidence_z`` standard errors of the
+    paired difference, is at least ``-tolerance`` (fractions, not points). The standard error
+    comes from the images only one of the two models gets right (``paired``: ``gained``,
+    ``lost``, ``samples``; McNemar): two models that disagree on few images differ reliably
+    by less than two that disagree on many.
+    """
+    gain = after - before
+    if confidence_z <= 0 or not paired or not paired.get("samples"):
+        if gain < -tolerance:
+            return f"validation accuracy {after:.2%} < {before:.2%} - {tolerance:.2%} tolerance"
+        return None
+    se = paired_standard_error(paired["gained"], paired["lost"], paired["samples"])
+    if gain - confidence_z * se < -tolerance:
+        return (f"validation accuracy {after:.2%} vs {before:.2%}: gain {100 * gain:+.2f} - "
+                f"{confidence_z:g} x {100 * se:.2f} (standard error) < -{100 * tolerance:.2f} "
+                "points tolerance")
+    return None
+
+
+def paired_standard_error(gained: int, lost: int, samples: int) -> float:
+    """Standard error of the accuracy difference of two models scored on the same samples."""
+    mean = (gained - lost) / samples
+    variance = ((gained + lost) / samples - mean * mean) / samples
+    return max(variance, 0.0) ** 0.5
 
 
 def _size(path: Path) -> int:

@@ -40,6 +40,8 @@ def rollback(home: Home, store: Store, version: int) -> dict[str, Any]:
         store.log_event("rollback", f"{model} v{previous} -> v{version}",
                         previous=previous, version=version)
         repo.set_current(version)
+    # A candidate kept for resuming descends from the version left behind.
+    repo.clear_resume()
     return {"model": model, "version": version, "previous": previous}
 
 

@@ -1,5 +1,6 @@
 """Replay plus guarded promotion against plain fine-tuning, with tinycnn on the synthetic drift data."""
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -15,9 +16,10 @@ from odtd.ingest import Ingestor, discover
 from odtd.models import ModelRepo, file_sha256
 from odtd.policy import load_policy
 from odtd.runner import run_job
-from odtd.session import SessionRunner
+from odtd.session import SessionRunner, paired_standard_error, refusal_reason
 from odtd.setup_home import init_home
 from odtd.simulate import DataSource, SimulationOptions, pretrain_base
+from odtd.versions import rollback
 
 DAYS = 3
 
@@ -107,3 +109,93 @@ def test_worse_candidate_is_rolled_back_and_current_unchanged(pretrained, tmp_pa
     # The day's samples still enter the replay buffer, to be rehearsed later.
     assert session["details"]["replay_buffer"]["added"] == session["samples_new"]
     store.close()
+
+
+def _policy(home: Home, training: str = "", acceptance: str = "", **replace: str) -> None:
+    text = (REPO / "policies" / "tinycnn-test.yaml").read_text()
+    for old, new in replace.items():
+        text = text.replace(old.replace("__", " "), new)
+    text = text.replace("training:\n", "training:\n" + training).replace(
+        "acceptance:\n", "acceptance:\n" + acceptance)
+    (home.root / "policy.yaml").write_text(text)
+
+
+def _day(home: Home, store, tmp_path: Path, seed: int) -> dict:
+    x, y = datasets.synthetic(64, "device", seed=seed)
+    datasets.write_image_folder(x, y, datasets.CLASSES, tmp_path / f"imgs{seed}", start_index=seed)
+    Ingestor(home, store, list(datasets.CLASSES), (32, 32)).ingest(discover(tmp_path / f"imgs{seed}", None))
+    return SessionRunner(home, store, Config(), load_policy(home.root / "policy.yaml")).run()
+
+
+def test_refused_candidate_is_resumed_and_judged_against_current(pretrained, tmp_path):
+    home = _copy(pretrained, tmp_path)
+    # A recipe that wrecks the model: every candidate is refused; resume_within 100 keeps it.
+    _policy(home, training="  resume_within: 100.0\n", acceptance="  confidence_z: 2.0\n",
+            **{"optimizer: sgd": "optimizer: adam", "learning_rate: 0.01": "learning_rate: 5.0"})
+    store = home.open_store()
+    repo = ModelRepo(home.models, "tinycnn")
+    current, sha = repo.current(), file_sha256(repo.weights_path(repo.current()))
+    first = _day(home, store, tmp_path, 910)
+    assert first["outcome"] == "rolled_back" and "standard error" in first["reason"]
+    assert not first["details"]["resumed"] and first["details"]["kept_for_resume"]
+    # The paired counts are of the validation set and add up to the two accuracies.
+    paired = first["details"]["paired"]
+    assert paired["samples"] == 400
+    change = (first["accuracy_after"] - first["accuracy_before"]) * paired["samples"]
+    assert paired["gained"] - paired["lost"] == round(change)
+    kept = file_sha256(repo.resume_path)
+    second = _day(home, store, tmp_path, 911)
+    job = json.loads((home.runs / f"session-{second['id']}" / "job.json").read_text())
+    assert second["details"]["resumed"]
+    assert (job["weights_in"], job["baseline_weights"]) == (str(repo.resume_path),
+                                                             str(repo.weights_path(current)))
+    # Judged against current, not against the candidate it went on from.
+    assert second["accuracy_before"] == first["accuracy_before"]
+    assert second["outcome"] == "rolled_back" and file_sha256(repo.resume_path) != kept
+    assert repo.current() == current and file_sha256(repo.weights_path(current)) == sha
+    # A manual rollback forgets the resumable candidate: it descends from the version left.
+    rollback(home, store, current)
+    assert not repo.resume_path.exists()
+    # resume_within 0: a candidate below current is dropped, the next session starts from current.
+    _policy(home, training="  resume_within: 0.0\n",
+            **{"optimizer: sgd": "optimizer: adam", "learning_rate: 0.01": "learning_rate: 5.0"})
+    third = _day(home, store, tmp_path, 912)
+    assert third["outcome"] == "rolled_back" and not third["details"]["resumed"]
+    assert third["accuracy_after"] < third["accuracy_before"]
+    assert not repo.resume_path.exists()
+    store.close()
+
+
+def test_promotion_clears_the_resumable_candidate(pretrained, tmp_path):
+    home = _copy(pretrained, tmp_path)
+    _policy(home, training="  resume_within: 100.0\n", **{"tolerance: 1.0": "tolerance: 100.0"})
+    store = home.open_store()
+    repo = ModelRepo(home.models, "tinycnn")
+    repo.resume_path.write_bytes(repo.weights_path(repo.current()).read_bytes())
+    session = _day(home, store, tmp_path, 920)
+    assert session["details"]["resumed"] and session["outcome"] == "promoted"
+    assert not repo.resume_path.exists()
+    store.close()
+
+
+@pytest.mark.parametrize("gained, lost, z, tolerance, refused", [
+    (0, 0, 2.0, 0.0, False),      # identical predictions: nothing to refuse
+    (60, 40, 0.0, 0.0, False),    # +1 point, measured as is
+    (40, 60, 0.0, 0.0, True),     # -1 point
+    (40, 60, 0.0, 0.015, False),  # -1 point within a 1.5-point tolerance
+    (55, 40, 2.0, 0.0, True),     # +0.75 points, but the standard error is 0.49: not clear of zero
+    (60, 40, 2.0, 0.0, False),    # +1 point, standard error 0.4995: just clear
+    (120, 20, 2.0, 0.0, False),   # +5 points, standard error 0.58: clear
+    (40, 60, 2.0, 0.03, False),   # -1 - 2 x 0.5 points is above a 3-point tolerance
+])
+def test_refusal_rule(gained, lost, z, tolerance, refused):
+    before = 0.6
+    after = before + (gained - lost) / 2000
+    paired = {"gained": gained, "lost": lost, "samples": 2000}
+    assert (refusal_reason(before, after, tolerance, z, paired) is not None) == refused
+
+
+def test_paired_standard_error_is_that_of_the_per_image_differences():
+    differences = np.array([1] * 85 + [-1] * 68 + [0] * 1847)
+    expected = differences.std() / np.sqrt(len(differences))
+    assert paired_standard_error(85, 68, 2000) == pytest.approx(expected)
