@@ -52,13 +52,25 @@ def daemon_status(store: Store) -> dict[str, Any]:
 
 
 def model_status(home: Home, store: Store) -> dict[str, Any]:
-    """Return the ``model`` section: name, version, accuracy (of the current version)."""
+    """Return the ``model`` section: name, version, accuracy (of the current version), resume.
+
+    ``resume`` is the refused candidate the next session goes on from (``training.resume_within``),
+    as ``{"session", "accuracy", "current_accuracy"}`` on the validation set, else None.
+    """
     name = store.meta("model")
     repo = ModelRepo(home.models, name)
     version = repo.current()
     manifest = repo.manifest(version)
+    resume = None
+    if repo.resume_path.exists():
+        kept = next((row for row in store.sessions(done_only=True)
+                     if (row.get("details") or {}).get("kept_for_resume")), None)
+        if kept:
+            resume = {"session": kept["id"], "accuracy": kept["accuracy_after"],
+                      "current_accuracy": kept["accuracy_before"]}
     return {"name": name, "version": version, "accuracy": manifest.get("metrics", {}).get("accuracy"),
-            "param_count": manifest.get("param_count"), "sha256": manifest.get("sha256")}
+            "param_count": manifest.get("param_count"), "sha256": manifest.get("sha256"),
+            "resume": resume}
 
 
 def gates_status(home: Home) -> dict[str, Any]:
@@ -152,6 +164,11 @@ def render_status(data: dict[str, Any]) -> str:
         lines.append("daemon   not running (start it with `odtd run` or `systemctl start odtd`)")
     lines.append(f"model    {m['name']} v{m['version']}  accuracy {_pct(m['accuracy'])}  "
                  f"({m['param_count']:,} parameters)")
+    if m.get("resume"):
+        r = m["resume"]
+        lines.append(f"         training goes on from session {r['session']}'s refused candidate: "
+                     f"{_pct(r['accuracy'])} on validation against the current model's "
+                     f"{_pct(r['current_accuracy'])}")
     lines.append(f"samples  total {s['total']}  pending {s['pending']}  trained {s['trained']}  "
                  f"holdout {s['holdout']}  quarantined {s['quarantined']}")
     gates = data.get("gates") or {}

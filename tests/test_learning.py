@@ -15,6 +15,7 @@ from odtd.home import Home
 from odtd.ingest import Ingestor, discover
 from odtd.models import ModelRepo, file_sha256
 from odtd.policy import load_policy
+from odtd.report import render_status, status
 from odtd.runner import run_job
 from odtd.session import SessionRunner, paired_standard_error, refusal_reason
 from odtd.setup_home import init_home
@@ -153,9 +154,13 @@ def test_refused_candidate_is_resumed_and_judged_against_current(pretrained, tmp
     assert second["accuracy_before"] == first["accuracy_before"]
     assert second["outcome"] == "rolled_back" and file_sha256(repo.resume_path) != kept
     assert repo.current() == current and file_sha256(repo.weights_path(current)) == sha
+    shown = status(home, store)["model"]["resume"]
+    assert shown == {"session": second["id"], "accuracy": second["accuracy_after"],
+                     "current_accuracy": first["accuracy_before"]}
+    assert f"session {second['id']}'s refused candidate" in render_status(status(home, store))
     # A manual rollback forgets the resumable candidate: it descends from the version left.
     rollback(home, store, current)
-    assert not repo.resume_path.exists()
+    assert not repo.resume_path.exists() and status(home, store)["model"]["resume"] is None
     # resume_within 0: a candidate below current is dropped, the next session starts from current.
     _policy(home, training="  resume_within: 0.0\n",
             **{"optimizer: sgd": "optimizer: adam", "learning_rate: 0.01": "learning_rate: 5.0"})
