@@ -462,10 +462,12 @@ def refusal_reason(before: float, after: float, tolerance: float, confidence_z: 
             return f"validation accuracy {after:.2%} < {before:.2%} - {tolerance:.2%} tolerance"
         return None
     se = paired_standard_error(paired["gained"], paired["lost"], paired["samples"])
-    if gain - confidence_z * se < -tolerance:
+    bound = gain - confidence_z * se
+    if bound < -tolerance:
+        allowed = 0.0 - 100 * tolerance  # 0.0 - 0.0 is 0.0, never -0.0
         return (f"validation accuracy {after:.2%} vs {before:.2%}: gain {100 * gain:+.2f} - "
-                f"{confidence_z:g} x {100 * se:.2f} (standard error) < -{100 * tolerance:.2f} "
-                "points tolerance")
+                f"{confidence_z:g} x {100 * se:.2f} (standard error) = {100 * bound:+.2f} points "
+                f"< {allowed:.2f} (tolerance)")
     return None
 
 
