@@ -78,6 +78,8 @@ class TrainingPolicy(_Strict):
     epochs: int = Field(default=3, ge=1, le=1000)
     optimizer: Literal["sgd", "adam"] = "sgd"
     learning_rate: float = Field(default=0.005, gt=0, le=10)
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        default="constant", description="cosine: the rate decays to 0 over each session's steps")
     momentum: float = Field(default=0.9, ge=0, lt=1)
     augment: bool = True
     freeze_bn: bool = Field(default=True, description="BatchNorm in inference mode while training")

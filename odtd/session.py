@@ -225,6 +225,7 @@ class SessionRunner:
             "validation_data": str(validation) if validation else None,
             "batch_size": batch_size, "epochs": epochs, "max_steps": None,
             "optimizer": training.optimizer, "learning_rate": training.learning_rate,
+            "lr_schedule": training.lr_schedule,
             "momentum": training.momentum, "augment": training.augment,
             "freeze_bn": training.freeze_bn, "seed": training.seed, "parent_pid": os.getpid(),
             "precision": training.precision, "gpu_memory_limit_mb": training.gpu_memory_limit_mb,

@@ -173,12 +173,15 @@ def test_refused_candidate_is_resumed_and_judged_against_current(pretrained, tmp
 
 def test_promotion_clears_the_resumable_candidate(pretrained, tmp_path):
     home = _copy(pretrained, tmp_path)
-    _policy(home, training="  resume_within: 100.0\n", **{"tolerance: 1.0": "tolerance: 100.0"})
+    _policy(home, training="  resume_within: 100.0\n  lr_schedule: cosine\n",
+            **{"tolerance: 1.0": "tolerance: 100.0"})
     store = home.open_store()
     repo = ModelRepo(home.models, "tinycnn")
     repo.resume_path.write_bytes(repo.weights_path(repo.current()).read_bytes())
     session = _day(home, store, tmp_path, 920)
     assert session["details"]["resumed"] and session["outcome"] == "promoted"
+    job = json.loads((home.runs / f"session-{session['id']}" / "job.json").read_text())
+    assert job["lr_schedule"] == "cosine"
     assert not repo.resume_path.exists()
     store.close()
 

@@ -202,6 +202,38 @@ def test_baseline_weights_must_exist(tmp_path, data):
     assert code == 2 and "baseline_weights: file" in events[-1]["message"]
 
 
+def test_cosine_schedule_decays_the_rate_within_the_job(tmp_path, initial, data):
+    outs = {}
+    for schedule in ("constant", "cosine"):
+        outs[schedule] = tmp_path / f"{schedule}.npz"
+        code, events, stderr = run_worker(write_job(
+            tmp_path, schedule, weights_in=str(initial[0]), weights_out=str(outs[schedule]),
+            lr_schedule=schedule, **data))
+        assert code == 0, stderr
+        rates = [e["lr"] for e in by_event(events, "step")]
+        assert len(rates) == 10  # 40 samples, batch 8, 2 epochs
+        if schedule == "constant":
+            assert rates == [0.05] * 10
+        else:
+            assert rates[0] == 0.05 and rates == sorted(rates, reverse=True)
+            assert rates[5] == pytest.approx(0.025) and 0 < rates[-1] < 0.05 * 0.03
+    with np.load(outs["constant"]) as constant, np.load(outs["cosine"]) as cosine:
+        assert any(not np.allclose(constant[k], cosine[k]) for k in constant.files)
+
+
+def test_learning_rate_at_follows_keras_cosine_decay():
+    job = {"learning_rate": 0.01, "lr_schedule": "cosine"}
+    assert worker.learning_rate_at(job, 0, 100) == 0.01
+    assert worker.learning_rate_at(job, 50, 100) == pytest.approx(0.005)
+    assert worker.learning_rate_at(job, 100, 100) == pytest.approx(0.0)
+    assert worker.learning_rate_at(dict(job, lr_schedule="constant"), 50, 100) == 0.01
+
+
+def test_unknown_lr_schedule_is_a_bad_job(tmp_path, data):
+    code, events, _ = run_worker(write_job(tmp_path, lr_schedule="step", **data))
+    assert code == 2 and "lr_schedule='step' is not one of" in events[-1]["message"]
+
+
 def test_profile_runs_full_batches_in_mixed_float16(tmp_path):
     train = write_samples(tmp_path / "train.npz", 5)
     job = write_job(tmp_path, mode="profile", train_data=train, batch_size=16, max_steps=4,

@@ -13,6 +13,7 @@ Units: memory figures are MB of 1024 * 1024 bytes; times are seconds on ``time.m
 """
 
 import json
+import math
 import os
 import resource
 import signal
@@ -31,6 +32,7 @@ EXIT_ERROR = 2
 EXIT_PARENT_GONE = 3
 PARENT_POLL_INTERVAL_S = 0.5
 PRECISIONS = ("fp32", "mixed_float16", "mixed_bfloat16", "auto")
+LR_SCHEDULES = ("constant", "cosine")
 AUGMENT_PAD_PX = 4
 _STARTED_AT = time.monotonic()
 _REQUIRED = object()
@@ -52,6 +54,7 @@ JOB_KEYS = {
     "max_steps": ("positive_int", None),
     "optimizer": ("str", None),
     "learning_rate": ("positive_float", None),
+    "lr_schedule": ("str", "constant"),
     "momentum": ("float", 0.0),
     "augment": ("bool", False),
     "freeze_bn": ("bool", False),
@@ -159,6 +162,7 @@ def load_job(path: str) -> Dict[str, Any]:
     choices = {
         "mode": tuple(MODE_REQUIRES),
         "optimizer": ("sgd", "adam", None),
+        "lr_schedule": LR_SCHEDULES,
         "precision": PRECISIONS,
     }
     for key, allowed in choices.items():
@@ -378,13 +382,31 @@ def configure_gpus(tf: Any, memory_limit_mb: Optional[int]) -> bool:
     return bool(gpus)
 
 
-def make_optimizer(tf: Any, job: Dict[str, Any], precision: str) -> Any:
-    """Build the job's optimizer, wrapped in a LossScaleOptimizer for float16."""
+def learning_rate_at(job: Dict[str, Any], step: int, total_steps: Optional[int]) -> float:
+    """Return the rate of step ``step`` (counted from 0).
+
+    ``learning_rate``, or its cosine decay to 0 over ``total_steps``: the formula of Keras's
+    ``CosineDecay``, which is what the optimizer is given.
+    """
+    if job["lr_schedule"] == "constant" or not total_steps:
+        return job["learning_rate"]
+    return job["learning_rate"] * 0.5 * (1.0 + math.cos(math.pi * min(step, total_steps) / total_steps))
+
+
+def make_optimizer(tf: Any, job: Dict[str, Any], precision: str,
+                   total_steps: Optional[int] = None) -> Any:
+    """Build the job's optimizer, wrapped in a LossScaleOptimizer for float16.
+
+    With ``lr_schedule`` cosine and ``total_steps`` known, the rate decays from
+    ``learning_rate`` to 0 over the job's steps: a session ends annealed, wherever it started.
+    """
+    rate = job["learning_rate"]
+    if job["lr_schedule"] == "cosine" and total_steps:
+        rate = tf.keras.optimizers.schedules.CosineDecay(job["learning_rate"], total_steps)
     if job["optimizer"] == "sgd":
-        optimizer = tf.keras.optimizers.SGD(learning_rate=job["learning_rate"],
-                                            momentum=job["momentum"])
+        optimizer = tf.keras.optimizers.SGD(learning_rate=rate, momentum=job["momentum"])
     else:
-        optimizer = tf.keras.optimizers.Adam(learning_rate=job["learning_rate"])
+        optimizer = tf.keras.optimizers.Adam(learning_rate=rate)
     if precision == "mixed_float16":
         optimizer = tf.keras.mixed_precision.LossScaleOptimizer(optimizer)
     return optimizer
@@ -640,7 +662,12 @@ def _train(tf: Any, job: Dict[str, Any], model: Any, precision: str,
 
     x_train, y_train = data["train_data"]
     images, labels = tf.constant(x_train), tf.constant(y_train)
-    train_step = make_train_step(tf, model, make_optimizer(tf, job, precision),
+    total_steps = None
+    if not profiling:
+        total_steps = job["epochs"] * int(math.ceil(len(y_train) / float(batch_size)))
+        if job["max_steps"] is not None:
+            total_steps = min(total_steps, job["max_steps"])
+    train_step = make_train_step(tf, model, make_optimizer(tf, job, precision, total_steps),
                                  job["input_shape"], job["augment"])
     batches = iterate_batches(len(y_train), batch_size, None if profiling else job["epochs"],
                               job["max_steps"], np.random.RandomState(job["seed"]))
@@ -654,7 +681,7 @@ def _train(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         loss = float(train_step(tf.gather(images, batch), tf.gather(labels, batch)))
         end = time.monotonic()
         emit("step", index=steps, epoch=epoch, batch_size=len(indices), loss=loss,
-             start=start, end=end)
+             lr=learning_rate_at(job, steps, total_steps), start=start, end=end)
         steps += 1
         samples += len(indices)
     fields.update(steps=steps, samples=samples, train_seconds=time.monotonic() - train_started)
