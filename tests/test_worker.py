@@ -215,18 +215,10 @@ def test_cosine_schedule_decays_the_rate_within_the_job(tmp_path, initial, data)
         if schedule == "constant":
             assert rates == [0.05] * 10
         else:
-            assert rates[0] == 0.05 and rates == sorted(rates, reverse=True)
-            assert rates[5] == pytest.approx(0.025) and 0 < rates[-1] < 0.05 * 0.03
+            # Keras's CosineDecay, as the optimizer steps through it: 0.05 (1 + cos(pi i / 10)) / 2
+            assert rates == pytest.approx([0.025 * (1 + np.cos(np.pi * i / 10)) for i in range(10)])
     with np.load(outs["constant"]) as constant, np.load(outs["cosine"]) as cosine:
         assert any(not np.allclose(constant[k], cosine[k]) for k in constant.files)
-
-
-def test_learning_rate_at_follows_keras_cosine_decay():
-    job = {"learning_rate": 0.01, "lr_schedule": "cosine"}
-    assert worker.learning_rate_at(job, 0, 100) == 0.01
-    assert worker.learning_rate_at(job, 50, 100) == pytest.approx(0.005)
-    assert worker.learning_rate_at(job, 100, 100) == pytest.approx(0.0)
-    assert worker.learning_rate_at(dict(job, lr_schedule="constant"), 50, 100) == 0.01
 
 
 def test_unknown_lr_schedule_is_a_bad_job(tmp_path, data):

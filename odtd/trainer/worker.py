@@ -13,7 +13,6 @@ Units: memory figures are MB of 1024 * 1024 bytes; times are seconds on ``time.m
 """
 
 import json
-import math
 import os
 import resource
 import signal
@@ -382,27 +381,19 @@ def configure_gpus(tf: Any, memory_limit_mb: Optional[int]) -> bool:
     return bool(gpus)
 
 
-def learning_rate_at(job: Dict[str, Any], step: int, total_steps: Optional[int]) -> float:
-    """Return the rate of step ``step`` (counted from 0).
-
-    ``learning_rate``, or its cosine decay to 0 over ``total_steps``: the formula of Keras's
-    ``CosineDecay``, which is what the optimizer is given.
-    """
-    if job["lr_schedule"] == "constant" or not total_steps:
-        return job["learning_rate"]
-    return job["learning_rate"] * 0.5 * (1.0 + math.cos(math.pi * min(step, total_steps) / total_steps))
-
-
-def make_optimizer(tf: Any, job: Dict[str, Any], precision: str,
-                   total_steps: Optional[int] = None) -> Any:
-    """Build the job's optimizer, wrapped in a LossScaleOptimizer for float16.
+def make_rate(tf: Any, job: Dict[str, Any], total_steps: Optional[int]) -> Any:
+    """Return the job's learning rate: a number, or a Keras schedule called with the step.
 
     With ``lr_schedule`` cosine and ``total_steps`` known, the rate decays from
     ``learning_rate`` to 0 over the job's steps: a session ends annealed, wherever it started.
     """
-    rate = job["learning_rate"]
     if job["lr_schedule"] == "cosine" and total_steps:
-        rate = tf.keras.optimizers.schedules.CosineDecay(job["learning_rate"], total_steps)
+        return tf.keras.optimizers.schedules.CosineDecay(job["learning_rate"], total_steps)
+    return job["learning_rate"]
+
+
+def make_optimizer(tf: Any, job: Dict[str, Any], precision: str, rate: Any) -> Any:
+    """Build the job's optimizer at ``rate`` (``make_rate``), in a LossScaleOptimizer for float16."""
     if job["optimizer"] == "sgd":
         optimizer = tf.keras.optimizers.SGD(learning_rate=rate, momentum=job["momentum"])
     else:
@@ -547,11 +538,6 @@ def load_groups(path: str, count: int) -> Optional[np.ndarray]:
     return groups
 
 
-def _weight_name(variable: Any) -> str:
-    # Keras 3 variables have a unique ``path``; tf.keras 2 names end in ":0".
-    return (getattr(variable, "path", None) or variable.name).split(":")[0]
-
-
 def run(job: Dict[str, Any], data: Dict[str, Tuple[np.ndarray, np.ndarray]],
         should_stop: Callable[[], bool]) -> None:
     """Run a validated job, printing its events; the caller turns exceptions into error events.
@@ -576,7 +562,10 @@ def run(job: Dict[str, Any], data: Dict[str, Tuple[np.ndarray, np.ndarray]],
     tf.keras.utils.set_random_seed(job["seed"])
     num_classes = len(job["classes"])
     model = nets.build(job["model"], num_classes, job["input_shape"])
-    names = [_weight_name(v) for v in model.weights]
+    names = [(getattr(v, "path", None) or v.name).split(":")[0] for v in model.weights]
+    baseline = None
+    if job["baseline_weights"] is not None:
+        baseline = read_weights(job["baseline_weights"], model.get_weights(), names)
     if job["weights_in"] is not None:
         model.set_weights(read_weights(job["weights_in"], model.get_weights(), names))
     result = {
@@ -589,7 +578,7 @@ def run(job: Dict[str, Any], data: Dict[str, Tuple[np.ndarray, np.ndarray]],
     if mode == "evaluate":
         result.update(_evaluate_only(tf, job, model, data, should_stop))
     elif mode != "init":
-        result.update(_train(tf, job, model, precision, data, should_stop))
+        result.update(_train(tf, job, model, precision, data, should_stop, baseline))
     if result["status"] == "ok" and mode != "profile" and job["weights_out"] is not None:
         write_weights(model.get_weights(), job["weights_out"])
         result["weights_out"] = job["weights_out"]
@@ -618,12 +607,12 @@ def _evaluate_only(tf: Any, job: Dict[str, Any], model: Any,
 
 
 def _train(tf: Any, job: Dict[str, Any], model: Any, precision: str,
-           data: Dict[str, Tuple[np.ndarray, np.ndarray]], should_stop: Callable[[], bool]
-           ) -> Dict[str, Any]:
+           data: Dict[str, Tuple[np.ndarray, np.ndarray]], should_stop: Callable[[], bool],
+           baseline: Optional[List[np.ndarray]] = None) -> Dict[str, Any]:
     """Evaluate before, train, evaluate after; return the result fields this produces.
 
-    With ``baseline_weights`` the "before" figures are that model's (the one the candidate must
-    beat), and training then starts from ``weights_in`` as loaded.
+    With ``baseline`` (the ``baseline_weights`` arrays) the "before" figures are that model's
+    (the one the candidate must beat), and training then starts from the weights as loaded.
     """
     if job["freeze_bn"]:
         # A non-trainable BatchNormalization runs in inference mode in tf.keras 2 and Keras 3:
@@ -644,10 +633,9 @@ def _train(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         groups = load_groups(job["validation_data"], len(validation[1]))
         eval_step = make_eval_step(tf, model, job["input_shape"])
         start_weights = None
-        if job["baseline_weights"] is not None:
+        if baseline is not None:
             start_weights = model.get_weights()
-            model.set_weights(read_weights(job["baseline_weights"], start_weights,
-                                           [_weight_name(v) for v in model.weights]))
+            model.set_weights(baseline)
         before = evaluate(eval_step, validation[0], validation[1], num_classes, eval_batch_size,
                           should_stop, groups)
         if start_weights is not None:
@@ -662,15 +650,12 @@ def _train(tf: Any, job: Dict[str, Any], model: Any, precision: str,
 
     x_train, y_train = data["train_data"]
     images, labels = tf.constant(x_train), tf.constant(y_train)
-    total_steps = None
-    if not profiling:
-        total_steps = job["epochs"] * int(math.ceil(len(y_train) / float(batch_size)))
-        if job["max_steps"] is not None:
-            total_steps = min(total_steps, job["max_steps"])
-    train_step = make_train_step(tf, model, make_optimizer(tf, job, precision, total_steps),
+    # Finite either way (profile mode requires max_steps); the count sizes the schedule.
+    batches = list(iterate_batches(len(y_train), batch_size, None if profiling else job["epochs"],
+                                   job["max_steps"], np.random.RandomState(job["seed"])))
+    rate = make_rate(tf, job, None if profiling else len(batches))
+    train_step = make_train_step(tf, model, make_optimizer(tf, job, precision, rate),
                                  job["input_shape"], job["augment"])
-    batches = iterate_batches(len(y_train), batch_size, None if profiling else job["epochs"],
-                              job["max_steps"], np.random.RandomState(job["seed"]))
     steps = samples = 0
     train_started = time.monotonic()
     for epoch, indices in batches:
@@ -681,7 +666,7 @@ def _train(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         loss = float(train_step(tf.gather(images, batch), tf.gather(labels, batch)))
         end = time.monotonic()
         emit("step", index=steps, epoch=epoch, batch_size=len(indices), loss=loss,
-             lr=learning_rate_at(job, steps, total_steps), start=start, end=end)
+             lr=float(rate(steps)) if callable(rate) else rate, start=start, end=end)
         steps += 1
         samples += len(indices)
     fields.update(steps=steps, samples=samples, train_seconds=time.monotonic() - train_started)
