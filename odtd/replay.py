@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 from odtd.policy import ReplayPolicy
@@ -20,15 +21,15 @@ from odtd.store import Store
 
 
 def update_buffer(store: Store, policy: ReplayPolicy, trained: list[dict[str, Any]],
-                  session_id: int, sizes_bytes: dict[str, int]) -> dict[str, int]:
+                  session_id: int, root: Path) -> dict[str, int]:
     """Offer a session's trained samples to the reservoir; return {"added", "removed", "size"}.
 
     Args:
         store: the database.
         policy: capacity in samples (``capacity_samples``) and MB (``capacity_mb``).
-        trained: the session's new sample rows (sha256, label).
+        trained: the session's new sample rows (sha256, label, stored_path).
         session_id: recorded with each entry.
-        sizes_bytes: stored size of each sample's original file (for the MB cap).
+        root: the home, which ``stored_path`` is relative to (file sizes, for the MB cap).
     """
     rng = random.Random(session_id)
     buffer: dict[str, list[str]] = defaultdict(list)
@@ -54,7 +55,7 @@ def update_buffer(store: Store, policy: ReplayPolicy, trained: list[dict[str, An
         if sha in entries or sha in added or capacity <= 0:
             continue
         seen[label] = seen.get(label, 0) + 1
-        entry = {"sha256": sha, "label": label, "size_bytes": sizes_bytes.get(sha, 0),
+        entry = {"sha256": sha, "label": label, "size_bytes": _stored_size(root, row),
                  "added_session": session_id}
         total = sum(len(shas) for shas in buffer.values())
         if total < capacity:
@@ -83,6 +84,13 @@ def update_buffer(store: Store, policy: ReplayPolicy, trained: list[dict[str, An
     store.update_replay(list(added.values()), removed, seen)
     return {"added": len(added), "removed": len(removed),
             "size": sum(len(shas) for shas in buffer.values())}
+
+
+def _stored_size(root: Path, row: dict[str, Any]) -> int:
+    try:
+        return (root / row["stored_path"]).stat().st_size
+    except OSError:  # gone since ingest: it counts nothing against the MB cap
+        return 0
 
 
 def choose_replay(store: Store, policy: ReplayPolicy, new_count: int, seed: int) -> list[dict[str, Any]]:

@@ -148,8 +148,10 @@ class SessionRunner:
         replay_rows = choose_replay(self.store, policy.replay, len(pending), seed=session_id)
         counts = {"samples_new": len(pending), "samples_replay": len(replay_rows)}
         admission = admit_session(self.store, policy, samples=len(pending) + len(replay_rows))
+        # Resuming trains on from the last refused candidate, always judged against current.
+        resume = policy.training.resume_within is not None and self.repo.resume_path.exists()
         details: dict[str, Any] = {"admission": admission.to_dict(), "forced": force,
-                                   "resumed": self._resuming()}
+                                   "resumed": resume}
         if admission.decision == SKIP:
             return self._finish(session_id, reason=admission.reason, details=details,
                                 batch_size=admission.batch_size, epochs=admission.epochs,
@@ -164,7 +166,7 @@ class SessionRunner:
                               "worker starting")
                 self.store.update_session(session_id, batch_size=batch_size, epochs=admission.epochs)
                 job_path, eval_name = self._write_job(job_dir, current, pending + replay_rows,
-                                                      batch_size, admission.epochs)
+                                                      batch_size, admission.epochs, resume)
                 try:
                     with self._gate_monitor(stop, force):
                         outcome = self._train(session_id, job_dir, job_path, stop)
@@ -207,17 +209,15 @@ class SessionRunner:
         return oom_retry_batch(self.policy.batch, batch_size)
 
     def _write_job(self, job_dir: Path, current: int, rows: list[dict[str, Any]], batch_size: int,
-                   epochs: int) -> tuple[Path, str]:
+                   epochs: int, resume: bool) -> tuple[Path, str]:
         x, y = load_sample_arrays(self.home, rows, self.classes)
         np.savez(job_dir / "train.npz", x=x, y=y)
         eval_name, validation = self._write_evaluation_set(job_dir)
         training = self.policy.training
         current_weights = str(self.repo.weights_path(current))
-        resume = self._resuming()
         job = {
             "protocol": 1, "mode": "train", "model": self.model, "classes": self.classes,
             "input_shape": self.input_shape,
-            # Resuming trains on from the last refused candidate, always judged against current.
             "weights_in": str(self.repo.resume_path) if resume else current_weights,
             "baseline_weights": current_weights if resume else None,
             "weights_out": str(job_dir / "candidate.npz"),
@@ -374,8 +374,7 @@ class SessionRunner:
         tolerance = acceptance.tolerance / 100.0
         shas = [row["sha256"] for row in pending]
         fields["details"]["replay_buffer"] = update_buffer(
-            self.store, self.policy.replay, pending, session_id,
-            {row["sha256"]: _size(self.home.root / row["stored_path"]) for row in pending})
+            self.store, self.policy.replay, pending, session_id, self.home.root)
         refusal = None
         if before is not None and after is not None:
             refusal = refusal_reason(before, after, tolerance, acceptance.confidence_z,
@@ -412,10 +411,6 @@ class SessionRunner:
         if pruned:
             self.progress(f"pruned model versions {', '.join(f'v{v}' for v in pruned)}")
         return session
-
-    def _resuming(self) -> bool:
-        """Whether this session trains on from a refused candidate (``training.resume_within``)."""
-        return self.policy.training.resume_within is not None and self.repo.resume_path.exists()
 
     def _finish_refused(self, session_id: int, job_dir: Path, before: float, after: float,
                         **fields: Any) -> dict[str, Any]:
@@ -477,13 +472,6 @@ def paired_standard_error(gained: int, lost: int, samples: int) -> float:
     mean = (gained - lost) / samples
     variance = ((gained + lost) / samples - mean * mean) / samples
     return max(variance, 0.0) ** 0.5
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
 
 
 def _by_class(classes: list[str], values: Optional[list[Optional[float]]]) -> Optional[dict[str, Any]]:

@@ -149,8 +149,7 @@ def seed_replay(home: Home, store: Store, files: list[tuple[Path, Optional[str]]
         raise IngestError(f"replay seed: none of {len(files)} files could be stored "
                           f"({report.rejected} rejected); see {home.quarantine}")
     store.mark_trained([row["sha256"] for row in rows], session_id=0)
-    result = update_buffer(store, policy.replay, rows, session_id=0, sizes_bytes={
-        row["sha256"]: (home.root / row["stored_path"]).stat().st_size for row in rows})
+    result = update_buffer(store, policy.replay, rows, session_id=0, root=home.root)
     store.log_event("replay_seed", f"replay buffer seeded with {result['size']} of {len(rows)} "
                     "base training images", rejected=report.rejected)
     return {**report.as_dict(), "size": result["size"]}
