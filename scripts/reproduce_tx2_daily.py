@@ -262,7 +262,7 @@ def run(args) -> dict:
         "machine": f"{os.uname().machine}, {os.cpu_count()} CPUs, no GPU",
         "published": PUBLISHED, "days": args.days, "per_day": args.per_day,
         "test_images": {"day0_and_final": len(test_y), "daily": len(daily_idx)},
-        "policy": args.policy, "tolerance_points": policy.acceptance.tolerance,
+        "policy": args.policy, "acceptance": policy.acceptance.model_dump(),
         "replay_seed": len(seed_idx),
         "pretrain": {"images": base["images"], "epochs": base["epochs"], "seconds": base["seconds"],
                      "history": base["history"], "test_accuracy": base["test"]["all"]},

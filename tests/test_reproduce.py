@@ -8,7 +8,6 @@ import sys
 import pytest
 from conftest import CIFAR, REPO
 
-from odtd.policy import load_policy
 from odtd.session import refusal_reason
 
 
@@ -34,7 +33,8 @@ def test_two_days_through_the_real_session_path(tmp_path):
         assert summary[name]["gain_points"] == pytest.approx(gain)
     outcomes = summary["odtd"]["outcomes"]
     assert outcomes["promoted"] + outcomes["rolled_back"] == 2 and outcomes["failed"] == 0
-    assert summary["tolerance_points"] == 0.0
+    acceptance = summary["acceptance"]
+    assert acceptance == {"tolerance": 0.0, "confidence_z": 2.0}
     for row in rows[1:]:
         assert row["outcome"] in ("promoted", "rolled_back")
         assert row["energy_j"] > 0 and row["peak_memory_mb"] > 100
@@ -46,12 +46,11 @@ def test_two_days_through_the_real_session_path(tmp_path):
     assert db.execute("SELECT count(*) FROM sessions").fetchone()[0] == 2
     # The policy's guard (tolerance 0, two standard errors of the paired difference) decided
     # each day; the second session went on from the first's candidate unless it was promoted.
-    policy = load_policy(REPO / "policies" / "densenet40-cifar10-daily.yaml")
     sessions = db.execute("SELECT outcome, accuracy_before, accuracy_after, details FROM sessions "
                           "ORDER BY id").fetchall()
     for outcome, before, after, details in sessions:
-        refusal = refusal_reason(before, after, 0.0, policy.acceptance.confidence_z,
-                                 json.loads(details)["paired"])
+        refusal = refusal_reason(before, after, acceptance["tolerance"] / 100,
+                                 acceptance["confidence_z"], json.loads(details)["paired"])
         assert (outcome == "promoted") == (refusal is None)
     first = json.loads(sessions[0][3])
     assert json.loads(sessions[1][3])["resumed"] == bool(first.get("kept_for_resume"))
