@@ -8,7 +8,6 @@ old or the new version current, never a torn one.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -20,20 +19,12 @@ import numpy as np
 
 from odtd.errors import ModelError
 from odtd.trainer import catalog
+from odtd.trainer.evalcache import file_sha256
 
 logger = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "weights.npz"
 MANIFEST_NAME = "manifest.json"
-
-
-def file_sha256(path: Path) -> str:
-    """Return the hex sha256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def fsync_dir(path: Path) -> None:
@@ -116,6 +107,11 @@ class ModelRepo:
     def resume_path(self) -> Path:
         """The last refused candidate that the next session trains on (``training.resume_within``)."""
         return self.dir / "resume.npz"
+
+    @property
+    def eval_cache_path(self) -> Path:
+        """The current model's per-sample validation results (worker job key ``eval_cache``)."""
+        return self.dir / "eval-cache.npz"
 
     def keep_for_resume(self, candidate: Path) -> None:
         """Keep a refused candidate as the next session's starting point (replacing any earlier)."""

@@ -230,6 +230,7 @@ class SessionRunner:
             "freeze_bn": training.freeze_bn, "seed": training.seed, "parent_pid": os.getpid(),
             "precision": training.precision, "gpu_memory_limit_mb": training.gpu_memory_limit_mb,
             "eval_batch_size": training.eval_batch_size,
+            "eval_cache": str(self.repo.eval_cache_path),
         }  # fmt: skip
         job_path = job_dir / "job.json"
         job_path.write_text(json.dumps(job, indent=2), encoding="utf-8")
@@ -316,9 +317,11 @@ class SessionRunner:
                                       f"/{self.policy.training.epochs}")
                     steps.append(message)
                 elif message.get("event") == "eval":
+                    cached = message.get("cached")
                     self.progress(f"session {session_id}: accuracy {message.get('phase')} training "
                                   f"{message.get('accuracy', 0) * 100:.1f}% on {message.get('samples')} "
-                                  "evaluation samples")
+                                  "evaluation samples" + (f" ({cached} scored in an earlier session)"
+                                                          if cached else ""))
                 elif message.get("event") == "result":
                     result = message
                 elif message.get("event") == "error":

@@ -121,11 +121,12 @@ def _policy(home: Home, training: str = "", acceptance: str = "", **replace: str
     (home.root / "policy.yaml").write_text(text)
 
 
-def _day(home: Home, store, tmp_path: Path, seed: int) -> dict:
+def _day(home: Home, store, tmp_path: Path, seed: int, progress=None) -> dict:
     x, y = datasets.synthetic(64, "device", seed=seed)
     datasets.write_image_folder(x, y, datasets.CLASSES, tmp_path / f"imgs{seed}", start_index=seed)
     Ingestor(home, store, list(datasets.CLASSES), (32, 32)).ingest(discover(tmp_path / f"imgs{seed}", None))
-    return SessionRunner(home, store, Config(), load_policy(home.root / "policy.yaml")).run()
+    return SessionRunner(home, store, Config(), load_policy(home.root / "policy.yaml"),
+                         progress=progress).run()
 
 
 def test_refused_candidate_is_resumed_and_judged_against_current(pretrained, tmp_path):
@@ -145,9 +146,15 @@ def test_refused_candidate_is_resumed_and_judged_against_current(pretrained, tmp
     change = (first["accuracy_after"] - first["accuracy_before"]) * paired["samples"]
     assert paired["gained"] - paired["lost"] == round(change)
     kept = file_sha256(repo.resume_path)
-    second = _day(home, store, tmp_path, 911)
+    scored_before = 400 + len(store.samples("holdout"))
+    messages = []
+    second = _day(home, store, tmp_path, 911, progress=messages.append)
     job = json.loads((home.runs / f"session-{second['id']}" / "job.json").read_text())
     assert second["details"]["resumed"]
+    # Current is unchanged: its results on the images scored yesterday come from the cache.
+    assert job["eval_cache"] == str(repo.eval_cache_path)
+    assert any(m.startswith(f"session {second['id']}: accuracy before training")
+               and m.endswith(f"({scored_before} scored in an earlier session)") for m in messages)
     assert (job["weights_in"], job["baseline_weights"]) == (str(repo.resume_path),
                                                              str(repo.weights_path(current)))
     # Judged against current, not against the candidate it went on from.

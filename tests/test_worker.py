@@ -196,6 +196,59 @@ def test_baseline_weights_are_scored_before_and_compared_image_by_image(tmp_path
     assert all("correct" not in e for e in by_event(events, "eval"))
 
 
+def test_eval_cache_scores_only_samples_it_has_not_seen_for_that_model(tmp_path, initial, data):
+    # Day 1 scores 12 images and keeps the results; day 2 adds 5 held-out images: only those run,
+    # and the figures equal an uncached evaluation's. Another model's cache is not used.
+    cache = tmp_path / "eval-cache.npz"
+    train = data["train_data"]
+    rng = np.random.default_rng(5)
+    with np.load(data["validation_data"]) as day1:
+        x = np.concatenate([day1["x"], rng.integers(0, 256, (5, *SHAPE), dtype=np.uint8)])
+        y = np.concatenate([day1["y"], rng.integers(0, 3, 5)])
+    grown = tmp_path / "grown.npz"
+    np.savez(grown, x=x, y=y, group=np.array([0] * 12 + [1] * 5, dtype=np.int64))
+
+    def before(name, validation, **keys):
+        code, events, stderr = run_worker(write_job(
+            tmp_path, name, weights_in=str(initial[0]), train_data=train,
+            validation_data=str(validation), epochs=0, **keys))
+        assert code == 0, stderr
+        return by_event(events, "eval")[0], events[-1]
+
+    first, _ = before("day1", data["validation_data"], eval_cache=str(cache))
+    assert first["cached"] == 0 and cache.exists()
+    second, result = before("day2", grown, eval_cache=str(cache))
+    uncached, reference = before("reference", grown)
+    assert (second["cached"], uncached["cached"]) == (12, 0)
+    assert result["by_group_before"] == reference["by_group_before"]
+    assert result["per_class_before"] == reference["per_class_before"]
+    assert second["loss"] == pytest.approx(uncached["loss"], rel=1e-5)
+    assert result["paired_by_group"] == {"0": {"gained": 0, "lost": 0, "samples": 12},
+                                         "1": {"gained": 0, "lost": 0, "samples": 5}}
+    # Results really come from the file: a cache that calls every image right is believed.
+    with np.load(cache) as kept:
+        arrays = dict(kept)
+    np.savez(cache, **dict(arrays, correct=np.ones(17, dtype=bool)))
+    forged, result = before("forged", grown, eval_cache=str(cache))
+    assert forged["cached"] == 17 and forged["accuracy"] == 1.0
+    # Other weights (a trained candidate) do not use the initial weights' cache.
+    candidate = tmp_path / "candidate.npz"
+    code, _, stderr = run_worker(write_job(tmp_path, "train", weights_in=str(initial[0]),
+                                           weights_out=str(candidate), train_data=train))
+    assert code == 0, stderr
+    code, events, stderr = run_worker(write_job(
+        tmp_path, "other", weights_in=str(candidate), train_data=train,
+        validation_data=str(grown), epochs=0, eval_cache=str(cache)))
+    assert code == 0, stderr
+    assert by_event(events, "eval")[0]["cached"] == 0
+
+
+def test_eval_cache_directory_must_exist(tmp_path, data):
+    code, events, _ = run_worker(write_job(tmp_path, eval_cache=str(tmp_path / "no" / "c.npz"),
+                                           **data))
+    assert code == 2 and "eval_cache: directory" in events[-1]["message"]
+
+
 def test_baseline_weights_must_exist(tmp_path, data):
     code, events, _ = run_worker(write_job(tmp_path, baseline_weights=str(tmp_path / "no.npz"),
                                            **data))

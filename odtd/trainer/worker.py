@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from odtd.trainer import catalog
+from odtd.trainer import catalog, evalcache
 
 PROTOCOL_VERSION = 1
 EXIT_ERROR = 2
@@ -62,6 +62,7 @@ JOB_KEYS = {
     "precision": ("str", "fp32"),
     "gpu_memory_limit_mb": ("positive_int", None),
     "eval_batch_size": ("positive_int", None),
+    "eval_cache": ("path", None),
 }
 MODE_REQUIRES = {
     "init": ("weights_out",),
@@ -180,10 +181,10 @@ def load_job(path: str) -> Dict[str, Any]:
     for key in ("weights_in", "baseline_weights", "train_data", "validation_data"):
         if job[key] is not None and not os.path.isfile(job[key]):
             raise BadJob("{}: file {} does not exist".format(key, job[key]))
-    if job["weights_out"] is not None:
-        out_dir = os.path.dirname(os.path.abspath(job["weights_out"]))
-        if not os.path.isdir(out_dir):
-            raise BadJob("weights_out: directory {} does not exist".format(out_dir))
+    for key in ("weights_out", "eval_cache"):
+        out_dir = job[key] and os.path.dirname(os.path.abspath(job[key]))
+        if out_dir and not os.path.isdir(out_dir):
+            raise BadJob("{}: directory {} does not exist".format(key, out_dir))
     return job
 
 
@@ -475,35 +476,49 @@ def make_eval_step(tf: Any, model: Any, input_shape: List[int]) -> Callable[[Any
 
 def evaluate(eval_step: Callable[[Any, Any], Any], x: np.ndarray, y: np.ndarray,
              num_classes: int, batch_size: int, should_stop: Callable[[], bool],
-             groups: Optional[np.ndarray] = None) -> Optional[Dict[str, Any]]:
+             groups: Optional[np.ndarray] = None,
+             cached: Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]] = None
+             ) -> Optional[Dict[str, Any]]:
     """Evaluate in batches of ``batch_size``; None if a stop was requested meanwhile.
+
+    With ``cached`` (``(known, correct, losses)`` per sample, from ``evalcache.lookup``) the
+    known samples' results are taken from it and only the others run through the model.
 
     Returns:
         ``accuracy``, ``loss`` (mean), ``per_class`` (accuracy per class, None for a class
         without samples), ``by_group`` (accuracy per value of ``groups``, e.g. the base
         validation set and the device's held-out samples; empty without groups), ``samples``,
-        ``seconds`` and ``correct`` (a boolean per sample, for ``paired_counts``; not an event field).
+        ``cached`` (how many results came from ``cached``), ``seconds``, and per sample (not
+        event fields) ``correct`` (for ``paired_counts``) and ``losses``.
     """
     started = time.monotonic()
-    loss_sum = 0.0
     correct = np.zeros(len(y), dtype=bool)
-    for begin in range(0, len(y), batch_size):
+    losses = np.zeros(len(y), dtype=np.float64)
+    todo = np.arange(len(y))
+    if cached is not None:
+        known = cached[0]
+        correct[known], losses[known] = cached[1][known], cached[2][known]
+        todo = np.flatnonzero(~known)
+    for begin in range(0, len(todo), batch_size):
         if should_stop():
             return None
-        losses, predicted = eval_step(x[begin:begin + batch_size], y[begin:begin + batch_size])
-        loss_sum += float(np.sum(losses.numpy(), dtype=np.float64))
-        correct[begin:begin + batch_size] = predicted.numpy() == y[begin:begin + batch_size]
+        batch = todo[begin:begin + batch_size]
+        batch_losses, predicted = eval_step(x[batch], y[batch])
+        losses[batch] = batch_losses.numpy()
+        correct[batch] = predicted.numpy() == y[batch]
     totals = np.bincount(y, minlength=num_classes)
     hits = np.bincount(y[correct], minlength=num_classes)
     return {
         "accuracy": float(np.mean(correct)),
-        "loss": loss_sum / len(y),
+        "loss": float(np.sum(losses)) / len(y),
         "per_class": [float(h) / t if t else None for h, t in zip(hits, totals)],
         "by_group": {} if groups is None else {
             str(g): float(np.mean(correct[groups == g])) for g in np.unique(groups)},
         "samples": int(len(y)),
+        "cached": int(len(y) - len(todo)),
         "seconds": time.monotonic() - started,
         "correct": correct,
+        "losses": losses,
     }
 
 
@@ -601,9 +616,24 @@ def _evaluate_only(tf: Any, job: Dict[str, Any], model: Any,
     if scores is None:
         return {"status": "interrupted"}
     scores.pop("correct")
+    scores.pop("losses")
     emit("eval", phase="after", **scores)
     return {"status": "ok", "accuracy_after": scores["accuracy"],
             "per_class_after": scores["per_class"], "by_group_after": scores["by_group"]}
+
+
+def _open_eval_cache(job: Dict[str, Any], validation: Tuple[np.ndarray, np.ndarray]
+                     ) -> Optional[Tuple[str, np.ndarray, Any]]:
+    """``(weights sha256, sample keys, evalcache.lookup result)`` for the "before" evaluation.
+
+    None without ``eval_cache`` or without a weights file to key it by (a fresh init).
+    """
+    source = job["baseline_weights"] or job["weights_in"]
+    if job["eval_cache"] is None or source is None:
+        return None
+    weights_sha256 = evalcache.file_sha256(source)
+    keys = evalcache.sample_keys(validation[0], validation[1])
+    return weights_sha256, keys, evalcache.lookup(job["eval_cache"], weights_sha256, keys)
 
 
 def _train(tf: Any, job: Dict[str, Any], model: Any, precision: str,
@@ -636,13 +666,17 @@ def _train(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         if baseline is not None:
             start_weights = model.get_weights()
             model.set_weights(baseline)
+        cache = _open_eval_cache(job, validation)
         before = evaluate(eval_step, validation[0], validation[1], num_classes, eval_batch_size,
-                          should_stop, groups)
+                          should_stop, groups, cache and cache[2])
         if start_weights is not None:
             model.set_weights(start_weights)
         if before is None:
             return fields
         correct_before = before.pop("correct")
+        losses_before = before.pop("losses")
+        if cache is not None:
+            evalcache.save(job["eval_cache"], cache[0], cache[1], correct_before, losses_before)
         emit("eval", phase="before", **before)
         fields["accuracy_before"] = before["accuracy"]
         fields["per_class_before"] = before["per_class"]
@@ -678,6 +712,7 @@ def _train(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         if after is None:
             return fields
         fields["paired_by_group"] = paired_counts(correct_before, after.pop("correct"), groups)
+        after.pop("losses")
         emit("eval", phase="after", **after)
         fields["accuracy_after"] = after["accuracy"]
         fields["per_class_after"] = after["per_class"]

@@ -1,0 +1,70 @@
+"""Per-sample evaluation results of one model, kept between sessions (job key ``eval_cache``).
+
+Every session scores the current model on the same validation images before it trains, and that
+model changes only on a promotion. The cache holds, for one weights file (by sha256), each scored
+sample's correctness and loss under a digest of its pixels and label, so the next session runs
+only the samples it has not seen (the day's new held-out images) and a larger validation set
+costs one evaluation per session instead of two.
+
+Standard library and numpy only; Python 3.6-compatible (the worker imports it).
+"""
+
+import hashlib
+import os
+from typing import Optional, Tuple, Union
+
+import numpy as np
+
+KEY_BYTES = 16
+
+
+def file_sha256(path: Union[str, os.PathLike]) -> str:
+    """The hex sha256 of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sample_keys(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """One 16-byte digest per sample of its pixels and its label (``S16`` array)."""
+    labels = np.asarray(y, dtype=np.int64)
+    return np.array([hashlib.blake2b(x[i].tobytes() + labels[i].tobytes(),
+                                     digest_size=KEY_BYTES).digest() for i in range(len(labels))],
+                    dtype="S{}".format(KEY_BYTES))
+
+
+def lookup(path: str, weights_sha256: str, keys: np.ndarray
+           ) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The cached results for ``keys`` under this weights file, or None if there are none.
+
+    Returns:
+        ``(known, correct, losses)``, one entry per key: ``known`` says which samples were found;
+        ``correct`` and ``losses`` are filled in for those. A missing, unreadable or other model's
+        cache is simply not used.
+    """
+    try:
+        with np.load(path, allow_pickle=False) as cache:
+            if str(cache["weights_sha256"]) != weights_sha256:
+                return None
+            cached_keys, cached_correct, cached_losses = cache["keys"], cache["correct"], cache["losses"]
+    except (OSError, ValueError, KeyError):
+        return None
+    position = {key: i for i, key in enumerate(cached_keys.tolist())}
+    found = np.array([position.get(key, -1) for key in keys.tolist()], dtype=np.int64)
+    known = found >= 0
+    correct = np.zeros(len(keys), dtype=bool)
+    losses = np.zeros(len(keys), dtype=np.float64)
+    correct[known] = cached_correct[found[known]]
+    losses[known] = cached_losses[found[known]]
+    return known, correct, losses
+
+
+def save(path: str, weights_sha256: str, keys: np.ndarray, correct: np.ndarray,
+         losses: np.ndarray) -> None:
+    """Replace the cache with these results (written to a temporary name, then renamed)."""
+    partial = path + ".partial.npz"
+    np.savez(partial, weights_sha256=np.array(weights_sha256), keys=keys,
+             correct=np.asarray(correct, dtype=bool), losses=np.asarray(losses, dtype=np.float64))
+    os.replace(partial, path)
