@@ -26,8 +26,15 @@ def test_two_days_through_the_real_session_path(tmp_path):
     rows = summary["rows"]
     assert [r["day"] for r in rows] == [0, 1, 2]
     # Both runs start from the same pre-trained weights, scored once.
-    assert rows[0]["odtd_test_accuracy"] == rows[0]["plain_test_accuracy"]
+    assert rows[0]["odtd_daily_subset"] == rows[0]["plain_test_accuracy"]
     assert summary["odtd"]["day0"] == summary["plain"]["day0"] == summary["pretrain"]["test_accuracy"]
+    # odtd's every day is its served model on all test images; a version is scored once.
+    assert rows[0]["odtd_test_accuracy"] == summary["odtd"]["day0"]
+    assert rows[-1]["odtd_test_accuracy"] == summary["odtd"]["final"]
+    by_version = {0: (rows[0]["odtd_test_accuracy"], rows[0]["odtd_daily_subset"])}
+    for row in rows[1:]:
+        scores = (row["odtd_test_accuracy"], row["odtd_daily_subset"])
+        assert by_version.setdefault(row["model_version"], scores) == scores
     for name in ("odtd", "plain"):
         gain = 100 * (summary[name]["final"] - summary[name]["day0"])
         assert summary[name]["gain_points"] == pytest.approx(gain)
