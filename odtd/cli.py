@@ -341,7 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("init", parents=[reader], help="create an ODTD_HOME with model version 0",
-                       description="Create ODTD_HOME: config, policy, database, model v0, validation set.")
+                       description="Create ODTD_HOME: config, policy, database, model v0, validation set. "
+                       "The policy is the model's own recipe where it has one (policies/<model>.yaml), "
+                       "else policies/default.yaml; an existing policy file is kept.")
     p.add_argument("--model", required=True, help="registry name (see `odtctl models`)")
     p.add_argument("--weights",
                    help="starting weights (.npz from `odtctl models export`); default: fresh init")

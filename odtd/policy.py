@@ -185,6 +185,12 @@ def load_policy(path: Path, missing_ok: bool = True) -> Policy:
     return policy
 
 
-def default_policy_text() -> str:
-    """Return the commented default policy that ``odtctl init`` writes (= policies/default.yaml)."""
-    return (Path(__file__).with_name("default_policy.yaml")).read_text(encoding="utf-8")
+def default_policy_text(model: Optional[str] = None) -> str:
+    """Return the commented default policy that ``odtctl init`` writes for ``model``.
+
+    A model with a recipe of its own has ``policies/<model>.yaml`` (packaged as
+    ``odtd/default_policy_<model>.yaml``); any other gets ``policies/default.yaml``.
+    """
+    own = Path(__file__).with_name(f"default_policy_{model}.yaml")
+    path = own if model and own.exists() else Path(__file__).with_name("default_policy.yaml")
+    return path.read_text(encoding="utf-8")

@@ -88,7 +88,7 @@ def init_home(
     config = home.load_config()
     policy_path = home.policy_path(config)
     if not policy_path.exists():
-        policy_path.write_text(default_policy_text(), encoding="utf-8")
+        policy_path.write_text(default_policy_text(model), encoding="utf-8")
     input_shape = list(catalog.MODELS[model].input_shape)
     if val is not None:
         np.savez(home.validation_file(), x=val[0], y=val[1])

@@ -9,7 +9,7 @@ Published (TX2, plain fine-tuning): test accuracy 60.65% -> 61.32% over 17 days.
    images used by nobody else; each day 64 unseen training images are ingested (odtd's Ingestor)
    and a session runs (odtd's SessionRunner: replay seeded with the pre-training images, each
    session going on from the last refused candidate, promotion only of a gain two standard
-   errors clear of zero; the recipe is --policy, policies/densenet40-cifar10-daily.yaml by default).
+   errors clear of zero; the recipe is --policy, policies/densenet40.yaml by default).
 3. plain: the same days with plain fine-tuning (all 64 images, BatchNorm trained, SGD 0.005,
    momentum 0.9, 3 epochs, no replay, no acceptance guard), as in the published experiment.
 4. odtd's model is scored on all 10,000 test images whenever it changes (day 0 and each
@@ -374,7 +374,7 @@ def main() -> int:
     parser.add_argument("--replay-seed", type=int, default=20000,
                         help="pre-training images shipped with the base model to seed the replay "
                              "buffer (default: all of them; 0: the buffer starts empty)")
-    parser.add_argument("--policy", default=str(REPO / "policies" / "densenet40-cifar10-daily.yaml"),
+    parser.add_argument("--policy", default=str(REPO / "policies" / "densenet40.yaml"),
                         help="odtd's policy (the recipe); precision and eval batch come from here")
     parser.add_argument("--precision", default="auto", help="fp32 | mixed_bfloat16 | auto")
     parser.add_argument("--telemetry", default="auto", help="telemetry backend (default auto)")

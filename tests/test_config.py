@@ -35,11 +35,14 @@ def test_wrong_type_and_bad_yaml(tmp_path):
         load_config(path)
 
 
-def test_default_policy_file_matches_shipped_default(tmp_path):
+def test_default_policy_files_match_the_shipped_defaults(tmp_path):
     from pathlib import Path
 
-    shipped = Path(__file__).resolve().parents[1] / "policies" / "default.yaml"
-    assert shipped.read_text() == default_policy_text()
+    policies = Path(__file__).resolve().parents[1] / "policies"
+    assert (policies / "default.yaml").read_text() == default_policy_text()
+    assert default_policy_text("tinycnn") == default_policy_text()  # no recipe of its own
+    own = default_policy_text("densenet40")
+    assert (policies / "densenet40.yaml").read_text() == own != default_policy_text()
 
 
 def test_policy_errors_name_key_and_value(tmp_path):

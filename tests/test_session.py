@@ -120,6 +120,14 @@ def test_cli_errors_are_one_line(home, tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+def test_init_writes_the_models_own_recipe(_base_home, tmp_path):
+    # densenet40 has a recipe of its own; tinycnn gets the generic default.
+    odtctl("init", "--model", "densenet40", home=tmp_path / "dn")
+    policies = REPO / "policies"
+    assert (tmp_path / "dn" / "policy.yaml").read_text() == (policies / "densenet40.yaml").read_text()
+    assert (_base_home / "policy.yaml").read_text() == (policies / "default.yaml").read_text()
+
+
 def test_init_replay_seed_is_rehearsed_from_the_first_session(tmp_path):
     write_images(tmp_path / "seed", per_class=3, seed=1)
     home = tmp_path / "home"
