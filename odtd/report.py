@@ -63,8 +63,7 @@ def model_status(home: Home, store: Store) -> dict[str, Any]:
     manifest = repo.manifest(version)
     resume = None
     if repo.resume_path.exists():
-        kept = next((row for row in store.sessions(done_only=True)
-                     if (row.get("details") or {}).get("kept_for_resume")), None)
+        kept = store.last_kept_for_resume()
         if kept:
             resume = {"session": kept["id"], "accuracy": kept["accuracy_after"],
                       "current_accuracy": kept["accuracy_before"]}

@@ -396,6 +396,13 @@ class Store:
             params.append(limit)
         return [session_object(row) for row in self.db.query(sql, params)]
 
+    def last_kept_for_resume(self) -> Optional[dict[str, Any]]:
+        """The latest finished session whose refused candidate was kept to resume from, or None."""
+        rows = list(self.db.query(
+            "SELECT * FROM sessions WHERE state = 'done' AND "
+            "json_extract(details, '$.kept_for_resume') ORDER BY id DESC LIMIT 1"))
+        return session_object(rows[0]) if rows else None
+
     def running_sessions(self) -> list[dict[str, Any]]:
         """Return sessions still marked running (by a live or a crashed process)."""
         return list(self.db.query("SELECT * FROM sessions WHERE state = 'running' ORDER BY id"))

@@ -39,6 +39,19 @@ def test_session_object_has_every_contract_key(tmp_path):
         store.finish_session(sid, outcome="great")
 
 
+def test_last_kept_for_resume_is_the_latest_finished_one(tmp_path):
+    store = Store(tmp_path / "odtd.db")
+    assert store.last_kept_for_resume() is None
+    kept = []
+    for details in ({"kept_for_resume": True}, {"kept_for_resume": True}, {"resumed": True}, {}):
+        sid = store.start_session("2026-11-22", "cli", model_version_before=0)
+        store.finish_session(sid, outcome="rolled_back", details=details)
+        kept += [sid] if details.get("kept_for_resume") else []
+    running = store.start_session("2026-11-23", "cli", model_version_before=0)
+    store.update_session(running, details={"kept_for_resume": True})
+    assert store.last_kept_for_resume()["id"] == kept[-1] == 2
+
+
 def test_failed_transaction_rolls_back_everything(tmp_path):
     store = Store(tmp_path / "odtd.db")
     with pytest.raises(RuntimeError):
