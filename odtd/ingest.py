@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
 
 from odtd.errors import IngestError
 from odtd.home import Home
@@ -63,6 +62,9 @@ def decode_image(data: bytes, size: tuple[int, int]) -> np.ndarray:
     Raises:
         BadImage: empty, not an image, oversized (> 50 megapixels), corrupt or truncated.
     """
+    # Imported here: an idle daemon has no image to decode (Pillow is 2 MB of its memory).
+    from PIL import Image, UnidentifiedImageError
+
     if not data:
         raise BadImage("empty file (0 bytes)")
     try:

@@ -17,6 +17,13 @@ def test_importing_cli_and_daemon_loads_no_tensorflow():
     assert out.stdout.strip() == "[]"
 
 
+def test_idle_daemon_loads_no_image_decoder():
+    # Pillow is imported when the first image is decoded (2 MB of an idle daemon's memory).
+    code = "import sys, odtd.daemon; print('PIL' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def _commands():
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
