@@ -16,8 +16,8 @@ from odtd.errors import ConfigError, PolicyError
 from odtd.gates import FORCE_CLOSED_FILE, check_gates
 from odtd.home import Home
 from odtd.policy import Policy, load_policy
+from odtd.trainer.job import PRECISIONS
 
-PRECISIONS = ("fp32", "mixed_float16", "mixed_bfloat16", "auto")
 DEFAULT_PROFILE_STEPS = 10
 _NO_PENDING_SAMPLES = 64  # DESIGN.md's reference day: 64 new images
 

@@ -83,6 +83,9 @@ class TrainingPolicy(_Strict):
     momentum: float = Field(default=0.9, ge=0, lt=1)
     augment: bool = True
     freeze_bn: bool = Field(default=True, description="BatchNorm in inference mode while training")
+    recalibrate_bn: bool = Field(
+        default=False, description="after training, recompute BatchNorm's moving statistics over the "
+        "session's images under the trained weights (ignored with freeze_bn)")
     max_samples_per_session: int = Field(default=512, ge=1)
     resume_within: Optional[float] = Field(
         default=None, ge=0, le=100,

@@ -159,6 +159,42 @@ def test_freeze_bn_keeps_moving_statistics(tmp_path, initial, data):
         assert not np.array_equal(new["w0000"], old["w0000"])  # the convolutions did train
 
 
+def test_recalibrated_batchnorm_statistics_depend_only_on_weights_and_data(tmp_path, initial, data):
+    # A trained model, and a copy whose moving statistics are scrambled: recalibrating both on
+    # the same images (no training steps) gives the same statistics, new ones, and leaves every
+    # other weight as it was.
+    trained = tmp_path / "trained.npz"
+    code, events, stderr = run_worker(write_job(tmp_path, "train", weights_in=str(initial[0]),
+                                                weights_out=str(trained), **data))
+    assert code == 0, stderr
+    names = events[-1]["weight_names"]
+    rng = np.random.default_rng(9)
+    with np.load(trained) as arrays:
+        weights = dict(arrays)
+    scrambled = tmp_path / "scrambled.npz"
+    np.savez(scrambled, **{key: rng.random(value.shape).astype(value.dtype) + 0.5
+                           if "moving_" in names[int(key[1:])] else value
+                           for key, value in weights.items()})
+    outs = {}
+    for name, source in (("from_trained", trained), ("from_scrambled", scrambled)):
+        outs[name] = tmp_path / f"{name}.npz"
+        code, events, stderr = run_worker(write_job(
+            tmp_path, name, weights_in=str(source), weights_out=str(outs[name]), epochs=0,
+            recalibrate_bn=True, train_data=data["train_data"]))
+        assert code == 0, stderr
+        assert events[-1]["steps"] == 0 and events[-1]["recalibrate_seconds"] > 0
+    a, b = bn_statistics(outs["from_trained"], names), bn_statistics(outs["from_scrambled"], names)
+    before = bn_statistics(trained, names)
+    assert len(a) == 4
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
+        assert not np.allclose(a[name], before[name]), name
+    with np.load(outs["from_scrambled"]) as out:
+        for i, name in enumerate(names):
+            if "moving_" not in name:
+                np.testing.assert_array_equal(out[f"w{i:04d}"], weights[f"w{i:04d}"], err_msg=name)
+
+
 def test_baseline_weights_are_scored_before_and_compared_image_by_image(tmp_path, initial, data):
     # A trained candidate, then a job that goes on from it (no steps) judged against the initial
     # weights: "before" is the baseline's score, and the paired counts per group add up to the

@@ -1,0 +1,197 @@
+"""The trainer worker's job file: its keys, their validation, and the data files it names.
+
+A job is checked, and its data files read, before TensorFlow is imported, so a bad job fails in
+well under a second with a message that names the key, the value and the fix (``BadJob``).
+See docs/worker-protocol.md. Standard library and numpy only; Python 3.6-compatible.
+"""
+
+import json
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from odtd.trainer import catalog
+
+PROTOCOL_VERSION = 1
+PRECISIONS = ("fp32", "mixed_float16", "mixed_bfloat16", "auto")
+LR_SCHEDULES = ("constant", "cosine")
+_REQUIRED = object()
+
+# key -> (kind, default). Mode-specific requirements are checked in load_job.
+JOB_KEYS = {
+    "protocol": ("int", _REQUIRED),
+    "mode": ("str", _REQUIRED),
+    "model": ("str", _REQUIRED),
+    "classes": ("classes", _REQUIRED),
+    "input_shape": ("shape", _REQUIRED),
+    "weights_in": ("path", None),
+    "baseline_weights": ("path", None),
+    "weights_out": ("path", None),
+    "train_data": ("path", None),
+    "validation_data": ("path", None),
+    "batch_size": ("positive_int", None),
+    "epochs": ("count", None),
+    "max_steps": ("positive_int", None),
+    "optimizer": ("str", None),
+    "learning_rate": ("positive_float", None),
+    "lr_schedule": ("str", "constant"),
+    "momentum": ("float", 0.0),
+    "augment": ("bool", False),
+    "freeze_bn": ("bool", False),
+    "recalibrate_bn": ("bool", False),
+    "seed": ("int", 0),
+    "parent_pid": ("positive_int", None),
+    "precision": ("str", "fp32"),
+    "gpu_memory_limit_mb": ("positive_int", None),
+    "eval_batch_size": ("positive_int", None),
+    "eval_cache": ("path", None),
+}
+MODE_REQUIRES = {
+    "init": ("weights_out",),
+    "train": ("train_data", "batch_size", "epochs", "optimizer", "learning_rate"),
+    "profile": ("train_data", "batch_size", "max_steps", "optimizer", "learning_rate"),
+    "evaluate": ("weights_in", "validation_data", "batch_size"),
+}
+
+
+class BadJob(Exception):
+    """The job file or a file it names is invalid; the message names the key, value and fix."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return _is_int(value) or isinstance(value, float)
+
+
+# kind -> (what a valid value is, for messages; its check)
+_KINDS = {
+    "int": ("an integer", _is_int),
+    "positive_int": ("a positive integer", lambda v: _is_int(v) and v > 0),
+    "count": ("a non-negative integer", lambda v: _is_int(v) and v >= 0),
+    "float": ("a non-negative number", lambda v: _is_number(v) and v >= 0),
+    "positive_float": ("a positive number", lambda v: _is_number(v) and v > 0),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "path": ("a file path", lambda v: isinstance(v, str) and v != ""),
+    "classes": ("a non-empty list of class names",
+                lambda v: isinstance(v, list) and len(v) > 0
+                and all(isinstance(name, str) for name in v)),
+    "shape": ("[height, width, channels] of positive integers",
+              lambda v: isinstance(v, list) and len(v) == 3
+              and all(_is_int(size) and size > 0 for size in v)),
+}
+
+
+def _check_value(key: str, kind: str, value: Any) -> Any:
+    wanted, check = _KINDS[kind]
+    if not check(value):
+        raise BadJob("{} must be {}, got {!r}".format(key, wanted, value))
+    return float(value) if kind.endswith("float") else value
+
+
+def load_job(path: str) -> Dict[str, Any]:
+    """Read and validate a job file.
+
+    Args:
+        path: The job's JSON file.
+
+    Returns:
+        Every key of ``JOB_KEYS``, defaults filled in.
+
+    Raises:
+        BadJob: Unreadable file, unknown or missing key, or an invalid value.
+    """
+    try:
+        with open(path) as job_file:
+            raw = json.load(job_file)
+    except (OSError, ValueError) as error:
+        raise BadJob("cannot read job file {}: {}".format(path, error)) from None
+    if not isinstance(raw, dict):
+        raise BadJob("job file {} must hold a JSON object".format(path))
+    unknown = sorted(set(raw) - set(JOB_KEYS))
+    if unknown:
+        raise BadJob("unknown job keys {}; known keys: {}".format(unknown, ", ".join(JOB_KEYS)))
+    job = {}
+    for key, (kind, default) in JOB_KEYS.items():
+        if raw.get(key) is None:
+            if default is _REQUIRED:
+                raise BadJob("job key {} is required".format(key))
+            job[key] = default
+        else:
+            job[key] = _check_value(key, kind, raw[key])
+    choices = {
+        "mode": tuple(MODE_REQUIRES),
+        "optimizer": ("sgd", "adam", None),
+        "lr_schedule": LR_SCHEDULES,
+        "precision": PRECISIONS,
+    }
+    for key, allowed in choices.items():
+        if job[key] not in allowed:
+            raise BadJob("{}={!r} is not one of {}".format(key, job[key], list(allowed)))
+    if job["protocol"] != PROTOCOL_VERSION:
+        raise BadJob("protocol={} is not supported; this worker speaks protocol {}".format(
+            job["protocol"], PROTOCOL_VERSION))
+    try:
+        catalog.get(job["model"])
+    except ValueError as error:
+        raise BadJob(str(error)) from None
+    for key in MODE_REQUIRES[job["mode"]]:
+        if job[key] is None:
+            raise BadJob("mode {} needs job key {}".format(job["mode"], key))
+    for key in ("weights_in", "baseline_weights", "train_data", "validation_data"):
+        if job[key] is not None and not os.path.isfile(job[key]):
+            raise BadJob("{}: file {} does not exist".format(key, job[key]))
+    for key in ("weights_out", "eval_cache"):
+        out_dir = job[key] and os.path.dirname(os.path.abspath(job[key]))
+        if out_dir and not os.path.isdir(out_dir):
+            raise BadJob("{}: directory {} does not exist".format(key, out_dir))
+    return job
+
+
+def load_dataset(key: str, path: str, input_shape: List[int], num_classes: int
+                 ) -> Tuple[np.ndarray, np.ndarray]:
+    """Read a samples ``.npz`` (``x`` uint8 (N, h, w, c), ``y`` integer labels (N,)).
+
+    Args:
+        key: The job key naming the file, for messages.
+        path: The ``.npz`` file.
+        input_shape: The model's (height, width, channels).
+        num_classes: Labels must lie in [0, num_classes).
+
+    Returns:
+        ``(x, y)`` with ``y`` as int64.
+
+    Raises:
+        BadJob: Unreadable file, missing array, wrong dtype or shape, label out of range.
+    """
+    try:
+        with np.load(path, allow_pickle=False) as arrays:
+            x, y = arrays["x"], arrays["y"]
+    except (OSError, ValueError, KeyError) as error:
+        raise BadJob("{}: cannot read x and y from {}: {}".format(key, path, error)) from None
+    if x.dtype != np.uint8 or x.shape[1:] != tuple(input_shape) or len(x) == 0:
+        raise BadJob("{}: x in {} must be uint8 (N>0, {}), got {} {}".format(
+            key, path, ", ".join(map(str, input_shape)), x.dtype, x.shape))
+    if y.dtype.kind not in "iu" or y.shape != (len(x),):
+        raise BadJob("{}: y in {} must be integers of shape ({},), got {} {}".format(
+            key, path, len(x), y.dtype, y.shape))
+    if y.min() < 0 or y.max() >= num_classes:
+        raise BadJob("{}: labels in {} must lie in [0, {}), got [{}, {}]".format(
+            key, path, num_classes, y.min(), y.max()))
+    return x, y.astype(np.int64)
+
+
+def load_groups(path: str, count: int) -> Optional[np.ndarray]:
+    """Read the optional ``group`` array of a validation ``.npz`` (one integer per sample)."""
+    with np.load(path, allow_pickle=False) as arrays:
+        if "group" not in arrays.files:
+            return None
+        groups = arrays["group"]
+    if groups.shape != (count,) or groups.dtype.kind not in "iu":
+        raise BadJob("validation_data: group in {} must be {} integers, got {} {}".format(
+            path, count, groups.dtype, groups.shape))
+    return groups
