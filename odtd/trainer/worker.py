@@ -467,9 +467,8 @@ def _train(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     if job["freeze_bn"]:
         # A non-trainable BatchNormalization runs in inference mode in tf.keras 2 and Keras 3:
         # moving statistics, gamma and beta all stay as loaded.
-        for layer in model.layers:
-            if isinstance(layer, tf.keras.layers.BatchNormalization):
-                layer.trainable = False
+        for layer in batchnorm_layers(tf, model):
+            layer.trainable = False
     profiling = job["mode"] == "profile"
     num_classes = len(job["classes"])
     batch_size = job["batch_size"]
@@ -546,6 +545,12 @@ def _train(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     return fields
 
 
+def batchnorm_layers(tf: Any, model: Any) -> List[Any]:
+    """The model's BatchNormalization layers (freeze_bn and recalibrate_bn act on these)."""
+    return [layer for layer in model.layers
+            if isinstance(layer, tf.keras.layers.BatchNormalization)]
+
+
 def recalibrate_batchnorm(tf: Any, model: Any, x: np.ndarray, batch_size: int,
                           should_stop: Callable[[], bool]) -> Optional[float]:
     """Recompute every BatchNormalization layer's moving statistics over ``x``, not augmented.
@@ -559,8 +564,7 @@ def recalibrate_batchnorm(tf: Any, model: Any, x: np.ndarray, batch_size: int,
     """
     from odtd.trainer import nets
 
-    layers = [layer for layer in model.layers
-              if isinstance(layer, tf.keras.layers.BatchNormalization)]
+    layers = batchnorm_layers(tf, model)
     momenta = [layer.momentum for layer in layers]
     started = time.monotonic()
     try:
