@@ -118,7 +118,9 @@ def _profile_one(home: Home, store: Store, config: Config, sampler: Any, job_dir
         "train_data": str(data_path), "validation_data": None, "batch_size": batch_size,
         "epochs": None, "max_steps": total_steps, "optimizer": training.optimizer,
         "learning_rate": training.learning_rate, "momentum": training.momentum,
-        "augment": training.augment, "freeze_bn": training.freeze_bn, "seed": training.seed,
+        "augment": training.augment, "freeze_bn": training.freeze_bn,
+        # Recalibration runs the model eagerly and can set a session's peak memory: profile it too.
+        "recalibrate_bn": training.recalibrate_bn, "seed": training.seed,
         "parent_pid": os.getpid(), "precision": precision, "gpu_memory_limit_mb": None,
     }  # fmt: skip
     seen: Dict[str, Any] = {}

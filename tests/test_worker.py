@@ -315,15 +315,17 @@ def test_unknown_lr_schedule_is_a_bad_job(tmp_path, data):
     assert code == 2 and "lr_schedule='step' is not one of" in events[-1]["message"]
 
 
-def test_profile_runs_full_batches_in_mixed_float16(tmp_path):
+def test_profile_runs_full_batches_in_mixed_float16_and_recalibrates(tmp_path):
+    # Recalibration runs in profile mode too, so the profile's peak memory includes it.
     train = write_samples(tmp_path / "train.npz", 5)
     job = write_job(tmp_path, mode="profile", train_data=train, batch_size=16, max_steps=4,
-                    optimizer="adam", learning_rate=0.001, augment=True,
+                    optimizer="adam", learning_rate=0.001, augment=True, recalibrate_bn=True,
                     precision="mixed_float16", weights_out=str(tmp_path / "never.npz"))
     code, events, stderr = run_worker(job)
     assert code == 0, stderr
     assert events[0]["precision"] == "mixed_float16"
     assert [s["batch_size"] for s in by_event(events, "step")] == [16] * 4
+    assert events[-1]["recalibrate_seconds"] > 0
     assert not by_event(events, "eval") and events[-1]["weights_out"] is None
     assert not (tmp_path / "never.npz").exists()
 

@@ -525,7 +525,7 @@ def _train(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     fields.update(steps=steps, samples=samples, train_seconds=time.monotonic() - train_started)
     if should_stop():
         return fields
-    if job["recalibrate_bn"] and not job["freeze_bn"] and not profiling:
+    if job["recalibrate_bn"] and not job["freeze_bn"]:  # in profile mode too: its memory counts
         fields["recalibrate_seconds"] = recalibrate_batchnorm(tf, model, x_train, batch_size,
                                                               should_stop)
         if fields["recalibrate_seconds"] is None:
