@@ -232,9 +232,9 @@ def test_baseline_weights_are_scored_before_and_compared_image_by_image(tmp_path
     assert all("correct" not in e for e in by_event(events, "eval"))
 
 
-def test_eval_cache_scores_only_samples_it_has_not_seen_for_that_model(tmp_path, initial, data):
+def test_eval_cache_scores_only_samples_it_has_not_seen_for_that_model_and_precision(tmp_path, initial, data):
     # Day 1 scores 12 images and keeps the results; day 2 adds 5 held-out images: only those run,
-    # and the figures equal an uncached evaluation's. Another model's cache is not used.
+    # and the figures equal an uncached evaluation's. Another model's or precision's is not used.
     cache = tmp_path / "eval-cache.npz"
     train = data["train_data"]
     rng = np.random.default_rng(5)
@@ -267,6 +267,9 @@ def test_eval_cache_scores_only_samples_it_has_not_seen_for_that_model(tmp_path,
     np.savez(cache, **dict(arrays, correct=np.ones(17, dtype=bool)))
     forged, result = before("forged", grown, eval_cache=str(cache))
     assert forged["cached"] == 17 and forged["accuracy"] == 1.0
+    # The same weights at another precision can call images differently: scored afresh.
+    other_precision, _ = before("bf16", grown, eval_cache=str(cache), precision="mixed_bfloat16")
+    assert other_precision["cached"] == 0
     # Other weights (a trained candidate) do not use the initial weights' cache.
     candidate = tmp_path / "candidate.npz"
     code, _, stderr = run_worker(write_job(tmp_path, "train", weights_in=str(initial[0]),

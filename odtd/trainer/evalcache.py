@@ -1,10 +1,10 @@
 """Per-sample evaluation results of one model, kept between sessions (job key ``eval_cache``).
 
 Every session scores the current model on the same validation images before it trains, and that
-model changes only on a promotion. The cache holds, for one weights file (by sha256), each scored
-sample's correctness and loss under a digest of its pixels and label, so the next session runs
-only the samples it has not seen (the day's new held-out images) and a larger validation set
-costs one evaluation per session instead of two.
+model changes only on a promotion. The cache holds, for one weights file (by sha256) run at one
+precision, each scored sample's correctness and loss under a digest of its pixels and label, so
+the next session runs only the samples it has not seen (the day's new held-out images) and a
+larger validation set costs one evaluation per session instead of two.
 
 Standard library and numpy only; Python 3.6-compatible (the worker imports it).
 """
@@ -35,18 +35,19 @@ def sample_keys(x: np.ndarray, y: np.ndarray) -> np.ndarray:
                     dtype="S{}".format(KEY_BYTES))
 
 
-def lookup(path: str, weights_sha256: str, keys: np.ndarray
+def lookup(path: str, weights_sha256: str, precision: str, keys: np.ndarray
            ) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """The cached results for ``keys`` under this weights file, or None if there are none.
+    """The cached results for ``keys`` under this weights file and precision, or None.
 
     Returns:
         ``(known, correct, losses)``, one entry per key: ``known`` says which samples were found;
-        ``correct`` and ``losses`` are filled in for those. A missing, unreadable or other model's
-        cache is simply not used.
+        ``correct`` and ``losses`` are filled in for those. A missing or unreadable cache, or one
+        of another model or precision (a float16 run can call an image differently), is simply
+        not used.
     """
     try:
         with np.load(path, allow_pickle=False) as cache:
-            if str(cache["weights_sha256"]) != weights_sha256:
+            if (str(cache["weights_sha256"]), str(cache["precision"])) != (weights_sha256, precision):
                 return None
             cached_keys, cached_correct, cached_losses = cache["keys"], cache["correct"], cache["losses"]
     except (OSError, ValueError, KeyError):
@@ -61,10 +62,11 @@ def lookup(path: str, weights_sha256: str, keys: np.ndarray
     return known, correct, losses
 
 
-def save(path: str, weights_sha256: str, keys: np.ndarray, correct: np.ndarray,
+def save(path: str, weights_sha256: str, precision: str, keys: np.ndarray, correct: np.ndarray,
          losses: np.ndarray) -> None:
     """Replace the cache with these results (written to a temporary name, then renamed)."""
     partial = path + ".partial.npz"
-    np.savez(partial, weights_sha256=np.array(weights_sha256), keys=keys,
+    np.savez(partial, weights_sha256=np.array(weights_sha256), precision=np.array(precision),
+             keys=keys,
              correct=np.asarray(correct, dtype=bool), losses=np.asarray(losses, dtype=np.float64))
     os.replace(partial, path)

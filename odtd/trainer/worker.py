@@ -442,7 +442,8 @@ def _evaluate_only(tf: Any, job: Dict[str, Any], model: Any,
             "per_class_after": scores["per_class"], "by_group_after": scores["by_group"]}
 
 
-def _open_eval_cache(job: Dict[str, Any], validation: Tuple[np.ndarray, np.ndarray]
+def _open_eval_cache(job: Dict[str, Any], precision: str,
+                     validation: Tuple[np.ndarray, np.ndarray]
                      ) -> Optional[Tuple[str, np.ndarray, Any]]:
     """``(weights sha256, sample keys, evalcache.lookup result)`` for the "before" evaluation.
 
@@ -453,7 +454,7 @@ def _open_eval_cache(job: Dict[str, Any], validation: Tuple[np.ndarray, np.ndarr
         return None
     weights_sha256 = evalcache.file_sha256(source)
     keys = evalcache.sample_keys(validation[0], validation[1])
-    return weights_sha256, keys, evalcache.lookup(job["eval_cache"], weights_sha256, keys)
+    return weights_sha256, keys, evalcache.lookup(job["eval_cache"], weights_sha256, precision, keys)
 
 
 def _train(tf: Any, job: Dict[str, Any], model: Any, precision: str,
@@ -485,7 +486,7 @@ def _train(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         if baseline is not None:
             start_weights = model.get_weights()
             model.set_weights(baseline)
-        cache = _open_eval_cache(job, validation)
+        cache = _open_eval_cache(job, precision, validation)
         before = evaluate(eval_step, validation[0], validation[1], num_classes, eval_batch_size,
                           should_stop, groups, cache and cache[2])
         if start_weights is not None:
@@ -495,7 +496,8 @@ def _train(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         correct_before = before.pop("correct")
         losses_before = before.pop("losses")
         if cache is not None:
-            evalcache.save(job["eval_cache"], cache[0], cache[1], correct_before, losses_before)
+            evalcache.save(job["eval_cache"], cache[0], precision, cache[1], correct_before,
+                           losses_before)
         emit("eval", phase="before", **before)
         fields["accuracy_before"] = before["accuracy"]
         fields["per_class_before"] = before["per_class"]
