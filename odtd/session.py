@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from odtd.acceptance import refusal_reason
 from odtd.admission import SKIP, admit_session, oom_retry_batch, record_oom
 from odtd.config import Config
 from odtd.errors import SessionBusy, TrainerFailed
@@ -444,38 +445,6 @@ class SessionRunner:
         session = self.store.session(session_id)
         logger.info("session %d: %s (%s)", session_id, session["outcome"], session["reason"])
         return session
-
-
-def refusal_reason(before: float, after: float, tolerance: float, confidence_z: float,
-                   paired: Optional[dict[str, int]]) -> Optional[str]:
-    """Why a candidate may not replace the current model, or None if it may.
-
-    The candidate passes if its validation gain, less ``confidence_z`` standard errors of the
-    paired difference, is at least ``-tolerance`` (fractions, not points). The standard error
-    comes from the images only one of the two models gets right (``paired``: ``gained``,
-    ``lost``, ``samples``; McNemar): two models that disagree on few images differ reliably
-    by less than two that disagree on many.
-    """
-    gain = after - before
-    if confidence_z <= 0 or not paired or not paired.get("samples"):
-        if gain < -tolerance:
-            return f"validation accuracy {after:.2%} < {before:.2%} - {tolerance:.2%} tolerance"
-        return None
-    se = paired_standard_error(paired["gained"], paired["lost"], paired["samples"])
-    bound = gain - confidence_z * se
-    if bound < -tolerance:
-        allowed = 0.0 - 100 * tolerance  # 0.0 - 0.0 is 0.0, never -0.0
-        return (f"validation accuracy {after:.2%} vs {before:.2%}: gain {100 * gain:+.2f} - "
-                f"{confidence_z:g} x {100 * se:.2f} (standard error) = {100 * bound:+.2f} points "
-                f"< {allowed:.2f} (tolerance)")
-    return None
-
-
-def paired_standard_error(gained: int, lost: int, samples: int) -> float:
-    """Standard error of the accuracy difference of two models scored on the same samples."""
-    mean = (gained - lost) / samples
-    variance = ((gained + lost) / samples - mean * mean) / samples
-    return max(variance, 0.0) ** 0.5
 
 
 def _by_class(classes: list[str], values: Optional[list[Optional[float]]]) -> Optional[dict[str, Any]]:

@@ -10,6 +10,7 @@ import pytest
 from conftest import REPO
 
 from odtd import datasets
+from odtd.acceptance import paired_standard_error, refusal_reason
 from odtd.config import Config
 from odtd.home import Home
 from odtd.ingest import Ingestor, discover
@@ -17,7 +18,7 @@ from odtd.models import ModelRepo, file_sha256
 from odtd.policy import load_policy
 from odtd.report import render_status, status
 from odtd.runner import run_job
-from odtd.session import SessionRunner, paired_standard_error, refusal_reason
+from odtd.session import SessionRunner
 from odtd.setup_home import init_home
 from odtd.simulate import DataSource, SimulationOptions, pretrain_base
 from odtd.versions import rollback

@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import CIFAR, REPO
 
-from odtd.session import refusal_reason
+from odtd.acceptance import refusal_reason
 
 
 @pytest.mark.skipif(not CIFAR.exists(), reason=f"CIFAR-10 archive not at {CIFAR} (set ODTD_CIFAR10)")

@@ -1,0 +1,42 @@
+"""Whether a candidate may replace the current model: the acceptance test on validation accuracy.
+
+The policy's ``acceptance`` section sets it: a candidate is refused if its validation accuracy
+is below the current model's by more than ``tolerance``, or, with ``confidence_z`` > 0, if its
+gain is not that many standard errors of the paired difference clear of ``-tolerance``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+def refusal_reason(before: float, after: float, tolerance: float, confidence_z: float,
+                   paired: Optional[dict[str, int]]) -> Optional[str]:
+    """Why a candidate may not replace the current model, or None if it may.
+
+    The candidate passes if its validation gain, less ``confidence_z`` standard errors of the
+    paired difference, is at least ``-tolerance`` (fractions, not points). The standard error
+    comes from the images only one of the two models gets right (``paired``: ``gained``,
+    ``lost``, ``samples``; McNemar): two models that disagree on few images differ reliably
+    by less than two that disagree on many.
+    """
+    gain = after - before
+    if confidence_z <= 0 or not paired or not paired.get("samples"):
+        if gain < -tolerance:
+            return f"validation accuracy {after:.2%} < {before:.2%} - {tolerance:.2%} tolerance"
+        return None
+    se = paired_standard_error(paired["gained"], paired["lost"], paired["samples"])
+    bound = gain - confidence_z * se
+    if bound < -tolerance:
+        allowed = 0.0 - 100 * tolerance  # 0.0 - 0.0 is 0.0, never -0.0
+        return (f"validation accuracy {after:.2%} vs {before:.2%}: gain {100 * gain:+.2f} - "
+                f"{confidence_z:g} x {100 * se:.2f} (standard error) = {100 * bound:+.2f} points "
+                f"< {allowed:.2f} (tolerance)")
+    return None
+
+
+def paired_standard_error(gained: int, lost: int, samples: int) -> float:
+    """Standard error of the accuracy difference of two models scored on the same samples."""
+    mean = (gained - lost) / samples
+    variance = ((gained + lost) / samples - mean * mean) / samples
+    return max(variance, 0.0) ** 0.5
