@@ -113,6 +113,11 @@ class ModelRepo:
         """The current model's per-sample validation results (worker job key ``eval_cache``)."""
         return self.dir / "eval-cache.npz"
 
+    def adopt_eval_cache(self, candidate_results: Path) -> None:
+        """Make a promoted candidate's validation results the eval cache (if the worker wrote them)."""
+        if candidate_results.exists():
+            os.replace(candidate_results, self.eval_cache_path)
+
     def keep_for_resume(self, candidate: Path) -> None:
         """Keep a refused candidate as the next session's starting point (replacing any earlier)."""
         os.replace(candidate, self.resume_path)

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 GROUP_VALIDATION, GROUP_HOLDOUT = 0, 1  # evaluation groups (docs/worker-protocol.md)
 _POLL_S = 0.2
+CANDIDATE_EVAL_CACHE = "candidate-eval-cache.npz"  # worker job key eval_cache_out
 
 
 class SessionLock:
@@ -233,6 +234,8 @@ class SessionRunner:
             "precision": training.precision, "gpu_memory_limit_mb": training.gpu_memory_limit_mb,
             "eval_batch_size": training.eval_batch_size,
             "eval_cache": str(self.repo.eval_cache_path),
+            # The candidate's results, adopted as the eval cache if it is promoted.
+            "eval_cache_out": str(job_dir / CANDIDATE_EVAL_CACHE),
         }  # fmt: skip
         job_path = job_dir / "job.json"
         job_path.write_text(json.dumps(job, indent=2), encoding="utf-8")
@@ -398,6 +401,9 @@ class SessionRunner:
             param_count=result.get("param_count"), parent=current, session_id=session_id,
             metrics={"accuracy": after}, weight_names=result.get("weight_names"), move=True,
         )
+        # Before _finish clears the job directory. Should the promotion fail, the cache is
+        # another model's and simply not used.
+        self.repo.adopt_eval_cache(job_dir / CANDIDATE_EVAL_CACHE)
         reason = "accepted" if before is not None else "no evaluation data: promoted unguarded"
         with self.store.transaction():
             self.store.add_model_version({
@@ -453,7 +459,7 @@ def _by_class(classes: list[str], values: Optional[list[Optional[float]]]) -> Op
 
 def _remove_bulky_files(job_dir: Path) -> None:
     # The job file and the worker's stderr stay for diagnosis; data and weights go.
-    for name in ("train.npz", "candidate.npz", "candidate.npz.tmp"):
+    for name in ("train.npz", "candidate.npz", "candidate.npz.tmp", CANDIDATE_EVAL_CACHE):
         (job_dir / name).unlink(missing_ok=True)
     (job_dir / "evaluation.npz").unlink(missing_ok=True)
 

@@ -191,6 +191,12 @@ def test_promotion_clears_the_resumable_candidate(pretrained, tmp_path):
     job = json.loads((home.runs / f"session-{session['id']}" / "job.json").read_text())
     assert job["lr_schedule"] == "cosine"
     assert not repo.resume_path.exists()
+    # The candidate's validation results became the eval cache: the new current model is not
+    # scored again on the images its session scored it on.
+    scored = 400 + len(store.samples("holdout"))
+    messages = []
+    _day(home, store, tmp_path, 921, progress=messages.append)
+    assert any(m.endswith(f"({scored} scored in an earlier session)") for m in messages), messages
     store.close()
 
 

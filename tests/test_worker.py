@@ -270,16 +270,21 @@ def test_eval_cache_scores_only_samples_it_has_not_seen_for_that_model_and_preci
     # The same weights at another precision can call images differently: scored afresh.
     other_precision, _ = before("bf16", grown, eval_cache=str(cache), precision="mixed_bfloat16")
     assert other_precision["cached"] == 0
-    # Other weights (a trained candidate) do not use the initial weights' cache.
-    candidate = tmp_path / "candidate.npz"
-    code, _, stderr = run_worker(write_job(tmp_path, "train", weights_in=str(initial[0]),
-                                           weights_out=str(candidate), train_data=train))
-    assert code == 0, stderr
+    # A trained candidate does not use the initial weights' cache; its own results
+    # (eval_cache_out, keyed by the weights file it wrote) are found in full, and are its own.
+    candidate, candidate_cache = tmp_path / "candidate.npz", tmp_path / "candidate-cache.npz"
     code, events, stderr = run_worker(write_job(
-        tmp_path, "other", weights_in=str(candidate), train_data=train,
-        validation_data=str(grown), epochs=0, eval_cache=str(cache)))
+        tmp_path, "train", weights_in=str(initial[0]), weights_out=str(candidate),
+        train_data=train, validation_data=str(grown), eval_cache_out=str(candidate_cache)))
     assert code == 0, stderr
-    assert by_event(events, "eval")[0]["cached"] == 0
+    trained = by_event(events, "eval")[1]
+    for cache_file, cached in ((cache, 0), (candidate_cache, 17)):
+        code, events, stderr = run_worker(write_job(
+            tmp_path, "other", weights_in=str(candidate), train_data=train,
+            validation_data=str(grown), epochs=0, eval_cache=str(cache_file)))
+        assert code == 0, stderr
+        assert by_event(events, "eval")[0]["cached"] == cached
+        assert by_event(events, "eval")[0]["accuracy"] == trained["accuracy"]
 
 
 def test_eval_cache_directory_must_exist(tmp_path, data):

@@ -46,6 +46,7 @@ JOB_KEYS = {
     "gpu_memory_limit_mb": ("positive_int", None),
     "eval_batch_size": ("positive_int", None),
     "eval_cache": ("path", None),
+    "eval_cache_out": ("path", None),
 }
 MODE_REQUIRES = {
     "init": ("weights_out",),
@@ -145,7 +146,7 @@ def load_job(path: str) -> Dict[str, Any]:
     for key in ("weights_in", "baseline_weights", "train_data", "validation_data"):
         if job[key] is not None and not os.path.isfile(job[key]):
             raise BadJob("{}: file {} does not exist".format(key, job[key]))
-    for key in ("weights_out", "eval_cache"):
+    for key in ("weights_out", "eval_cache", "eval_cache_out"):
         out_dir = job[key] and os.path.dirname(os.path.abspath(job[key]))
         if out_dir and not os.path.isdir(out_dir):
             raise BadJob("{}: directory {} does not exist".format(key, out_dir))

@@ -330,13 +330,19 @@ def run(job: Dict[str, Any], data: Dict[str, Tuple[np.ndarray, np.ndarray]],
         "train_seconds": 0.0, "recalibrate_seconds": None, "precision": precision,
     }
     mode = job["mode"]
+    scored_after = {}  # type: Dict[str, np.ndarray]
     if mode == "evaluate":
         result.update(_evaluate_only(tf, job, model, data, should_stop))
     elif mode != "init":
-        result.update(_train(tf, job, model, precision, data, should_stop, baseline))
+        result.update(_train(tf, job, model, precision, data, should_stop, baseline, scored_after))
     if result["status"] == "ok" and mode != "profile" and job["weights_out"] is not None:
         write_weights(model.get_weights(), job["weights_out"])
         result["weights_out"] = job["weights_out"]
+        if job["eval_cache_out"] is not None and scored_after:
+            # Keyed by the file just written: if the session promotes it, the next session
+            # finds the new current model's results already there.
+            evalcache.save(job["eval_cache_out"], evalcache.file_sha256(job["weights_out"]),
+                           precision, **scored_after)
     result["peak_rss_mb"] = peak_rss_mb()
     result["tf_peak_memory_mb"] = (
         tf.config.experimental.get_memory_info("GPU:0")["peak"] / (1024.0 * 1024.0)
@@ -364,11 +370,14 @@ def _evaluate_only(tf: Any, job: Dict[str, Any], model: Any,
 
 def _train(tf: Any, job: Dict[str, Any], model: Any, precision: str,
            data: Dict[str, Tuple[np.ndarray, np.ndarray]], should_stop: Callable[[], bool],
-           baseline: Optional[List[np.ndarray]] = None) -> Dict[str, Any]:
+           baseline: Optional[List[np.ndarray]] = None,
+           scored_after: Optional[Dict[str, np.ndarray]] = None) -> Dict[str, Any]:
     """Evaluate before, train, evaluate after; return the result fields this produces.
 
     With ``baseline`` (the ``baseline_weights`` arrays) the "before" figures are that model's
     (the one the candidate must beat), and training then starts from the weights as loaded.
+    ``scored_after``, if given, receives the trained model's per-sample validation results
+    (``keys``, ``correct``, ``losses``: ``evalcache.save``'s arguments).
     """
     if job["freeze_bn"]:
         # A non-trainable BatchNormalization runs in inference mode in tf.keras 2 and Keras 3:
@@ -442,8 +451,11 @@ def _train(tf: Any, job: Dict[str, Any], model: Any, precision: str,
                          should_stop, groups)
         if after is None:
             return fields
-        fields["paired_by_group"] = paired_counts(correct_before, after.pop("correct"), groups)
-        after.pop("losses")
+        correct_after, losses_after = after.pop("correct"), after.pop("losses")
+        fields["paired_by_group"] = paired_counts(correct_before, correct_after, groups)
+        if scored_after is not None:
+            keys = cache[1] if cache is not None else evalcache.sample_keys(*validation)
+            scored_after.update(keys=keys, correct=correct_after, losses=losses_after)
         emit("eval", phase="after", **after)
         fields["accuracy_after"] = after["accuracy"]
         fields["per_class_after"] = after["per_class"]
