@@ -2,7 +2,7 @@
 
 One writer at a time (the daemon or a foreground ``odtctl`` session), any number of readers:
 WAL lets ``odtctl status`` read while a session writes. The schema version lives in
-``PRAGMA user_version`` and advances through the ordered ``MIGRATIONS``.
+``PRAGMA user_version`` and advances through the ordered ``MIGRATIONS`` (``odtd.schema``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator, Optional
 import sqlite_utils
 
 from odtd.errors import StoreError
+from odtd.schema import MIGRATIONS
 
 logger = logging.getLogger(__name__)
 
@@ -32,138 +33,6 @@ SESSION_KEYS = (
 )  # fmt: skip
 OUTCOMES = ("promoted", "rolled_back", "failed", "interrupted", "skipped")
 _JSON_COLUMNS = ("energy_by_rail_j", "details")
-
-MIGRATIONS: list[str] = [
-    # 1: the session path.
-    """
-    CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-    CREATE TABLE samples (
-        sha256 TEXT PRIMARY KEY,
-        label TEXT NOT NULL,
-        day TEXT NOT NULL,
-        status TEXT NOT NULL CHECK (status IN ('pending', 'trained', 'holdout')),
-        original_path TEXT NOT NULL,
-        stored_path TEXT NOT NULL,
-        array_path TEXT NOT NULL,
-        width INTEGER NOT NULL,
-        height INTEGER NOT NULL,
-        ingested_at TEXT NOT NULL,
-        session_id INTEGER
-    );
-    CREATE INDEX samples_status ON samples (status, day);
-    CREATE TABLE quarantine (
-        id INTEGER PRIMARY KEY,
-        at TEXT NOT NULL,
-        original_path TEXT NOT NULL,
-        stored_path TEXT,
-        reason TEXT NOT NULL
-    );
-    CREATE TABLE sessions (
-        id INTEGER PRIMARY KEY,
-        day TEXT NOT NULL,
-        trigger TEXT NOT NULL,
-        state TEXT NOT NULL CHECK (state IN ('running', 'done')),
-        started_at TEXT NOT NULL,
-        finished_at TEXT,
-        outcome TEXT,
-        reason TEXT,
-        model_version_before INTEGER,
-        model_version_after INTEGER,
-        batch_size INTEGER,
-        epochs INTEGER,
-        samples_new INTEGER,
-        samples_replay INTEGER,
-        steps INTEGER,
-        duration_s REAL,
-        throughput_sps REAL,
-        accuracy_before REAL,
-        accuracy_after REAL,
-        energy_j REAL,
-        energy_by_rail_j TEXT,
-        energy_source TEXT,
-        energy_coverage REAL,
-        peak_memory_mb REAL,
-        worker_pid INTEGER,
-        details TEXT
-    );
-    CREATE TABLE steps (
-        session_id INTEGER NOT NULL REFERENCES sessions (id),
-        idx INTEGER NOT NULL,
-        epoch INTEGER NOT NULL,
-        batch_size INTEGER NOT NULL,
-        loss REAL,
-        start_mono REAL NOT NULL,
-        end_mono REAL NOT NULL,
-        energy_j REAL,
-        PRIMARY KEY (session_id, idx)
-    );
-    CREATE TABLE model_versions (
-        model TEXT NOT NULL,
-        version INTEGER NOT NULL,
-        parent INTEGER,
-        session_id INTEGER,
-        created_at TEXT NOT NULL,
-        sha256 TEXT NOT NULL,
-        param_count INTEGER,
-        accuracy REAL,
-        state TEXT NOT NULL DEFAULT 'kept',
-        PRIMARY KEY (model, version)
-    );
-    CREATE TABLE events (
-        id INTEGER PRIMARY KEY,
-        at TEXT NOT NULL,
-        kind TEXT NOT NULL,
-        message TEXT NOT NULL,
-        data TEXT
-    );
-    CREATE TABLE daemon (
-        id INTEGER PRIMARY KEY CHECK (id = 1),
-        pid INTEGER,
-        started_at TEXT,
-        heartbeat_at TEXT,
-        next_session_at TEXT,
-        paused INTEGER NOT NULL DEFAULT 0,
-        state TEXT
-    );
-    """,
-    # 2: profiles, one row per (profile run, precision, batch size); ``odtctl profile``.
-    """
-    CREATE TABLE profiles (
-        profile_id INTEGER NOT NULL,
-        created_at TEXT NOT NULL,
-        model TEXT NOT NULL,
-        backend TEXT,
-        board TEXT,
-        steps INTEGER NOT NULL,
-        batch_size INTEGER NOT NULL,
-        precision TEXT NOT NULL,
-        precision_resolved TEXT,
-        status TEXT NOT NULL CHECK (status IN ('ok', 'does_not_fit')),
-        reason TEXT,
-        samples_per_s REAL,
-        step_s REAL,
-        energy_per_sample_j REAL,
-        energy_per_sample_by_rail_j TEXT,
-        energy_source TEXT,
-        energy_coverage REAL,
-        mean_power_w REAL,
-        peak_memory_mb REAL,
-        PRIMARY KEY (profile_id, precision, batch_size)
-    );
-    CREATE INDEX profiles_model ON profiles (model, profile_id);
-    """,
-    # 3: the replay buffer: references to samples kept by class-balanced reservoir sampling.
-    """
-    CREATE TABLE replay_buffer (
-        sha256 TEXT PRIMARY KEY REFERENCES samples (sha256),
-        label TEXT NOT NULL,
-        size_bytes INTEGER NOT NULL,
-        added_session INTEGER
-    );
-    CREATE TABLE replay_seen (label TEXT PRIMARY KEY, seen INTEGER NOT NULL);
-    """,
-]
-
 
 def utc_now() -> str:
     """Return the current time as ISO 8601 UTC with seconds, e.g. 2026-11-22T02:00:07+00:00."""

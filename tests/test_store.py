@@ -4,7 +4,8 @@ import threading
 import pytest
 
 from odtd.errors import StoreError
-from odtd.store import MIGRATIONS, SESSION_KEYS, Store
+from odtd.schema import MIGRATIONS
+from odtd.store import SESSION_KEYS, Store
 
 
 def test_new_database_is_wal_and_migrated(tmp_path):
