@@ -9,6 +9,7 @@ import pytest
 from conftest import CIFAR, REPO
 
 from odtd.acceptance import refusal_reason
+from odtd.policy import load_policy
 
 
 @pytest.mark.skipif(not CIFAR.exists(), reason=f"CIFAR-10 archive not at {CIFAR} (set ODTD_CIFAR10)")
@@ -41,7 +42,8 @@ def test_two_days_through_the_real_session_path(tmp_path):
     outcomes = summary["odtd"]["outcomes"]
     assert outcomes["promoted"] + outcomes["rolled_back"] == 2 and outcomes["failed"] == 0
     acceptance = summary["acceptance"]
-    assert acceptance == {"tolerance": 0.0, "confidence_z": 2.0}
+    shipped = load_policy(REPO / "policies" / "densenet40.yaml").acceptance  # the default --policy
+    assert acceptance == {"tolerance": shipped.tolerance, "confidence_z": shipped.confidence_z}
     for row in rows[1:]:
         assert row["outcome"] in ("promoted", "rolled_back")
         assert row["energy_j"] > 0 and row["peak_memory_mb"] > 100
@@ -51,7 +53,7 @@ def test_two_days_through_the_real_session_path(tmp_path):
     # The sessions went through a real odtd home: SQLite rows, ingested samples, versions.
     db = sqlite3.connect(work / "odtd-home" / "odtd.db")
     assert db.execute("SELECT count(*) FROM sessions").fetchone()[0] == 2
-    # The policy's guard (tolerance 0, two standard errors of the paired difference) decided
+    # The policy's guard (tolerance, standard errors of the paired difference) decided
     # each day; the second session went on from the first's candidate unless it was promoted.
     sessions = db.execute("SELECT outcome, accuracy_before, accuracy_after, details FROM sessions "
                           "ORDER BY id").fetchall()
