@@ -174,7 +174,7 @@ def load_config(path: Path) -> Config:
 def _check_cron(path: Path, cron: str) -> None:
     # The daemon's scheduler module owns apscheduler; importing it lazily keeps
     # `odtctl status` fast, and validates the expression exactly as it will run.
-    from odtd.scheduler import validate_cron
+    from odtd.daemon.scheduler import validate_cron
 
     problem = validate_cron(cron)
     if problem:

@@ -1,6 +1,6 @@
 """The errors odtd raises.
 
-The library raises; only ``cli.py`` and ``daemon.py`` print, translating an
+The library raises; only the ``odtd.cli`` package and ``odtd.daemon.service`` print, translating an
 ``OdtdError`` into one ``Error: ...`` line and a non-zero exit status.
 """
 

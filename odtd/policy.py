@@ -180,7 +180,7 @@ def load_policy(path: Path, missing_ok: bool = True) -> Policy:
     except ValidationError as exc:
         raise PolicyError(describe_validation_error(path, exc)) from None
     if policy.schedule.cron:
-        from odtd.scheduler import validate_cron
+        from odtd.daemon.scheduler import validate_cron
 
         problem = validate_cron(policy.schedule.cron)
         if problem:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from odtd.control import request
+from odtd.daemon.control import request
 
 
 def vm(pid: int, key: str) -> float:
@@ -51,7 +51,7 @@ def main() -> int:
     odtctl = [sys.executable, "-m", "odtd.cli"]
     subprocess.run([*odtctl, "init", "--model", "tinycnn"], env=env, check=True, capture_output=True)
     (home / "odtd.yaml").write_text("inbox:\n  scan_interval_s: 1\n")
-    daemon = subprocess.Popen([sys.executable, "-m", "odtd.daemon", "run"], env=env,
+    daemon = subprocess.Popen([sys.executable, "-m", "odtd.daemon.service", "run"], env=env,
                               stderr=subprocess.DEVNULL)
     sock = home / "run" / "odtd.sock"
     try:

@@ -98,7 +98,7 @@ def fit_sps(model_name: str, batch_size: int, warmup_steps: int, steps: int, x, 
     """Train the same model with ``model.fit``; samples/s over the same measured steps."""
     import tensorflow as tf
 
-    from odtd.trainer import nets
+    from odtd.trainer import networks
 
     class StepTimer(tf.keras.callbacks.Callback):
         def __init__(self):
@@ -114,7 +114,7 @@ def fit_sps(model_name: str, batch_size: int, warmup_steps: int, steps: int, x, 
             self.spans.append((self.started, time.monotonic()))
 
     tf.keras.utils.set_random_seed(0)
-    model = nets.build(model_name, NUM_CLASSES, INPUT_SHAPE)
+    model = networks.build(model_name, NUM_CLASSES, INPUT_SHAPE)
     model.compile(
         optimizer=tf.keras.optimizers.SGD(learning_rate=LEARNING_RATE, momentum=MOMENTUM),
         loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -124,7 +124,7 @@ def fit_sps(model_name: str, batch_size: int, warmup_steps: int, steps: int, x, 
         .shuffle(len(y), seed=0)
         .repeat()
         .batch(batch_size)
-        .map(lambda images, labels: (nets.preprocess(images), labels))
+        .map(lambda images, labels: (networks.preprocess(images), labels))
         .prefetch(tf.data.AUTOTUNE)
     )
     timer = StepTimer()

@@ -36,16 +36,16 @@ from pathlib import Path
 
 import numpy as np
 
-from odtd import datasets
 from odtd.config import Config, TelemetryConfig
-from odtd.energy_meter import SessionEnergyMeter, running_sampler
-from odtd.home import Home
-from odtd.ingest import Ingestor, discover
-from odtd.models import ModelRepo
+from odtd.home.create import init_home
+from odtd.home.ingest import Ingestor, discover
+from odtd.home.paths import Home
+from odtd.home.versions import ModelRepo
 from odtd.policy import Policy, load_policy
-from odtd.runner import run_job
-from odtd.session import SessionRunner
-from odtd.setup_home import init_home
+from odtd.session.runner import SessionRunner
+from odtd.sim import datasets
+from odtd.telemetry.meter import SessionEnergyMeter, running_sampler
+from odtd.trainer.launch import run_job
 
 PUBLISHED = {"day0": 60.65, "day17": 61.32}
 REPO = Path(__file__).resolve().parents[1]

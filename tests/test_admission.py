@@ -4,7 +4,9 @@ import signal
 
 import pytest
 
-from odtd.admission import (
+from odtd.policy import Policy
+from odtd.profiling.profile import DOES_NOT_FIT, OK, ProfileResult, ProfileRow
+from odtd.session.admission import (
     RUN,
     SKIP,
     admit,
@@ -15,9 +17,7 @@ from odtd.admission import (
     predict,
     record_oom,
 )
-from odtd.policy import Policy
-from odtd.profiles import DOES_NOT_FIT, OK, ProfileResult, ProfileRow
-from odtd.store import Store
+from odtd.store.database import Store
 
 SIZES = (4, 8, 16, 32)
 

@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from odtd.control import ControlServer, request
+from odtd.daemon.control import ControlServer, request
 from odtd.errors import DaemonUnavailable, OdtdError, SessionBusy
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, odtctl, odtctl_json, write_images
 
-from odtd.store import SESSION_KEYS
+from odtd.store.database import SESSION_KEYS
 
 FAST_CONFIG = """\
 schedule:
@@ -28,7 +28,7 @@ trainer:
 
 def start_daemon(home: Path, env_extra=None) -> subprocess.Popen:
     env = dict(os.environ, ODTD_HOME=str(home), **(env_extra or {}))
-    proc = subprocess.Popen([sys.executable, "-m", "odtd.daemon", "run"], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "odtd.daemon.service", "run"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
     _STARTED.append(proc)
     wait_for(lambda: _running(home) or proc.poll() is not None, 30)
@@ -167,13 +167,13 @@ def test_kill_9_daemon_then_restart_recovers(daemon_home, tmp_path):
 
 def test_bad_config_exits_with_one_line(daemon_home):
     (daemon_home / "odtd.yaml").write_text("schedule:\n  cron: 'every night'\n")
-    proc = subprocess.run([sys.executable, "-m", "odtd.daemon", "run", "--home", str(daemon_home)],
+    proc = subprocess.run([sys.executable, "-m", "odtd.daemon.service", "run", "--home", str(daemon_home)],
                           capture_output=True, text=True, timeout=30, cwd=REPO)
     assert proc.returncode == 78  # EX_CONFIG: systemd does not restart-loop on it
     assert proc.stderr.count("\n") == 1
     assert "odtd.yaml: schedule.cron='every night'" in proc.stderr
     (daemon_home / "odtd.yaml").write_text("inbox:\n  scan_every: 3\n")
-    proc = subprocess.run([sys.executable, "-m", "odtd.daemon", "run", "--home", str(daemon_home)],
+    proc = subprocess.run([sys.executable, "-m", "odtd.daemon.service", "run", "--home", str(daemon_home)],
                           capture_output=True, text=True, timeout=30, cwd=REPO)
     assert proc.returncode == 78 and "unknown key 'inbox.scan_every'" in proc.stderr
 

@@ -11,8 +11,8 @@ import pytest
 from conftest import CIFAR, REPO
 from PIL import Image
 
-from odtd import datasets
 from odtd.errors import IngestError
+from odtd.sim import datasets
 
 # --- synthetic --------------------------------------------------------------------------------
 
@@ -73,7 +73,7 @@ def test_synthetic_domains_are_learnable_and_shifted():
 
 
 def test_importing_datasets_loads_no_tensorflow():
-    code = "import sys, odtd.datasets; sys.exit('tensorflow' in sys.modules)"
+    code = "import sys, odtd.sim.datasets; sys.exit('tensorflow' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
 
 

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from odtd.config import Config, load_config
-from odtd.sdnotify import NOTIFY_ENV_VARS, Notifier, watchdog_interval_s
+from odtd.daemon.sdnotify import Notifier, watchdog_interval_s
+from odtd.trainer.launch import NOTIFY_ENV_VARS
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -419,13 +420,13 @@ def test_unset_notify_socket_is_a_no_op(monkeypatch):
 
 def test_send_failure_never_raises_and_says_why(tmp_path, caplog):
     notifier = Notifier(str(tmp_path / "nobody-listens"))
-    with caplog.at_level(logging.DEBUG, logger="odtd.sdnotify"):
+    with caplog.at_level(logging.DEBUG, logger="odtd.daemon.sdnotify"):
         assert notifier.ready() is False
     assert "not sent" in caplog.text and "READY=1" in caplog.text
 
 
 def test_unusable_address_disables_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="odtd.sdnotify"):
+    with caplog.at_level(logging.WARNING, logger="odtd.daemon.sdnotify"):
         notifier = Notifier.from_environ({"NOTIFY_SOCKET": "vsock:2:1234"})
     assert not notifier.enabled
     assert "vsock:2:1234" in caplog.text

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from odtd.gates import FORCE_CLOSED_FILE, GateMonitor, check_gates, in_window
 from odtd.policy import GatesPolicy
+from odtd.session.gates import FORCE_CLOSED_FILE, GateMonitor, check_gates, in_window
 
 FIXTURES = Path(__file__).parent / "fixtures" / "telemetry"
 NOW = datetime(2026, 11, 22, 2, 30)
@@ -200,9 +200,9 @@ def test_monitor_closes_at_start_when_a_gate_is_already_closed(tmp_path):
 def test_monitor_interrupts_a_real_session_at_a_step_boundary(home, tmp_path):
     from conftest import odtctl, write_images
 
-    from odtd.home import Home
+    from odtd.home.paths import Home
     from odtd.policy import load_policy
-    from odtd.session import SessionRunner
+    from odtd.session.runner import SessionRunner
 
     write_images(tmp_path / "imgs", per_class=7)
     odtctl("ingest", str(tmp_path / "imgs"), home=home)

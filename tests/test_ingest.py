@@ -4,9 +4,9 @@ from conftest import CLASSES, write_images
 from PIL import Image
 
 from odtd.errors import IngestError
-from odtd.home import Home
-from odtd.ingest import BadImage, Ingestor, decode_image, discover
-from odtd.store import Store
+from odtd.home.ingest import BadImage, Ingestor, decode_image, discover
+from odtd.home.paths import Home
+from odtd.store.database import Store
 
 
 @pytest.fixture

@@ -9,19 +9,18 @@ import numpy as np
 import pytest
 from conftest import REPO
 
-from odtd import datasets
-from odtd.acceptance import paired_standard_error, refusal_reason
 from odtd.config import Config
-from odtd.home import Home
-from odtd.ingest import Ingestor, discover
-from odtd.models import ModelRepo, file_sha256
+from odtd.home.create import init_home
+from odtd.home.ingest import Ingestor, discover
+from odtd.home.paths import Home
+from odtd.home.versions import ModelRepo, file_sha256, rollback
 from odtd.policy import load_policy
-from odtd.report import render_status, status
-from odtd.runner import run_job
-from odtd.session import SessionRunner
-from odtd.setup_home import init_home
-from odtd.simulate import DataSource, SimulationOptions, pretrain_base
-from odtd.versions import rollback
+from odtd.report.status import render_status, status
+from odtd.session.acceptance import paired_standard_error, refusal_reason
+from odtd.session.runner import SessionRunner
+from odtd.sim import datasets
+from odtd.sim.simulate import DataSource, SimulationOptions, pretrain_base
+from odtd.trainer.launch import run_job
 
 DAYS = 3
 

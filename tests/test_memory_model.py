@@ -3,7 +3,7 @@
 import pytest
 
 from odtd.errors import PolicyError
-from odtd.memory_model import IN_SAMPLE, LEAVE_ONE_OUT, allowed_mb, fit_memory
+from odtd.profiling.memory_fit import IN_SAMPLE, LEAVE_ONE_OUT, allowed_mb, fit_memory
 
 
 def test_exact_line_is_recovered_with_zero_leave_one_out_error():

@@ -11,7 +11,8 @@ from odtd.policy import load_policy
 
 
 def test_importing_cli_and_daemon_loads_no_tensorflow():
-    code = ("import sys, odtd.cli, odtd.daemon, odtd.session, odtd.simulate, odtd.profiling; "
+    code = ("import sys, odtd.cli, odtd.daemon.service, odtd.session.runner, odtd.sim.simulate, "
+            "odtd.profiling.sweep; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'tensorflow', 'keras', 'jtop'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -19,7 +20,7 @@ def test_importing_cli_and_daemon_loads_no_tensorflow():
 
 def test_idle_daemon_loads_no_image_decoder():
     # Pillow is imported when the first image is decoded (2 MB of an idle daemon's memory).
-    code = "import sys, odtd.daemon; print('PIL' in sys.modules)"
+    code = "import sys, odtd.daemon.service; print('PIL' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -38,7 +39,7 @@ def test_every_command_has_help_and_is_in_the_readme(name):
 
 
 def test_daemon_has_help():
-    proc = subprocess.run([sys.executable, "-m", "odtd.daemon", "run", "--help"],
+    proc = subprocess.run([sys.executable, "-m", "odtd.daemon.service", "run", "--help"],
                           capture_output=True, text=True, check=True)
     assert "--config" in proc.stdout
 

@@ -8,8 +8,8 @@ import sys
 import pytest
 from conftest import CIFAR, REPO
 
-from odtd.acceptance import refusal_reason
 from odtd.policy import load_policy
+from odtd.session.acceptance import refusal_reason
 
 
 @pytest.mark.skipif(not CIFAR.exists(), reason=f"CIFAR-10 archive not at {CIFAR} (set ODTD_CIFAR10)")

@@ -6,7 +6,7 @@ from datetime import datetime, timedelta
 
 from apscheduler.triggers.interval import IntervalTrigger
 
-from odtd.scheduler import Scheduler, missed_fire_time, validate_cron
+from odtd.daemon.scheduler import Scheduler, missed_fire_time, validate_cron
 
 
 def test_validate_cron():

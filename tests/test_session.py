@@ -10,7 +10,7 @@ import time
 
 from conftest import REPO, odtctl, odtctl_json, write_images
 
-from odtd.store import SESSION_KEYS
+from odtd.store.database import SESSION_KEYS
 
 
 def _current(home):

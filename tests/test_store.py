@@ -4,8 +4,8 @@ import threading
 import pytest
 
 from odtd.errors import StoreError
-from odtd.schema import MIGRATIONS
-from odtd.store import SESSION_KEYS, Store
+from odtd.store.database import SESSION_KEYS, Store
+from odtd.store.schema import MIGRATIONS
 
 
 def test_new_database_is_wal_and_migrated(tmp_path):

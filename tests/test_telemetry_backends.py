@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 
 from odtd.errors import OdtdError, TelemetryUnavailable
-from odtd.telemetry import BACKENDS, describe_backends, detect, open_backend, rapl
+from odtd.telemetry import BACKENDS, describe_backends, open_backend, rapl
 from odtd.telemetry.estimate import EstimateBackend
 from odtd.telemetry.ina3221 import Ina3221Backend, discover_rails
 from odtd.telemetry.jtop_backend import JtopBackend, normalise_power
-from odtd.telemetry.null import NullBackend
 from odtd.telemetry.rapl import RaplBackend
 from odtd.telemetry.tegrastats import TegrastatsBackend
 
@@ -264,14 +263,22 @@ def test_registry_order_is_the_detection_order():
     assert list(BACKENDS) == ["jtop", "ina3221", "tegrastats", "rapl", "estimate", "none"]
 
 
-def test_detect_picks_the_first_available(tmp_path, monkeypatch):
+def _auto_name(root) -> str:
+    backend = open_backend("auto", root)
+    try:
+        return backend.name
+    finally:
+        backend.close()
+
+
+def test_auto_opens_the_first_available(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "jtop", raising=False)
-    assert detect(tmp_path) is NullBackend
+    assert _auto_name(tmp_path) == "none"
     (tmp_path / "proc").mkdir()
     (tmp_path / "proc" / "stat").write_text("cpu  1 0 1 10 0 0 0 0 0 0\n")
-    assert detect(tmp_path) is EstimateBackend
+    assert _auto_name(tmp_path) == "estimate"
     build_tree(tmp_path, "tx2_jp46_sysfs.json")
-    assert detect(tmp_path) is Ina3221Backend
+    assert _auto_name(tmp_path) == "ina3221"
 
 
 def test_describe_backends_lists_every_selectable_one(tmp_path):

@@ -18,8 +18,8 @@ from odtd.telemetry.estimate import EstimateBackend
 from odtd.telemetry.ina3221 import Ina3221Backend
 from odtd.telemetry.jtop_backend import JtopBackend
 from odtd.telemetry.null import NullBackend
+from odtd.telemetry.playback import ReplayBackend
 from odtd.telemetry.rapl import RaplBackend
-from odtd.telemetry.replay import ReplayBackend
 from odtd.telemetry.tegrastats import TegrastatsBackend
 
 FIXTURES = Path(__file__).parent / "fixtures" / "telemetry"

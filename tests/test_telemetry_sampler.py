@@ -9,7 +9,7 @@ import pytest
 
 from odtd.telemetry import Backend, PowerSample, Sampler
 from odtd.telemetry.null import NullBackend
-from odtd.telemetry.replay import ReplayBackend
+from odtd.telemetry.playback import ReplayBackend
 
 FIXTURES = Path(__file__).parent / "fixtures" / "telemetry"
 

@@ -8,7 +8,7 @@ import pytest
 
 from odtd.errors import OdtdError
 from odtd.telemetry import PowerSample, parse_line, record, replay_file
-from odtd.telemetry.replay import ReplayBackend, load_recording
+from odtd.telemetry.playback import ReplayBackend, load_recording
 
 FIXTURES = Path(__file__).parent / "fixtures" / "telemetry"
 

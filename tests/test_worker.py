@@ -86,10 +86,10 @@ def data(tmp_path):
 
 def test_catalog_counts_equal_the_built_keras_models():
     script = (
-        "import json; from odtd.trainer import catalog, nets; print(json.dumps({"
-        "'densenet40': nets.build('densenet40', 10).count_params(),"
-        "'tinycnn': nets.build('tinycnn', 10).count_params(),"
-        "'tinycnn_gray_3': nets.build('tinycnn', 3, (16, 16, 1)).count_params()}))"
+        "import json; from odtd.trainer import catalog, networks; print(json.dumps({"
+        "'densenet40': networks.build('densenet40', 10).count_params(),"
+        "'tinycnn': networks.build('tinycnn', 10).count_params(),"
+        "'tinycnn_gray_3': networks.build('tinycnn', 3, (16, 16, 1)).count_params()}))"
     )
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

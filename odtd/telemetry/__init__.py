@@ -12,14 +12,14 @@ from typing import Any, Dict, List, Type
 
 from odtd.errors import OdtdError, TelemetryUnavailable
 from odtd.telemetry.base import INPUT_RAIL_NAMES, Backend, PowerSample
-from odtd.telemetry.energy import EnergyReport, StreamingIntegrator, integrate, step_energies
 from odtd.telemetry.estimate import EstimateBackend
 from odtd.telemetry.ina3221 import Ina3221Backend
+from odtd.telemetry.integration import EnergyReport, StreamingIntegrator, integrate, step_energies
 from odtd.telemetry.jtop_backend import JtopBackend
 from odtd.telemetry.null import NullBackend
+from odtd.telemetry.playback import ReplayBackend
 from odtd.telemetry.rapl import RaplBackend
 from odtd.telemetry.recording import record, replay_file
-from odtd.telemetry.replay import ReplayBackend
 from odtd.telemetry.sampler import Sampler, SamplerStats
 from odtd.telemetry.tegrastats import TegrastatsBackend, parse_line
 
@@ -40,19 +40,9 @@ SELECTABLE: Dict[str, Type[Backend]] = dict(BACKENDS, replay=ReplayBackend)
 
 __all__ = [
     "BACKENDS", "INPUT_RAIL_NAMES", "SELECTABLE", "Backend", "EnergyReport", "PowerSample",
-    "Sampler", "SamplerStats", "StreamingIntegrator", "describe_backends", "detect", "integrate",
+    "Sampler", "SamplerStats", "StreamingIntegrator", "describe_backends", "integrate",
     "open_backend", "parse_line", "record", "replay_file", "step_energies",
 ]
-
-
-def detect(root: Path = Path("/")) -> Type[Backend]:
-    """Return the first backend of ``BACKENDS`` whose probe passes under ``root``."""
-    for backend_class in BACKENDS.values():
-        reason = backend_class.probe(Path(root))
-        if reason is None:
-            return backend_class
-        logger.debug("telemetry %s unavailable: %s", backend_class.name, reason)
-    return NullBackend
 
 
 def describe_backends(root: Path = Path("/")) -> List[Dict[str, Any]]:

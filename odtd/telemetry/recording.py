@@ -9,8 +9,8 @@ from typing import IO, Dict, Optional
 
 from odtd.errors import OdtdError
 from odtd.telemetry.base import Backend, PowerSample
-from odtd.telemetry.energy import integrate
-from odtd.telemetry.replay import RECORDING_FORMAT, RECORDING_VERSION, load_recording
+from odtd.telemetry.integration import integrate
+from odtd.telemetry.playback import RECORDING_FORMAT, RECORDING_VERSION, load_recording
 from odtd.telemetry.sampler import Sampler
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import numpy as np
 
 from odtd.errors import TelemetryUnavailable
 from odtd.telemetry.base import Backend, PowerSample
-from odtd.telemetry.energy import (
+from odtd.telemetry.integration import (
     DEFAULT_GAP_FACTOR,
     EnergyReport,
     StreamingIntegrator,

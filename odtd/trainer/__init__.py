@@ -1,8 +1,15 @@
-"""The trainer: the model catalog and the worker process that trains.
+"""The trainer: the worker process that trains, and the protocol the rest of odtd speaks to it.
 
-``catalog`` is pure Python, so the daemon can look up models and parameter counts without
-TensorFlow. ``nets`` (the Keras model builders) and ``worker`` (``python -m
-odtd.trainer.worker JOB.json``, see ``docs/worker-protocol.md``) import TensorFlow and run only in
-the worker process. Everything in this package stays Python 3.6-compatible, because on a
-Jetson TX2 the worker may run under JetPack's Python 3.6.
+Run only in the worker process (they import TensorFlow): ``worker`` (``python -m
+odtd.trainer.worker JOB.json``, see docs/worker-protocol.md), ``networks`` (the built-in Keras
+models) and ``evaluation``.
+
+Importable anywhere, without TensorFlow: ``job`` (the job file: built by ``make_job``, validated
+by ``load_job``; the protocol version and the precisions), ``launch`` (starting, watching and
+stopping a worker from the daemon side), ``catalog`` (the built-in architectures' names, shapes
+and parameter counts) and ``evalcache``.
+
+Everything here stays Python 3.6-compatible (a Jetson TX2's worker runs under JetPack's Python
+3.6 with TensorFlow 2.7) and works with tf.keras 2 and Keras 3. May import only ``errors``,
+the standard library, numpy and TensorFlow.
 """

@@ -2,7 +2,7 @@
 
 The daemon and ``odtctl`` use this module to validate model names and to know a model's size
 before any worker runs. Parameter counts are computed analytically from the architectures that
-``odtd.trainer.nets`` builds (the shape constants below are shared with it), and equal Keras's
+``odtd.trainer.networks`` builds (the shape constants below are shared with it), and equal Keras's
 ``model.count_params()``: every weight, including BatchNorm moving statistics.
 """
 

@@ -17,12 +17,12 @@ from odtd.trainer import evalcache
 
 def make_eval_step(tf: Any, model: Any, input_shape: List[int]) -> Callable[[Any, Any], Any]:
     """Return a compiled ``(images, labels) -> (per-sample losses, predicted classes)``."""
-    from odtd.trainer import nets
+    from odtd.trainer import networks
 
     @tf.function(input_signature=[tf.TensorSpec([None] + list(input_shape), tf.uint8),
                                   tf.TensorSpec([None], tf.int64)])
     def eval_step(images: Any, labels: Any) -> Any:
-        logits = model(nets.preprocess(images), training=False)
+        logits = model(networks.preprocess(images), training=False)
         losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
         return losses, tf.argmax(logits, axis=-1)
 

@@ -262,7 +262,7 @@ def make_train_step(tf: Any, model: Any, optimizer: Any, input_shape: List[int],
 
     The input signature has a free batch dimension, so a short last batch does not retrace.
     """
-    from odtd.trainer import nets
+    from odtd.trainer import networks
 
     variables = model.trainable_variables
     # tf.keras 2 and Keras 3 spell loss scaling differently; Keras 3 unscales in apply_gradients.
@@ -275,7 +275,7 @@ def make_train_step(tf: Any, model: Any, optimizer: Any, input_shape: List[int],
         if augment:
             images = augment_batch(tf, images)
         with tf.GradientTape() as tape:
-            logits = model(nets.preprocess(images), training=True)
+            logits = model(networks.preprocess(images), training=True)
             loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
                 labels=labels, logits=logits))
             if legacy_scaling:
@@ -304,7 +304,7 @@ def run(job: Dict[str, Any], data: Dict[str, Tuple[np.ndarray, np.ndarray]],
     """
     import tensorflow as tf
 
-    from odtd.trainer import nets
+    from odtd.trainer import networks
 
     gpu_visible = configure_gpus(tf, job["gpu_memory_limit_mb"])
     precision = resolve_precision(job["precision"], gpu_visible)
@@ -316,7 +316,7 @@ def run(job: Dict[str, Any], data: Dict[str, Tuple[np.ndarray, np.ndarray]],
 
     tf.keras.utils.set_random_seed(job["seed"])
     num_classes = len(job["classes"])
-    model = nets.build(job["model"], num_classes, job["input_shape"])
+    model = networks.build(job["model"], num_classes, job["input_shape"])
     names = [(getattr(v, "path", None) or v.name).split(":")[0] for v in model.weights]
     baseline = None
     if job["baseline_weights"] is not None:
@@ -481,7 +481,7 @@ def recalibrate_batchnorm(tf: Any, model: Any, x: np.ndarray, batch_size: int,
     Returns:
         The seconds it took, or None if a stop was requested meanwhile (statistics partial).
     """
-    from odtd.trainer import nets
+    from odtd.trainer import networks
 
     layers = batchnorm_layers(tf, model)
     momenta = [layer.momentum for layer in layers]
@@ -493,7 +493,7 @@ def recalibrate_batchnorm(tf: Any, model: Any, x: np.ndarray, batch_size: int,
             # Momentum (n - 1) / n makes the n-th batch's weight 1 / n: an equal-weight mean.
             for layer in layers:
                 layer.momentum = (count - 1.0) / count
-            model(nets.preprocess(tf.constant(x[begin:begin + batch_size])), training=True)
+            model(networks.preprocess(tf.constant(x[begin:begin + batch_size])), training=True)
     finally:
         for layer, momentum in zip(layers, momenta):
             layer.momentum = momentum

@@ -1,0 +1,71 @@
+"""``odtctl models``: the catalogue, a home's versions, rollback, export."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from odtd.cli.output import command, emit, home_of
+from odtd.errors import ConfigError
+
+
+@command("models")
+def cmd_models(args: argparse.Namespace) -> int:
+    """List the model registry, or a home's versions; roll back; export."""
+    from odtd.trainer import catalog
+
+    action = args.action or "list"
+    if action == "list":
+        rows = [{"name": info.name, "description": info.description,
+                 "input_shape": list(info.input_shape),
+                 "param_count": catalog.param_count(name, 10)}
+                for name, info in catalog.MODELS.items()]  # fmt: skip
+        text = "\n".join(f"{r['name']:<12} {r['param_count']:>10,} parameters (10 classes)  "
+                         f"{r['description']}" for r in rows)  # fmt: skip
+        emit(args, rows, text)
+        return 0
+    from odtd.home import versions
+
+    home = home_of(args)
+    store = home.open_store()
+    try:
+        if action == "versions":
+            rows = versions.list_versions(home, store)
+            from odtd.report.status import pct
+
+            text = "\n".join(
+                f"{'*' if r['current'] else ' '} v{r['version']:<4} parent {r['parent']!s:<5} "
+                f"session {r['session_id']!s:<5} accuracy {pct(r['accuracy']):<6} "
+                f"{r['state']:<7} {r['sha256'][:12]}  {r['created_at']}" for r in rows)  # fmt: skip
+            emit(args, rows, text)
+        elif action == "rollback":
+            result = versions.rollback(home, store, _version_arg(args))
+            emit(args, result, f"{result['model']} v{result['version']} is current "
+                               f"(was v{result['previous']})")  # fmt: skip
+        elif action == "export":
+            if not args.out:
+                raise ConfigError("models export: --out FILE.npz is required")
+            result = versions.export(home, store, _version_arg(args), Path(args.out))
+            emit(args, result, f"exported {result['model']} v{result['version']} to {result['out']} "
+                               f"(sha256 {result['sha256'][:12]})")  # fmt: skip
+    finally:
+        store.close()
+    return 0
+
+
+def _version_arg(args: argparse.Namespace) -> int:
+    text = (args.version or "").lstrip("v")
+    if not text.isdigit():
+        raise ConfigError(f"models {args.action}: VERSION {args.version!r} must be a number like 3 or v3")
+    return int(text)
+
+
+def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser,
+                reader: argparse.ArgumentParser) -> None:
+    """Add ``models``."""
+    p = sub.add_parser("models", parents=[reader], help="model registry, versions, rollback, export",
+                       description="With no action: the registry with parameter counts. "
+                                   "versions | rollback VERSION | export VERSION --out FILE.npz")
+    p.add_argument("action", nargs="?", choices=["list", "versions", "rollback", "export"])
+    p.add_argument("version", nargs="?", help="version number for rollback/export (e.g. 3 or v3)")
+    p.add_argument("--out", help="export: output .npz path")

@@ -1,0 +1,158 @@
+"""The control socket: versioned JSON request/reply over a Unix stream socket.
+
+One request per connection, one JSON object per line each way:
+
+    -> {"v": 1, "op": "train-now", "args": {"wait": true, "force": false}}
+    <- {"v": 1, "ok": true, "result": {...}}   or   {"v": 1, "ok": false, "error": "..."}
+
+Every request gets a reply, errors included. Operations: ping, status, train-now, pause,
+resume, reload.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import socketserver
+import threading
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from odtd.errors import DaemonUnavailable, OdtdError
+from odtd.home.paths import Home
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+OPERATIONS = ("ping", "status", "train-now", "pause", "resume", "reload")
+MAX_REQUEST_BYTES = 64 * 1024
+NO_DAEMON_HINT = ("run it in this process with `odtctl train-now --foreground`, or start the daemon "
+                  "with `systemctl start odtd` (or `odtd run`)")  # fmt: skip
+
+Handler = Callable[[str, dict[str, Any]], Any]
+
+
+class _RequestHandler(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        server: ControlServer = self.server  # type: ignore[assignment]
+        raw = self.rfile.readline(MAX_REQUEST_BYTES)
+        try:
+            request = json.loads(raw)
+            if not isinstance(request, dict):
+                raise ValueError("request is not a JSON object")
+        except ValueError as exc:
+            self._reply({"v": PROTOCOL_VERSION, "ok": False, "error": f"malformed request: {exc}"})
+            return
+        version, op = request.get("v"), request.get("op")
+        args = request.get("args") or {}
+        if version != PROTOCOL_VERSION:
+            reply = {"ok": False, "error": f"protocol version {version!r} not supported "
+                                           f"(this daemon speaks {PROTOCOL_VERSION})"}
+        elif op not in OPERATIONS:
+            reply = {"ok": False, "error": f"unknown operation {op!r}; known: {', '.join(OPERATIONS)}"}
+        elif not isinstance(args, dict):
+            reply = {"ok": False, "error": "args must be a JSON object"}
+        else:
+            try:
+                reply = {"ok": True, "result": server.handler(op, args)}
+            except OdtdError as exc:
+                reply = {"ok": False, "error": str(exc)}
+            except Exception as exc:  # the daemon must answer, and must not die, on any request
+                logger.exception("control request %r failed", op)
+                reply = {"ok": False, "error": f"internal error: {type(exc).__name__}: {exc}"}
+        self._reply({"v": PROTOCOL_VERSION, **reply})
+
+    def _reply(self, reply: dict[str, Any]) -> None:
+        try:
+            self.wfile.write(json.dumps(reply, default=str).encode() + b"\n")
+        except (BrokenPipeError, ConnectionResetError):
+            logger.debug("control client went away before the reply")
+
+
+class ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    """Serves control requests on ``path`` (mode 0660) in threads, calling ``handler(op, args)``.
+
+    Args:
+        path: the socket file (``ODTD_HOME/run/odtd.sock``).
+        handler: answers an operation; raises ``OdtdError`` for a refused request.
+    """
+
+    daemon_threads = True
+
+    def __init__(self, path: Path, handler: Handler) -> None:
+        self.handler = handler
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_socket(self.path)
+        super().__init__(str(self.path), _RequestHandler)
+        os.chmod(self.path, 0o660)
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        """Serve in a background thread."""
+        self._thread = threading.Thread(target=self.serve_forever, name="control", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop serving and remove the socket file."""
+        self.shutdown()
+        self.server_close()
+        self.path.unlink(missing_ok=True)
+
+
+def _remove_stale_socket(path: Path) -> None:
+    if not path.exists():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        path.unlink(missing_ok=True)  # left by a daemon that died; nobody listens
+        return
+    finally:
+        probe.close()
+    raise OdtdError(f"{path}: another odtd daemon is already running on this home")
+
+
+def request(path: Path, op: str, args: Optional[dict[str, Any]] = None,
+            timeout_s: Optional[float] = 10.0) -> Any:
+    """Send one request and return its result.
+
+    Raises:
+        DaemonUnavailable: nobody answers on the socket.
+        OdtdError: the daemon refused the request (its message).
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        try:
+            sock.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise DaemonUnavailable(f"no odtd daemon is running on {path.parent.parent}; "
+                                    f"{NO_DAEMON_HINT}") from None
+        except PermissionError:
+            raise DaemonUnavailable(f"{path}: permission denied; join the odtd group "
+                                    "(sudo usermod -aG odtd $USER) and log in again") from None
+        message = {"v": PROTOCOL_VERSION, "op": op, "args": args or {}}
+        sock.sendall(json.dumps(message).encode() + b"\n")
+        with sock.makefile("rb") as stream:
+            raw = stream.readline()
+    except socket.timeout:
+        raise DaemonUnavailable(f"the daemon did not answer {op!r} within {timeout_s} s") from None
+    finally:
+        sock.close()
+    if not raw:
+        raise DaemonUnavailable(f"the daemon closed the connection without answering {op!r}")
+    reply = json.loads(raw)
+    if not reply.get("ok"):
+        raise OdtdError(reply.get("error") or "the daemon refused the request")
+    return reply.get("result")
+
+
+def request_train_now(home: Home, wait: bool = False, force: bool = False) -> dict[str, Any]:
+    """Ask the daemon for a session now; with ``wait``, block until it ends and return it."""
+    home.require()
+    return request(home.socket_path, "train-now", {"wait": wait, "force": force},
+                   timeout_s=None if wait else 10.0)

@@ -1,0 +1,10 @@
+"""The state directory's files (ODTD_HOME): layout, creation, samples in, model versions.
+
+Modules: ``paths`` (``Home``: every path of a home), ``create`` (``odtctl init``), ``ingest``
+(image files become content-addressed samples or quarantined inputs), ``versions`` (weights and
+manifests under ``models/<name>/``, the atomic ``current`` pointer, rollback, export, prune).
+
+May import: ``errors``, ``config``, ``policy``, ``store`` (the rows that go with the files) and
+``trainer.launch``/``trainer.catalog`` (``init`` runs a worker to build version 0). Never
+TensorFlow.
+"""

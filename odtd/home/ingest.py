@@ -1,0 +1,278 @@
+"""Ingest: image files become validated, content-addressed samples, or quarantined inputs.
+
+Images are decoded with Pillow (no TensorFlow in this process), converted to RGB and to the
+model's input size. A sample is stored twice under ``samples/<aa>/``: the original bytes
+(``<sha256>.<ext>``, never modified) and the decoded pixels (``<sha256>.npy``, uint8 HxWx3) the
+trainer reads. One bad file never stops a batch: it is quarantined with its reason.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import logging
+import os
+import shutil
+import warnings
+from dataclasses import dataclass, field
+from datetime import date
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import numpy as np
+
+from odtd.errors import IngestError
+from odtd.home.paths import Home
+from odtd.store.database import Store, utc_now
+
+logger = logging.getLogger(__name__)
+
+MAX_PIXELS = 50_000_000
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".tif", ".tiff"}
+# One sample in this many (chosen by content hash, so it is stable) is held out of training to
+# measure accuracy on the device's own data.
+DEFAULT_HOLDOUT_EVERY = 8
+
+
+class BadImage(Exception):
+    """A single input cannot become a sample; the message is the quarantine reason."""
+
+
+@dataclass
+class IngestReport:
+    """What one ingest did; ``as_dict`` is the ``--json`` output of ``odtctl ingest``."""
+
+    accepted: int = 0
+    duplicates: int = 0
+    rejected: int = 0
+    holdout: int = 0
+    rejected_files: list[dict[str, str]] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the JSON contract of ``odtctl ingest --json``."""
+        return {"accepted": self.accepted, "duplicates": self.duplicates,
+                "rejected": self.rejected, "holdout": self.holdout,
+                "rejected_files": self.rejected_files}  # fmt: skip
+
+
+def decode_image(data: bytes, size: tuple[int, int]) -> np.ndarray:
+    """Decode image bytes into a uint8 (height, width, 3) RGB array of ``size`` (w, h).
+
+    Raises:
+        BadImage: empty, not an image, oversized (> 50 megapixels), corrupt or truncated.
+    """
+    # Imported here: an idle daemon has no image to decode (Pillow is 2 MB of its memory).
+    from PIL import Image, UnidentifiedImageError
+
+    if not data:
+        raise BadImage("empty file (0 bytes)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            width, height = image.size
+            if width * height > MAX_PIXELS:
+                raise BadImage(f"oversized: {width}x{height} is over {MAX_PIXELS // 1_000_000} megapixels")
+            image.load()
+    except UnidentifiedImageError:
+        raise BadImage("not an image Pillow can read") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise BadImage(f"oversized: {exc}") from None
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise BadImage(f"corrupt or truncated image ({exc})") from None
+    image = image.convert("RGB")
+    if image.size != tuple(size):
+        image = image.resize(tuple(size), Image.BILINEAR)
+    return np.asarray(image, dtype=np.uint8)
+
+
+def discover(path: Path, label: Optional[str]) -> list[tuple[Path, Optional[str]]]:
+    """List (file, label) pairs from a file, a ``<label>/<file>`` directory or a CSV manifest.
+
+    Raises:
+        IngestError: the path does not exist, cannot be read, or a single file has no label.
+    """
+    if not path.exists():
+        raise IngestError(f"{path}: no such file or directory")
+    if not os.access(path, os.R_OK):
+        raise IngestError(f"{path}: permission denied")
+    if path.is_dir():
+        return _discover_dir(path, label)
+    if path.suffix.lower() == ".csv":
+        return _discover_csv(path)
+    if not label:
+        raise IngestError(f"{path}: a single file needs --label (one of the model's classes)")
+    return [(path, label)]
+
+
+def _discover_dir(path: Path, label: Optional[str]) -> list[tuple[Path, Optional[str]]]:
+    found: list[tuple[Path, Optional[str]]] = []
+    try:
+        entries = sorted(path.iterdir())
+    except OSError as exc:
+        raise IngestError(f"{path}: cannot list directory ({exc.strerror})") from None
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir():
+            for item in sorted(entry.rglob("*")):
+                if item.is_file() and not item.name.startswith("."):
+                    found.append((item, entry.name))
+        elif entry.is_file():
+            # Loose files: they belong to --label, or have none and are quarantined as such.
+            found.append((entry, label))
+    return found
+
+
+def _discover_csv(path: Path) -> list[tuple[Path, Optional[str]]]:
+    found: list[tuple[Path, Optional[str]]] = []
+    try:
+        with open(path, newline="", encoding="utf-8") as handle:
+            rows = list(csv.reader(handle))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise IngestError(f"{path}: cannot read the CSV manifest ({exc})") from None
+    for number, row in enumerate(rows, start=1):
+        if not row or row[0].startswith("#"):
+            continue
+        if number == 1 and [c.strip().lower() for c in row[:2]] == ["path", "label"]:
+            continue
+        if len(row) < 2:
+            raise IngestError(f"{path}:{number}: expected 'path,label', got {','.join(row)!r}")
+        file_path = Path(row[0].strip())
+        if not file_path.is_absolute():
+            file_path = path.parent / file_path
+        found.append((file_path, row[1].strip() or None))
+    return found
+
+
+class Ingestor:
+    """Turns files into samples of one home.
+
+    Args:
+        home: the state directory.
+        store: its open database.
+        classes: the model's class names (any other label is rejected).
+        input_size: (width, height) the model takes.
+        holdout_every: one in N samples (by hash) is held out for evaluation; 0 disables.
+    """
+
+    def __init__(
+        self,
+        home: Home,
+        store: Store,
+        classes: list[str],
+        input_size: tuple[int, int],
+        holdout_every: int = DEFAULT_HOLDOUT_EVERY,
+    ) -> None:
+        self.home = home
+        self.store = store
+        self.classes = set(classes)
+        self.class_list = list(classes)
+        self.input_size = input_size
+        self.holdout_every = holdout_every
+
+    def ingest(
+        self,
+        files: Iterable[tuple[Path, Optional[str]]],
+        day: Optional[str] = None,
+        move: bool = False,
+        progress: Optional[Callable[[int, int], None]] = None,
+    ) -> IngestReport:
+        """Ingest (file, label) pairs stamped with ``day`` (default: today, local time).
+
+        Args:
+            files: pairs from ``discover``.
+            day: YYYY-MM-DD the samples belong to.
+            move: remove each source after it is stored or quarantined (the inbox);
+                otherwise sources are left untouched (``odtctl ingest``).
+            progress: called with (done, total) every 100 files.
+        """
+        day = day or date.today().isoformat()
+        files = list(files)
+        report = IngestReport()
+        for done, (path, label) in enumerate(files, start=1):
+            self._ingest_one(path, label, day, move, report)
+            if progress and (done % 100 == 0 or done == len(files)):
+                progress(done, len(files))
+        return report
+
+    def _ingest_one(self, path: Path, label: Optional[str], day: str, move: bool,
+                    report: IngestReport) -> None:
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            self._reject(path, f"cannot read ({exc.strerror})", move, report)
+            return
+        if label not in self.classes:
+            known = ", ".join(self.class_list)
+            reason = f"unknown label {label!r} (known: {known})" if label else "no label"
+            self._reject(path, reason, move, report, data)
+            return
+        sha = hashlib.sha256(data).hexdigest()
+        if self.store.has_sample(sha):
+            report.duplicates += 1
+            if move:
+                path.unlink()
+            return
+        try:
+            pixels = decode_image(data, self.input_size)
+        except BadImage as exc:
+            self._reject(path, str(exc), move, report, data)
+            return
+        folder = self.home.samples / sha[:2]
+        folder.mkdir(parents=True, exist_ok=True)
+        suffix = path.suffix.lower() if path.suffix.lower() in IMAGE_SUFFIXES else ".img"
+        stored = folder / f"{sha}{suffix}"
+        array = folder / f"{sha}.npy"
+        stored.write_bytes(data)
+        np.save(array, pixels, allow_pickle=False)
+        holdout = self.holdout_every and int(sha[:8], 16) % self.holdout_every == 0
+        added = self.store.add_sample({
+            "sha256": sha, "label": label, "day": day,
+            "status": "holdout" if holdout else "pending",
+            "original_path": str(path), "stored_path": str(stored.relative_to(self.home.root)),
+            "array_path": str(array.relative_to(self.home.root)),
+            "width": pixels.shape[1], "height": pixels.shape[0], "ingested_at": utc_now(),
+        })  # fmt: skip
+        if not added:  # a concurrent ingest stored the same content first
+            report.duplicates += 1
+        else:
+            report.accepted += 1
+            report.holdout += bool(holdout)
+        if move:
+            path.unlink()
+
+    def _reject(self, path: Path, reason: str, move: bool, report: IngestReport,
+                data: Optional[bytes] = None) -> None:
+        self.home.quarantine.mkdir(parents=True, exist_ok=True)
+        stamp = utc_now().replace(":", "").replace("+0000", "Z")
+        target = self.home.quarantine / f"{stamp}-{report.rejected:04d}-{path.name}"
+        try:
+            if move:
+                shutil.move(str(path), target)
+            elif data is not None:
+                target.write_bytes(data)
+            else:
+                target = None
+            if target is not None:
+                target.with_name(target.name + ".reason.txt").write_text(reason + "\n", encoding="utf-8")
+        except OSError as exc:
+            logger.warning("could not quarantine %s: %s", path, exc)
+            target = None
+        self.store.add_quarantine(str(path), str(target) if target else None, reason)
+        report.rejected += 1
+        report.rejected_files.append({"path": str(path), "reason": reason})
+        logger.info("quarantined %s: %s", path, reason)
+
+
+def load_sample_arrays(
+    home: Home, rows: list[dict[str, Any]], classes: list[str]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Stack the decoded pixels of sample rows into (x uint8 NHWC, y int64)."""
+    index = {name: i for i, name in enumerate(classes)}
+    if not rows:
+        return np.zeros((0, 0, 0, 3), dtype=np.uint8), np.zeros((0,), dtype=np.int64)
+    x = np.stack([np.load(home.root / row["array_path"], allow_pickle=False) for row in rows])
+    y = np.array([index[row["label"]] for row in rows], dtype=np.int64)
+    return x, y

@@ -1,0 +1,68 @@
+"""The state directory (ODTD_HOME) and what lives where in it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from odtd.config import CONFIG_NAME, Config, load_config
+from odtd.errors import StoreError
+from odtd.store.database import Store
+
+
+class Home:
+    """Paths of one ODTD_HOME; nothing is created or opened until asked.
+
+    Args:
+        root: the state directory.
+        config_path: ``odtd.yaml`` elsewhere (``odtd run --config /etc/odtd/odtd.yaml``).
+    """
+
+    def __init__(self, root: Path, config_path: Optional[Path] = None) -> None:
+        self.root = Path(root)
+        self.config_path = Path(config_path) if config_path else self.root / CONFIG_NAME
+        self.db_path = self.root / "odtd.db"
+        self.inbox = self.root / "inbox"
+        self.samples = self.root / "samples"
+        self.quarantine = self.root / "quarantine"
+        self.models = self.root / "models"
+        self.validation = self.root / "validation"
+        self.runs = self.root / "runs"
+        self.run = self.root / "run"
+        self.socket_path = self.run / "odtd.sock"
+        self.session_lock = self.run / "session.lock"
+
+    def directories(self) -> list[Path]:
+        """Return every directory an initialised home has."""
+        return [self.root, self.inbox, self.samples, self.quarantine, self.models,
+                self.validation, self.runs, self.run]  # fmt: skip
+
+    def is_initialised(self) -> bool:
+        """Whether ``odtctl init`` has run here."""
+        return self.db_path.exists()
+
+    def require(self) -> None:
+        """Raise StoreError with the fix when this home was never initialised."""
+        if not self.is_initialised():
+            raise StoreError(
+                f"{self.root}: not an odtd home (no odtd.db); run `odtctl init --model NAME` "
+                "or pass --home / set ODTD_HOME"
+            )
+
+    def open_store(self) -> Store:
+        """Open the database of an initialised home."""
+        self.require()
+        return Store(self.db_path)
+
+    def load_config(self) -> Config:
+        """Load ``odtd.yaml`` (defaults when absent)."""
+        return load_config(self.config_path)
+
+    def policy_path(self, config: Config) -> Path:
+        """Resolve the config's policy path (relative paths are relative to the home)."""
+        path = Path(config.policy)
+        return path if path.is_absolute() else self.root / path
+
+    def validation_file(self) -> Path:
+        """The fixed validation set supplied with the base model (``.npz``: x, y)."""
+        return self.validation / "validation.npz"

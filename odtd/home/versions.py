@@ -1,0 +1,305 @@
+"""Model versions on disk, and what a person does with them: list, roll back, export, prune.
+
+Each version is ``models/<name>/vN/{weights.npz,manifest.json}``; ``current`` names the promoted one.
+
+This module never imports TensorFlow: weights are opaque ``.npz`` files written by the trainer
+worker. ``current`` is a one-line file naming the promoted version, switched atomically
+(write a temporary file, fsync, rename, fsync the directory), so a power cut leaves either the
+old or the new version current, never a torn one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from odtd.errors import ModelError
+from odtd.home.paths import Home
+from odtd.store.database import Store
+from odtd.trainer import catalog
+from odtd.trainer.evalcache import file_sha256
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_NAME = "weights.npz"
+MANIFEST_NAME = "manifest.json"
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory entry (after a rename) to disk."""
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
+    """Replace ``path`` with ``data`` so readers see the old or the new content, never a mix.
+
+    The content is written under a hidden, per-process name (``.NAME.PID.tmp``: an inbox scan
+    skips it, and two writers never share it) and renamed. ``durable`` also fsyncs the file
+    and its directory, for state that must survive a power cut.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+        if durable:
+            handle.flush()
+            os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
+    """`atomic_write_bytes` for UTF-8 text."""
+    atomic_write_bytes(path, text.encode("utf-8"), durable)
+
+
+def check_model_name(name: str) -> None:
+    """Raise ModelError when ``name`` is not in the model registry."""
+    if name not in catalog.MODELS:
+        known = ", ".join(sorted(catalog.MODELS))
+        raise ModelError(f"unknown model {name!r}; known models: {known} (see `odtctl models`)")
+
+
+def check_weights_file(path: Path) -> list[str]:
+    """Open an ``.npz`` without pickle and return its array keys; raise ModelError if unusable."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            keys = sorted(data.files)
+            for key in keys:
+                data[key]  # noqa: B018 - reading each array proves the file is whole
+    except FileNotFoundError:
+        raise ModelError(f"{path}: no such weights file") from None
+    except (OSError, ValueError, EOFError) as exc:
+        raise ModelError(f"{path}: not a readable .npz weights file ({exc})") from None
+    if not keys:
+        raise ModelError(f"{path}: the .npz holds no arrays")
+    return keys
+
+
+class ModelRepo:
+    """The versions of one model under ``HOME/models/<name>/``.
+
+    Args:
+        root: ``HOME/models``.
+        name: registry name of the model (``densenet40``, ``tinycnn``).
+    """
+
+    def __init__(self, root: Path, name: str) -> None:
+        check_model_name(name)
+        self.name = name
+        self.dir = Path(root) / name
+
+    def version_dir(self, version: int) -> Path:
+        """Return the directory of version ``version``."""
+        return self.dir / f"v{version}"
+
+    def weights_path(self, version: int) -> Path:
+        """Return the weights file of a version."""
+        return self.version_dir(version) / WEIGHTS_NAME
+
+    @property
+    def resume_path(self) -> Path:
+        """The last refused candidate that the next session trains on (``training.resume_within``)."""
+        return self.dir / "resume.npz"
+
+    @property
+    def eval_cache_path(self) -> Path:
+        """The current model's per-sample validation results (worker job key ``eval_cache``)."""
+        return self.dir / "eval-cache.npz"
+
+    def adopt_eval_cache(self, candidate_results: Path) -> None:
+        """Make a promoted candidate's validation results the eval cache (if the worker wrote them)."""
+        if candidate_results.exists():
+            os.replace(candidate_results, self.eval_cache_path)
+
+    def keep_for_resume(self, candidate: Path) -> None:
+        """Keep a refused candidate as the next session's starting point (replacing any earlier)."""
+        os.replace(candidate, self.resume_path)
+
+    def clear_resume(self) -> None:
+        """Forget the resumable candidate: the next session starts from the current version."""
+        self.resume_path.unlink(missing_ok=True)
+
+    def versions(self) -> list[int]:
+        """Return the versions present on disk, ascending."""
+        if not self.dir.is_dir():
+            return []
+        found = []
+        for entry in self.dir.iterdir():
+            if entry.is_dir() and entry.name.startswith("v") and entry.name[1:].isdigit():
+                if (entry / MANIFEST_NAME).exists():
+                    found.append(int(entry.name[1:]))
+        return sorted(found)
+
+    def current(self) -> int:
+        """Return the promoted version number.
+
+        Raises:
+            ModelError: when no version was ever promoted (run ``odtctl init``).
+        """
+        pointer = self.dir / "current"
+        try:
+            text = pointer.read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            raise ModelError(f"{pointer}: no current model; run `odtctl init`") from None
+        if not (text.startswith("v") and text[1:].isdigit()):
+            raise ModelError(f"{pointer}: damaged pointer {text!r}; use `odtctl models rollback`")
+        return int(text[1:])
+
+    def set_current(self, version: int) -> None:
+        """Atomically make ``version`` the current model."""
+        if not self.weights_path(version).exists():
+            raise ModelError(f"{self.name} v{version}: no such version (see `odtctl models versions`)")
+        atomic_write_text(self.dir / "current", f"v{version}\n")
+
+    def manifest(self, version: int) -> dict[str, Any]:
+        """Return a version's manifest."""
+        path = self.version_dir(version) / MANIFEST_NAME
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ModelError(
+                f"{self.name} v{version}: no such version (see `odtctl models versions`)"
+            ) from None
+        except ValueError as exc:
+            raise ModelError(f"{path}: damaged manifest ({exc})") from None
+
+    def verify(self, version: int) -> None:
+        """Check a version's weights against the sha256 in its manifest."""
+        manifest = self.manifest(version)
+        actual = file_sha256(self.weights_path(version))
+        if actual != manifest["sha256"]:
+            raise ModelError(
+                f"{self.weights_path(version)}: sha256 {actual[:12]} does not match the manifest's "
+                f"{manifest['sha256'][:12]}; the file was modified or damaged"
+            )
+
+    def add_version(
+        self,
+        weights: Path,
+        *,
+        classes: list[str],
+        input_shape: list[int],
+        param_count: Optional[int],
+        parent: Optional[int],
+        session_id: Optional[int] = None,
+        metrics: Optional[dict[str, Any]] = None,
+        weight_names: Optional[list[str]] = None,
+        move: bool = False,
+    ) -> tuple[int, dict[str, Any]]:
+        """Store ``weights`` as the next version (not yet current) and return (version, manifest).
+
+        The version directory is assembled under a temporary name and renamed into place, so a
+        half-written version is never visible.
+        """
+        check_weights_file(weights)
+        existing = self.versions()
+        version = existing[-1] + 1 if existing else 0
+        final = self.version_dir(version)
+        staging = self.dir / f".v{version}.tmp"
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+        target = staging / WEIGHTS_NAME
+        if move:
+            os.replace(weights, target)
+        else:
+            shutil.copyfile(weights, target)
+        manifest = {
+            "model": self.name,
+            "version": version,
+            "classes": list(classes),
+            "input_shape": list(input_shape),
+            "param_count": param_count,
+            "sha256": file_sha256(target),
+            "parent": parent,
+            "session_id": session_id,
+            "metrics": metrics or {},
+            "weight_names": weight_names or [],
+        }
+        with open(staging / MANIFEST_NAME, "w", encoding="utf-8") as handle:
+            json.dump(manifest, handle, indent=2, sort_keys=True)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(staging, final)
+        fsync_dir(self.dir)
+        logger.info("stored %s v%d (parent %s)", self.name, version, parent)
+        return version, manifest
+
+    def remove_version(self, version: int) -> None:
+        """Delete a version's files (never the current one or its parent)."""
+        current = self.current()
+        protected = {current, self.manifest(current).get("parent")}
+        if version in protected:
+            raise ModelError(f"{self.name} v{version} is current or its parent; it cannot be removed")
+        shutil.rmtree(self.version_dir(version))
+
+
+def list_versions(home: Home, store: Store) -> list[dict[str, Any]]:
+    """Return the recorded versions of the home's model, newest first, marking the current one."""
+    model = store.meta("model")
+    current = ModelRepo(home.models, model).current()
+    rows = store.model_versions(model)
+    for row in rows:
+        row["current"] = row["version"] == current
+    return rows
+
+
+def rollback(home: Home, store: Store, version: int) -> dict[str, Any]:
+    """Make an earlier (or any kept) version current, atomically, and record it.
+
+    Raises:
+        ModelError: the version does not exist or its weights fail their sha256 check.
+    """
+    model = store.meta("model")
+    repo = ModelRepo(home.models, model)
+    previous = repo.current()
+    repo.verify(version)
+    with store.transaction():
+        store.log_event("rollback", f"{model} v{previous} -> v{version}",
+                        previous=previous, version=version)
+        repo.set_current(version)
+    # A candidate kept for resuming descends from the version left behind.
+    repo.clear_resume()
+    return {"model": model, "version": version, "previous": previous}
+
+
+def export(home: Home, store: Store, version: int, out: Path) -> dict[str, Any]:
+    """Copy a version's weights to ``out`` (verified by sha256) and record the export."""
+    model = store.meta("model")
+    repo = ModelRepo(home.models, model)
+    repo.verify(version)
+    if out.suffix != ".npz":
+        raise ModelError(f"--out {out}: the export is an .npz file; name it e.g. {out.with_suffix('.npz')}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.copyfile(repo.weights_path(version), tmp)
+    os.replace(tmp, out)
+    sha = file_sha256(out)
+    store.log_event("export", f"{model} v{version} exported to {out}", version=version, out=str(out))
+    return {"model": model, "version": version, "out": str(out), "sha256": sha}
+
+
+def prune(home: Home, store: Store, keep: int) -> list[int]:
+    """Delete all but the newest ``keep`` versions, never the current one or its parent."""
+    model = store.meta("model")
+    repo = ModelRepo(home.models, model)
+    current = repo.current()
+    protected = {current, repo.manifest(current).get("parent")}
+    on_disk = repo.versions()
+    removable = [v for v in on_disk[: max(0, len(on_disk) - keep)] if v not in protected]
+    for version in removable:
+        repo.remove_version(version)
+        store.set_model_version_state(model, version, "pruned")
+        logger.info("pruned %s v%d", model, version)
+    return removable

@@ -1,0 +1,157 @@
+"""Profiles of a model: measured rows, the memory fit, estimates between sizes, a policy from them.
+
+Data and decisions only: running the workers is ``odtd.profiling.sweep``. Admission, ``odtctl policy
+explain`` and ``validate`` read profiles through :meth:`ProfileResult.from_store`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from odtd.profiling.memory_fit import MemoryFit, fit_memory
+from odtd.store.database import Store
+
+logger = logging.getLogger(__name__)
+
+OK = "ok"
+DOES_NOT_FIT = "does_not_fit"
+
+
+@dataclass(frozen=True)
+class ProfileRow:
+    """One measured (precision, batch size); figures skip the warm-up steps.
+
+    Attributes:
+        batch_size: Samples per step.
+        precision: As requested (``auto`` stays ``auto``: it is what a policy names).
+        status: ``ok``, or ``does_not_fit`` (OOM error, killed, crashed; see ``reason``).
+        reason: Why the size does not fit, None when ok.
+        precision_resolved: What the worker ran (``auto`` -> ``mixed_bfloat16`` on this CPU).
+        samples_per_s: Throughput over the measured steps.
+        step_s: Mean duration of a measured step in seconds.
+        energy_per_sample_j: Board total joules per sample, None without telemetry.
+        energy_per_sample_by_rail_j: Joules per sample per rail (sub-rails are parts of the total).
+        energy_source: Telemetry source label (``ina3221``, ``estimate``, ...), or None.
+        energy_coverage: Covered fraction of the measured span, 0..1.
+        mean_power_w: Mean board power over the measured span in watts.
+        peak_memory_mb: The worker's peak RSS in MB (None when it died before reporting).
+        profile_id: The run that measured this row (set once stored).
+    """
+
+    batch_size: int
+    precision: str
+    status: str
+    reason: Optional[str] = None
+    precision_resolved: Optional[str] = None
+    samples_per_s: Optional[float] = None
+    step_s: Optional[float] = None
+    energy_per_sample_j: Optional[float] = None
+    energy_per_sample_by_rail_j: Optional[Dict[str, float]] = None
+    energy_source: Optional[str] = None
+    energy_coverage: Optional[float] = None
+    mean_power_w: Optional[float] = None
+    peak_memory_mb: Optional[float] = None
+    profile_id: Optional[int] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Return a JSON-ready dict."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    """A profile of one model: its rows and where they were measured."""
+
+    profile_id: Optional[int]
+    model: str
+    backend: Optional[str]
+    board: str
+    steps: int
+    rows: Tuple[ProfileRow, ...]
+
+    @classmethod
+    def from_store(cls, store: Store, model: str) -> Optional[ProfileResult]:
+        """Return the latest profile of ``model`` (``Store.latest_profile``), or None."""
+        records = store.latest_profile(model)
+        if not records:
+            return None
+        fields = set(ProfileRow.__dataclass_fields__)
+        rows = tuple(ProfileRow(**{k: v for k, v in r.items() if k in fields}) for r in records)
+        newest = max(records, key=lambda r: r["profile_id"])
+        return cls(newest["profile_id"], model, newest["backend"], newest["board"],
+                   newest["steps"], rows)
+
+    def ok_rows(self, precision: str) -> List[ProfileRow]:
+        """Rows that ran at ``precision``, by batch size."""
+        return sorted((r for r in self.rows if r.precision == precision and r.status == OK),
+                      key=lambda r: r.batch_size)
+
+    def smallest_failure(self, precision: str) -> Optional[ProfileRow]:
+        """The smallest size that did not fit at ``precision`` (larger ones will not either)."""
+        failed = [r for r in self.rows if r.precision == precision and r.status == DOES_NOT_FIT]
+        return min(failed, key=lambda r: r.batch_size) if failed else None
+
+    def memory_fit(self, precision: str) -> MemoryFit:
+        """Fit peak memory against batch size over the ok rows at ``precision``."""
+        return fit_memory((r.batch_size, r.peak_memory_mb) for r in self.ok_rows(precision)
+                          if r.peak_memory_mb is not None)
+
+    def estimate_at(self, batch_size: int, precision: str
+                    ) -> Tuple[Optional[float], Optional[float], str]:
+        """Throughput and energy per sample at any size, from the measured ones.
+
+        Between measured sizes both are interpolated linearly in log2(batch size); outside
+        them the nearest measured size stands in (throughput flattens out at large batches).
+
+        Returns:
+            (samples/s, J/sample or None, basis: ``measured``, ``interpolated``,
+            ``nearest measured`` or ``no data``).
+        """
+        rows = self.ok_rows(precision)
+        if not rows:
+            return None, None, "no data"
+        for row in rows:
+            if row.batch_size == batch_size:
+                return row.samples_per_s, row.energy_per_sample_j, "measured"
+        if batch_size < rows[0].batch_size or batch_size > rows[-1].batch_size:
+            near = rows[0] if batch_size < rows[0].batch_size else rows[-1]
+            return near.samples_per_s, near.energy_per_sample_j, "nearest measured"
+        upper = next(i for i, r in enumerate(rows) if r.batch_size > batch_size)
+        low, high = rows[upper - 1], rows[upper]
+        share = (math.log2(batch_size) - math.log2(low.batch_size)) / \
+            (math.log2(high.batch_size) - math.log2(low.batch_size))
+
+        def mix(a: Optional[float], b: Optional[float]) -> Optional[float]:
+            return None if a is None or b is None else a + (b - a) * share
+
+        return mix(low.samples_per_s, high.samples_per_s), \
+            mix(low.energy_per_sample_j, high.energy_per_sample_j), "interpolated"
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Return the ``odtctl profile --json`` object."""
+        precisions = sorted({r.precision for r in self.rows})
+        return {"profile_id": self.profile_id, "model": self.model, "backend": self.backend,
+                "board": self.board, "steps": self.steps,
+                "rows": [r.to_dict() for r in self.rows],
+                "memory_model": {p: self.memory_fit(p).to_dict() for p in precisions}}
+
+
+def profile_table(profile: ProfileResult) -> List[str]:
+    """The profile as text lines (``odtctl profile`` and a written policy's comments)."""
+    lines = [f"{'batch':>5} {'precision':<22} {'status':<12} {'samples/s':>9} {'step s':>8} "
+             f"{'J/sample':>9} {'peak MB':>8}"]
+    for r in sorted(profile.rows, key=lambda r: (r.precision, r.batch_size)):
+        shown = r.precision if r.precision_resolved in (None, r.precision) \
+            else f"{r.precision}->{r.precision_resolved}"
+
+        def num(value: Optional[float], fmt: str) -> str:
+            return "-" if value is None else format(value, fmt)
+
+        lines.append(f"{r.batch_size:>5} {shown:<22} {r.status:<12} "
+                     f"{num(r.samples_per_s, '>9.2f')} {num(r.step_s, '>8.3f')} "
+                     f"{num(r.energy_per_sample_j, '>9.4f')} {num(r.peak_memory_mb, '>8.0f')}"
+                     + (f"  {r.reason}" if r.reason else ""))
+    return lines

@@ -1,0 +1,204 @@
+"""What ``odtctl status`` and ``history`` show: built from SQLite alone (the daemon may be down)."""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime, timezone
+from typing import Any, Optional
+
+from odtd.errors import OdtdError
+from odtd.home.paths import Home
+from odtd.home.versions import ModelRepo
+from odtd.store.database import Store
+
+HEARTBEAT_STALE_S = 30.0
+_SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def pid_alive(pid: Optional[int]) -> bool:
+    """Whether a process with this pid exists (a zombie counts as gone)."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+            return handle.read().split(") ")[-1][:1] != "Z"
+    except OSError:
+        return True
+
+
+def daemon_status(store: Store) -> dict[str, Any]:
+    """Return the ``daemon`` section: running, pid, heartbeat_age_s, next_session_at, paused."""
+    row = store.daemon_row() or {}
+    age = None
+    if row.get("heartbeat_at"):
+        beat = datetime.fromisoformat(row["heartbeat_at"])
+        age = round((datetime.now(timezone.utc) - beat).total_seconds(), 1)
+    running = bool(row.get("state") == "running" and pid_alive(row.get("pid"))
+                   and age is not None and age < HEARTBEAT_STALE_S)  # fmt: skip
+    return {
+        "running": running,
+        "pid": row.get("pid") if running else None,
+        "heartbeat_age_s": age,
+        "next_session_at": row.get("next_session_at") if running else None,
+        "paused": bool(row.get("paused")) if running else False,
+        "started_at": row.get("started_at"),
+    }
+
+
+def model_status(home: Home, store: Store) -> dict[str, Any]:
+    """Return the ``model`` section: name, version, accuracy (of the current version), resume.
+
+    ``resume`` is the refused candidate the next session goes on from (``training.resume_within``),
+    as ``{"session", "accuracy", "current_accuracy"}`` on the validation set, else None.
+    """
+    name = store.meta("model")
+    repo = ModelRepo(home.models, name)
+    version = repo.current()
+    manifest = repo.manifest(version)
+    resume = None
+    if repo.resume_path.exists():
+        kept = store.last_kept_for_resume()
+        if kept:
+            resume = {"session": kept["id"], "accuracy": kept["accuracy_after"],
+                      "current_accuracy": kept["accuracy_before"]}
+    return {"name": name, "version": version, "accuracy": manifest.get("metrics", {}).get("accuracy"),
+            "param_count": manifest.get("param_count"), "sha256": manifest.get("sha256"),
+            "resume": resume}
+
+
+def gates_status(home: Home) -> dict[str, Any]:
+    """Return the ``gates`` section: each configured gate's verdict right now."""
+    from odtd.policy import load_policy
+    from odtd.session.gates import FORCE_CLOSED_FILE, check_gates
+
+    try:
+        policy = load_policy(home.policy_path(home.load_config()))
+    except OdtdError as exc:
+        return {"error": str(exc), "gates": []}
+    results = check_gates(policy.gates, force_file=home.run / FORCE_CLOSED_FILE)
+    return {"error": None, "gates": [{"name": r.name, "passed": r.passed, "value": r.value,
+                                      "reason": r.reason} for r in results]}
+
+
+def status(home: Home, store: Store, limit: int = 10) -> dict[str, Any]:
+    """Return the ``odtctl status --json`` object."""
+    return {
+        "home": str(home.root),
+        "daemon": daemon_status(store),
+        "model": model_status(home, store),
+        "samples": store.sample_counts(),
+        "gates": gates_status(home),
+        "sessions": store.sessions(limit=limit),
+    }
+
+
+def pct(value: Optional[float]) -> str:
+    """An accuracy (0..1) as '61.6%', or '-' when unknown."""
+    return "-" if value is None else f"{value * 100:.1f}%"
+
+
+def _num(value: Optional[float], fmt: str = "{:.0f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def sparkline(values: list[float]) -> str:
+    """Render values as a one-line bar chart."""
+    if not values:
+        return ""
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+    return "".join(_SPARKS[int((v - low) / span * (len(_SPARKS) - 1))] for v in values)
+
+
+def energy_text(session: dict[str, Any]) -> str:
+    """'123.4 J (0.034 Wh)' or '-'."""
+    energy = session.get("energy_j")
+    if energy is None:
+        return "-"
+    return f"{energy:.1f} J ({energy / 3600:.4f} Wh)"
+
+
+def _points(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value * 100:.1f} pt"
+
+
+def sessions_table(sessions: list[dict[str, Any]]) -> list[str]:
+    """Render sessions (most recent first) as aligned text lines.
+
+    ``acc before/after`` are on the acceptance set (the fixed validation set when there is one),
+    ``holdout`` is the candidate's accuracy on the device's held-out samples, ``forgetting`` the
+    best earlier accuracy of a kept model minus the kept model's now, in points.
+    """
+    header = ("id", "day", "outcome", "batch", "new", "replay", "acc before", "acc after",
+              "holdout", "forgetting", "energy", "source", "peak MB", "time s")  # fmt: skip
+    rows = [header]
+    for s in sessions:
+        details = s.get("details") or {}
+        rows.append((
+            str(s["id"]), s["day"] or "-", s["outcome"] or s.get("state") or "-",
+            _num(s["batch_size"]), _num(s["samples_new"]), _num(s["samples_replay"]),
+            pct(s["accuracy_before"]), pct(s["accuracy_after"]),
+            pct(details.get("holdout_accuracy_after")), _points(details.get("forgetting")),
+            energy_text(s), s.get("energy_source") or "-", _num(s["peak_memory_mb"]),
+            _num(s["duration_s"], "{:.1f}"),
+        ))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def render_status(data: dict[str, Any]) -> str:
+    """Render the status object for people."""
+    d, m, s = data["daemon"], data["model"], data["samples"]
+    lines = [f"odtd home {data['home']}"]
+    if d["running"]:
+        state = "paused" if d["paused"] else "running"
+        lines.append(f"daemon   {state} (pid {d['pid']}, heartbeat {d['heartbeat_age_s']} s ago); "
+                     f"next session {d['next_session_at'] or '-'}")
+    else:
+        lines.append("daemon   not running (start it with `odtd run` or `systemctl start odtd`)")
+    lines.append(f"model    {m['name']} v{m['version']}  accuracy {pct(m['accuracy'])}  "
+                 f"({m['param_count']:,} parameters)")
+    if m.get("resume"):
+        r = m["resume"]
+        lines.append(f"         training goes on from session {r['session']}'s refused candidate: "
+                     f"{pct(r['accuracy'])} on validation against the current model's "
+                     f"{pct(r['current_accuracy'])}")
+    lines.append(f"samples  total {s['total']}  pending {s['pending']}  trained {s['trained']}  "
+                 f"holdout {s['holdout']}  quarantined {s['quarantined']}")
+    gates = data.get("gates") or {}
+    if gates.get("error"):
+        lines.append(f"gates    policy invalid: {gates['error']}")
+    elif gates.get("gates"):
+        lines.append("gates    " + "; ".join(
+            f"{g['name']} {'open' if g['passed'] else 'CLOSED'} ({g['reason']})" for g in gates["gates"]))
+    else:
+        lines.append("gates    none configured in the policy")
+    sessions = data["sessions"]
+    if not sessions:
+        lines.append("sessions none yet: `odtctl ingest DIR` then `odtctl train-now`")
+        return "\n".join(lines)
+    lines.append("sessions (most recent first)")
+    lines.extend("  " + line for line in sessions_table(sessions))
+    rails = sessions[0].get("energy_by_rail_j")
+    if rails:
+        split = "  ".join(f"{rail} {joules:.1f} J" for rail, joules in sorted(rails.items()))
+        lines.append(f"last session energy by rail: {split} (coverage "
+                     f"{pct(sessions[0].get('energy_coverage'))})")
+    per_class = next((x["details"].get("per_class_after") for x in sessions
+                      if (x.get("details") or {}).get("per_class_after")), None)
+    if per_class:
+        lines.append("per class (latest evaluated candidate)  " + "  ".join(
+            f"{name} {pct(value)}" for name, value in per_class.items()))
+    # The kept model's accuracy after each session: a rolled-back candidate's is not the model's.
+    trend = [x["accuracy_after"] if x["outcome"] == "promoted" else x["accuracy_before"]
+             for x in reversed(sessions) if x["outcome"] in ("promoted", "rolled_back")]
+    trend = [value for value in trend if value is not None]
+    if trend:
+        lines.append(f"accuracy trend  {sparkline(trend)}  {pct(trend[0])} -> {pct(trend[-1])}")
+    return "\n".join(lines)

@@ -1,0 +1,218 @@
+"""``odtctl simulate``: days of the daily cycle, through exactly the code of real sessions.
+
+Each simulated day writes its new images as files, ingests them stamped with that day (the
+same ``Ingestor`` as ``odtctl ingest``), then runs a session with the same ``SessionRunner``
+as the daemon. Only the source of the images is simulated.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from datetime import date, timedelta
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from odtd.config import Config
+from odtd.errors import ConfigError
+from odtd.home.create import init_home
+from odtd.home.ingest import Ingestor, discover
+from odtd.home.paths import Home
+from odtd.home.versions import ModelRepo
+from odtd.policy import load_policy
+from odtd.report.status import energy_text, pct, sessions_table
+from odtd.session.runner import SessionRunner
+from odtd.sim import datasets
+from odtd.store.database import Store
+from odtd.telemetry.meter import SessionEnergyMeter, running_sampler
+from odtd.trainer.launch import run_job
+
+
+@dataclass
+class SimulationOptions:
+    """What ``odtctl simulate`` runs (see its ``--help``)."""
+
+    days: int = 7
+    per_day: int = 64
+    model: str = "tinycnn"
+    dataset: str = "synthetic"
+    pretrain_samples: int = 2000
+    pretrain_epochs: int = 4
+    pretrain_batch_size: int = 32
+    pretrain_learning_rate: float = 0.05
+    validation_samples: int = 500
+    fresh: bool = False
+    seed: int = 0
+    policy: Optional[str] = None
+    start_day: Optional[str] = None
+
+
+class DataSource:
+    """Server data (pre-training), a validation set and a pool of device images for the days."""
+
+    def __init__(self, options: SimulationOptions) -> None:
+        self.options = options
+        self.classes = list(datasets.CLASSES)
+        synthetic = options.dataset == "synthetic"
+        self.dataset = None if synthetic else datasets.open_dataset(Path(options.dataset))
+        if self.dataset is not None:
+            self.classes = list(self.dataset.classes)
+
+    def server(self) -> tuple[np.ndarray, np.ndarray]:
+        """Pre-training data: the synthetic server domain, or the dataset's first train images."""
+        n, seed = self.options.pretrain_samples, self.options.seed
+        if self.dataset is None:
+            return datasets.synthetic(n, "server", seed=seed)
+        files = self.dataset.files("train")
+        indices = datasets.take_per_class(
+            np.array([label for _, label in files]), -(-n // len(self.classes)), seed=seed
+        )[:n]
+        return self.dataset.load_arrays("train", indices)
+
+    def validation(self) -> tuple[np.ndarray, np.ndarray]:
+        """The fixed validation set: device-domain images, or the dataset's test split."""
+        n = self.options.validation_samples
+        if self.dataset is None:
+            return datasets.synthetic(n, "device", seed=self.options.seed + 1)
+        files = self.dataset.files("test")
+        labels = np.array([label for _, label in files])
+        indices = datasets.take_per_class(labels, -(-n // len(self.classes)), seed=self.options.seed)[:n]
+        return self.dataset.load_arrays("test", indices)
+
+    def write_day(self, day_index: int, offset: int, out_dir: Path) -> None:
+        """Write day ``day_index``'s new images under ``out_dir/<class>/``."""
+        k = self.options.per_day
+        if self.dataset is None:
+            x, y = datasets.synthetic(k, "device", seed=self.options.seed + 1000 + offset + day_index)
+            datasets.write_image_folder(x, y, self.classes, out_dir, fmt="png",
+                                        start_index=(offset + day_index) * k)
+            return
+        files = self.dataset.files("train")
+        labels = np.array([label for _, label in files])
+        used = set(datasets.take_per_class(
+            labels, -(-self.options.pretrain_samples // len(self.classes)), seed=self.options.seed
+        )[: self.options.pretrain_samples])
+        draws = datasets.daily_draws(labels, offset + day_index + 1, k, seed=self.options.seed,
+                                     exclude=sorted(used))
+        names = [files[i][0] for i in draws[offset + day_index]]
+        self.dataset.extract("train", names, out_dir)
+
+
+def simulate(home: Home, options: SimulationOptions,
+             progress: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
+    """Run the simulation; create (and pre-train) the home first when needed.
+
+    Returns:
+        ``{"sessions": [...], "table": [text lines], "pretrain": {...} or None}``.
+    """
+    if options.days < 1 or options.per_day < 1:
+        raise ConfigError("--days and --per-day must be at least 1")
+    source = DataSource(options)
+    pretrain = None
+    if options.fresh or not home.is_initialised():
+        progress(f"creating {home.root} with {options.model} ...")
+        init_home(home, options.model, source.classes, force=options.fresh, seed=options.seed,
+                  validation_arrays=source.validation())
+        if options.policy:
+            install_policy(home, Path(options.policy))
+        if options.pretrain_samples > 0:
+            pretrain = pretrain_base(home, source, options, progress)
+    store = home.open_store()
+    config = home.load_config()
+    try:
+        with running_sampler(config.telemetry) as sampler:
+            sessions = _run_days(home, store, config, source, options, sampler, progress)
+    finally:
+        store.close()
+    return {"sessions": sessions, "pretrain": pretrain,
+            "table": sessions_table(list(reversed(sessions)))}
+
+
+def _run_days(home: Home, store: Store, config: Config, source: DataSource,
+              options: SimulationOptions, sampler: Any,
+              progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    runner = SessionRunner(home, store, config, load_policy(home.policy_path(config)),
+                           energy_meter=SessionEnergyMeter(sampler))
+    shape = store.meta("input_shape")
+    ingestor = Ingestor(home, store, store.meta("classes"), (shape[1], shape[0]))
+    offset = len(store.sessions(done_only=True))
+    start = date.fromisoformat(options.start_day) if options.start_day else date.today()
+    sessions = []
+    for index in range(options.days):
+        day = (start + timedelta(days=index)).isoformat()
+        with tempfile.TemporaryDirectory(dir=home.runs) as tmp:
+            source.write_day(index, offset, Path(tmp))
+            report = ingestor.ingest(discover(Path(tmp), None), day=day)
+        progress(f"day {index + 1}/{options.days} ({day}): ingested {report.accepted} "
+                 f"({report.holdout} held out); training ...")
+        session = runner.run(trigger="simulate", day=day)
+        sessions.append(session)
+        progress(f"day {index + 1}/{options.days}: {session['outcome']}, accuracy "
+                 f"{pct(session['accuracy_before'])} -> {pct(session['accuracy_after'])}, "
+                 f"{session['duration_s']} s, energy {energy_text(session)}")
+    return sessions
+
+
+def install_policy(home: Home, policy: Path) -> None:
+    """Validate a policy file and make it the home's active policy."""
+    load_policy(policy, missing_ok=False)
+    config = home.load_config()
+    home.policy_path(config).write_text(policy.read_text(encoding="utf-8"), encoding="utf-8")
+
+
+def pretrain_base(home: Home, source: DataSource, options: SimulationOptions,
+                  progress: Callable[[str], None]) -> dict[str, Any]:
+    """Train the base model on server data (standing in for the server) and make it current."""
+    x, y = source.server()
+    store = Store(home.db_path)
+    try:
+        model = store.meta("model")
+        repo = ModelRepo(home.models, model)
+        parent = repo.current()
+        config: Config = home.load_config()
+        precision = load_policy(home.policy_path(config)).training.precision
+        with tempfile.TemporaryDirectory(dir=home.runs) as tmp:
+            np.savez(Path(tmp) / "server.npz", x=x, y=y)
+            job = {
+                "protocol": 1, "mode": "train", "model": model, "classes": store.meta("classes"),
+                "input_shape": store.meta("input_shape"),
+                "weights_in": str(repo.weights_path(parent)),
+                "weights_out": str(Path(tmp) / "pretrained.npz"),
+                "train_data": str(Path(tmp) / "server.npz"),
+                "validation_data": str(home.validation_file()),
+                "batch_size": options.pretrain_batch_size, "epochs": options.pretrain_epochs,
+                "max_steps": None, "optimizer": "sgd", "learning_rate": options.pretrain_learning_rate,
+                "momentum": 0.9, "augment": True, "freeze_bn": False, "seed": options.seed,
+                "parent_pid": None, "precision": precision, "gpu_memory_limit_mb": None,
+            }  # fmt: skip
+            total_steps = options.pretrain_epochs * -(-len(y) // options.pretrain_batch_size)
+
+            def show(message: dict[str, Any]) -> None:
+                if message.get("event") == "step" and (message["index"] + 1) % 25 == 0:
+                    progress(f"pre-training: step {message['index'] + 1}/{total_steps}, "
+                             f"loss {message['loss']:.3f}")
+
+            progress(f"pre-training {model} on {len(y)} server images, {options.pretrain_epochs} "
+                     "epochs (stands in for the server) ...")
+            result, _, _ = run_job(config.trainer.command(), job, Path(tmp), on_message=show)
+            version, manifest = repo.add_version(
+                Path(tmp) / "pretrained.npz", classes=store.meta("classes"),
+                input_shape=store.meta("input_shape"), param_count=result.get("param_count"),
+                parent=parent, metrics={"accuracy": result.get("accuracy_after")},
+                weight_names=result.get("weight_names"), move=True,
+            )
+        with store.transaction():
+            store.add_model_version({
+                "model": model, "version": version, "parent": parent, "session_id": None,
+                "sha256": manifest["sha256"], "param_count": manifest["param_count"],
+                "accuracy": result.get("accuracy_after"),
+            })  # fmt: skip
+            store.log_event("pretrained", f"{model} v{version} pre-trained on {len(y)} server images")
+            repo.set_current(version)
+    finally:
+        store.close()
+    progress(f"pre-trained {model} v{version}: validation accuracy {pct(result.get('accuracy_after'))}")
+    return {"version": version, "samples": int(len(y)), "accuracy": result.get("accuracy_after"),
+            "duration_s": result.get("duration_s")}
