@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from odtd.config import describe_validation_error, read_yaml_mapping
 from odtd.errors import PolicyError
+from odtd.trainer.job import LR_SCHEDULES, PRECISIONS
 
 
 class _Strict(BaseModel):
@@ -78,7 +79,7 @@ class TrainingPolicy(_Strict):
     epochs: int = Field(default=3, ge=1, le=1000)
     optimizer: Literal["sgd", "adam"] = "sgd"
     learning_rate: float = Field(default=0.005, gt=0, le=10)
-    lr_schedule: Literal["constant", "cosine"] = Field(
+    lr_schedule: Literal[LR_SCHEDULES] = Field(  # type: ignore[valid-type]
         default="constant", description="cosine: the rate decays to 0 over each session's steps")
     momentum: float = Field(default=0.9, ge=0, lt=1)
     augment: bool = True
@@ -93,7 +94,7 @@ class TrainingPolicy(_Strict):
         "scores no more than this many points below the current model (gains too small for "
         "one session's guard add up over days; the device keeps serving current); null = "
         "every session starts from current")
-    precision: Literal["fp32", "mixed_float16", "mixed_bfloat16", "auto"] = "fp32"
+    precision: Literal[PRECISIONS] = "fp32"  # type: ignore[valid-type]
     gpu_memory_limit_mb: Optional[int] = Field(
         default=None, ge=64, description="cap on TensorFlow's GPU memory (a TX2 shares 8 GB with "
         "the device's own application); null = grow on demand, never grab it all")

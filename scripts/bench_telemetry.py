@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from odtd.config import TelemetryConfig  # noqa: E402
 from odtd.telemetry import Sampler, open_backend  # noqa: E402
 from odtd.telemetry.estimate import read_cpu_ticks  # noqa: E402
+from odtd.trainer.job import make_job  # noqa: E402
 
 NUM_CLASSES = 10
 INPUT_SHAPE = (32, 32, 3)
@@ -63,14 +64,10 @@ def write_job(workdir: Path, model: str, batch_size: int, max_steps: int) -> Pat
     x = rng.integers(0, 256, (SAMPLES, *INPUT_SHAPE), dtype=np.uint8)
     y = rng.integers(0, NUM_CLASSES, SAMPLES).astype(np.int64)
     np.savez(workdir / "train.npz", x=x, y=y)
-    job = {
-        "protocol": 1, "mode": "profile", "model": model,
-        "classes": [f"class{i}" for i in range(NUM_CLASSES)], "input_shape": list(INPUT_SHAPE),
-        "weights_in": None, "weights_out": None, "train_data": str(workdir / "train.npz"),
-        "validation_data": None, "batch_size": batch_size, "epochs": 1, "max_steps": max_steps,
-        "optimizer": "sgd", "learning_rate": 0.01, "momentum": 0.9, "augment": False,
-        "freeze_bn": False, "seed": 0, "parent_pid": os.getpid(), "precision": PRECISION,
-    }  # fmt: skip
+    job = make_job("profile", model, [f"class{i}" for i in range(NUM_CLASSES)], INPUT_SHAPE,
+                   train_data=str(workdir / "train.npz"), batch_size=batch_size, epochs=1,
+                   max_steps=max_steps, optimizer="sgd", learning_rate=0.01, momentum=0.9,
+                   parent_pid=os.getpid(), precision=PRECISION)
     path = workdir / "job.json"
     path.write_text(json.dumps(job))
     return path

@@ -69,15 +69,12 @@ def throughput_sps(spans: list, batch_size: int) -> float:
 
 def worker_sps(model: str, batch_size: int, warmup_steps: int, steps: int, workdir: Path) -> float:
     """Run the real worker in profile mode; samples/s over its measured steps."""
-    job = {
-        "protocol": 1, "mode": "profile", "model": model,
-        "classes": [f"class{i}" for i in range(NUM_CLASSES)], "input_shape": list(INPUT_SHAPE),
-        "weights_in": None, "weights_out": None, "train_data": str(workdir / "train.npz"),
-        "validation_data": None, "batch_size": batch_size, "epochs": 1,
-        "max_steps": warmup_steps + steps, "optimizer": "sgd", "learning_rate": LEARNING_RATE,
-        "momentum": MOMENTUM, "augment": False, "freeze_bn": False, "seed": 0, "parent_pid": None,
-        "precision": "fp32", "gpu_memory_limit_mb": None,
-    }  # fmt: skip
+    from odtd.trainer.job import make_job
+
+    job = make_job("profile", model, [f"class{i}" for i in range(NUM_CLASSES)], INPUT_SHAPE,
+                   train_data=str(workdir / "train.npz"), batch_size=batch_size, epochs=1,
+                   max_steps=warmup_steps + steps, optimizer="sgd", learning_rate=LEARNING_RATE,
+                   momentum=MOMENTUM, precision="fp32")
     job_path = workdir / f"job-{batch_size}.json"
     job_path.write_text(json.dumps(job))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT),

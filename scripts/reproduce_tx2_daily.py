@@ -45,6 +45,7 @@ from odtd.policy import Policy, load_policy
 from odtd.session.runner import SessionRunner
 from odtd.sim import datasets
 from odtd.telemetry.meter import SessionEnergyMeter, running_sampler
+from odtd.trainer.job import make_job
 from odtd.trainer.launch import run_job
 
 PUBLISHED = {"day0": 60.65, "day17": 61.32}
@@ -56,10 +57,7 @@ def log(message: str) -> None:
 
 
 def job(mode: str, **fields):
-    base = {"protocol": 1, "mode": mode, "model": "densenet40", "classes": list(datasets.CLASSES),
-            "input_shape": [32, 32, 3]}
-    base.update(fields)
-    return base
+    return make_job(mode, "densenet40", datasets.CLASSES, [32, 32, 3], **fields)
 
 
 def worker(spec: dict, tmp: Path, show_steps: int = 0) -> dict:
@@ -219,7 +217,7 @@ def run(args) -> dict:
                 with tempfile.TemporaryDirectory(dir=work) as tmp:
                     ds.extract("train", names, Path(tmp) / "images")
                     ingestor.ingest(discover(Path(tmp) / "images", None), day=stamp)
-                    session = runner.run(trigger="simulate", day=stamp)
+                    session = runner.run(trigger="simulate", day=stamp).to_dict()
                     day_x, day_y = ds.load_arrays("train", draws[day - 1])
                     np.savez(Path(tmp) / "day.npz", x=day_x, y=day_y)
                     out = Path(tmp) / "plain.npz"

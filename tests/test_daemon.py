@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, odtctl, odtctl_json, write_images
 
-from odtd.store.database import SESSION_KEYS
+from odtd.store.records import SESSION_KEYS
 
 FAST_CONFIG = """\
 schedule:

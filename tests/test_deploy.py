@@ -104,7 +104,7 @@ def verify(root: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [SYSTEMD_ANALYZE, "verify", f"--root={root}", "odtd.service"],
         capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    )
 
 
 @needs_systemd_analyze
@@ -312,7 +312,7 @@ def test_install_is_idempotent_keeps_edits_and_uninstall_keeps_state(tmp_path):
     (root / "var/lib/odtd/odtd.db").write_bytes(b"SQLite format 3\0")
     (root / "var/lib/odtd/models/tinycnn/v0/weights.npz").write_bytes(b"PK")
     kept = {"etc/odtd/odtd.yaml", "etc/odtd/odtd.yaml.default", "var/lib/odtd/odtd.yaml",
-            "var/lib/odtd/odtd.db", "var/lib/odtd/models/tinycnn/v0/weights.npz"}  # fmt: skip
+            "var/lib/odtd/odtd.db", "var/lib/odtd/models/tinycnn/v0/weights.npz"}
     if DEFAULT_POLICY.exists():
         kept.add("etc/odtd/policy.yaml")
     out = sh(UNINSTALL, "--root", str(root)).stdout

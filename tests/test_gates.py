@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from odtd.policy import GatesPolicy
-from odtd.session.gates import FORCE_CLOSED_FILE, GateMonitor, check_gates, in_window
+from odtd.session.gates import FORCE_CLOSED_FILE, GateMonitor, StopRequest, check_gates, in_window
 
 FIXTURES = Path(__file__).parent / "fixtures" / "telemetry"
 NOW = datetime(2026, 11, 22, 2, 30)
@@ -167,7 +167,7 @@ def wait_for(event: threading.Event, timeout_s: float = 5.0) -> bool:
 def test_monitor_stops_the_session_when_a_reading_crosses_the_limit(tmp_path):
     root = tx2_devkit(tmp_path)
     gates = GatesPolicy(max_temp_c=80, check_interval_s=0.05)
-    stop = threading.Event()
+    stop = StopRequest()
     with GateMonitor(gates, stop, root=root, clock=lambda: NOW) as monitor:
         time.sleep(0.2)
         assert not stop.is_set()
@@ -178,7 +178,7 @@ def test_monitor_stops_the_session_when_a_reading_crosses_the_limit(tmp_path):
 
 
 def test_monitor_reads_the_force_file_like_any_input(tmp_path):
-    stop = threading.Event()
+    stop = StopRequest()
     force = tmp_path / FORCE_CLOSED_FILE
     gates = GatesPolicy(window="01:00-06:00", check_interval_s=0.05)
     with GateMonitor(gates, stop, root=tmp_path, clock=lambda: NOW, force_file=force):
@@ -190,7 +190,7 @@ def test_monitor_reads_the_force_file_like_any_input(tmp_path):
 
 
 def test_monitor_closes_at_start_when_a_gate_is_already_closed(tmp_path):
-    stop = threading.Event()
+    stop = StopRequest()
     gates = GatesPolicy(window="01:00-06:00", check_interval_s=60)
     with GateMonitor(gates, stop, root=tmp_path, clock=lambda: NOW.replace(hour=12)):
         assert wait_for(stop, 2.0)
@@ -211,7 +211,7 @@ def test_monitor_interrupts_a_real_session_at_a_step_boundary(home, tmp_path):
     odtd_home = Home(home)
     store = odtd_home.open_store()
     force = odtd_home.run / FORCE_CLOSED_FILE
-    stop = threading.Event()
+    stop = StopRequest()
 
     def progress(message: str) -> None:
         if "epoch 1/" in message:  # the worker is training: close a gate now
@@ -220,7 +220,7 @@ def test_monitor_interrupts_a_real_session_at_a_step_boundary(home, tmp_path):
     policy = load_policy(policy_path)
     runner = SessionRunner(odtd_home, store, odtd_home.load_config(), policy, progress=progress)
     with GateMonitor(GatesPolicy(check_interval_s=0.1), stop, force_file=force):
-        session = runner.run(trigger="cli", stop=stop)
+        session = runner.run(trigger="cli", stop=stop).to_dict()
     store.close()
     assert session["outcome"] == "interrupted"
     assert session["reason"] == f"gate window closed: forced closed by {force}"

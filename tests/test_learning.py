@@ -20,6 +20,7 @@ from odtd.session.acceptance import paired_standard_error, refusal_reason
 from odtd.session.runner import SessionRunner
 from odtd.sim import datasets
 from odtd.sim.simulate import DataSource, SimulationOptions, pretrain_base
+from odtd.trainer.job import make_job
 from odtd.trainer.launch import run_job
 
 DAYS = 3
@@ -45,9 +46,8 @@ def _copy(home: Home, tmp_path: Path) -> Home:
 
 
 def _evaluate(weights: Path, data: Path, tmp: Path) -> float:
-    job = {"protocol": 1, "mode": "evaluate", "model": "tinycnn", "classes": list(datasets.CLASSES),
-           "input_shape": [32, 32, 3], "weights_in": str(weights), "validation_data": str(data),
-           "batch_size": 100}
+    job = make_job("evaluate", "tinycnn", datasets.CLASSES, [32, 32, 3], weights_in=str(weights),
+                   validation_data=str(data), batch_size=100)
     result, _, _ = run_job(Config().trainer.command(), job, tmp)
     return result["accuracy_after"]
 
@@ -69,16 +69,15 @@ def test_guarded_replay_keeps_base_accuracy_while_plain_fine_tuning_forgets(pret
             datasets.write_image_folder(x, y, datasets.CLASSES, Path(tmp), start_index=day * 64)
             ingestor.ingest(discover(Path(tmp), None), day=f"2026-01-0{day + 1}")
             np.savez(Path(tmp) / "day.npz", x=x, y=y)
-            session = runner.run(trigger="simulate", day=f"2026-01-0{day + 1}")
+            session = runner.run(trigger="simulate", day=f"2026-01-0{day + 1}").to_dict()
             assert session["outcome"] in ("promoted", "rolled_back")
             if session["outcome"] == "promoted":
                 assert session["accuracy_after"] >= session["accuracy_before"] - tolerance
             # Plain fine-tuning: every image, BatchNorm trained, no replay, no guard.
-            job = {"protocol": 1, "mode": "train", "model": "tinycnn",
-                   "classes": list(datasets.CLASSES), "input_shape": [32, 32, 3],
-                   "weights_in": str(plain), "weights_out": str(Path(tmp) / "next.npz"),
-                   "train_data": str(Path(tmp) / "day.npz"), "batch_size": 4, "epochs": 3,
-                   "optimizer": "sgd", "learning_rate": 0.05, "momentum": 0.9, "seed": day}
+            job = make_job("train", "tinycnn", datasets.CLASSES, [32, 32, 3], weights_in=str(plain),
+                           weights_out=str(Path(tmp) / "next.npz"),
+                           train_data=str(Path(tmp) / "day.npz"), batch_size=4, epochs=3,
+                           optimizer="sgd", learning_rate=0.05, momentum=0.9, seed=day)
             run_job(Config().trainer.command(), job, Path(tmp) / "job")
             shutil.move(Path(tmp) / "next.npz", plain)
     guarded = _evaluate(repo.weights_path(repo.current()), validation, tmp_path / "e1")
@@ -102,7 +101,7 @@ def test_worse_candidate_is_rolled_back_and_current_unchanged(pretrained, tmp_pa
     x, y = datasets.synthetic(64, "device", seed=900)
     datasets.write_image_folder(x, y, datasets.CLASSES, tmp_path / "imgs")
     Ingestor(home, store, list(datasets.CLASSES), (32, 32)).ingest(discover(tmp_path / "imgs", None))
-    session = SessionRunner(home, store, Config(), load_policy(home.root / "policy.yaml")).run()
+    session = SessionRunner(home, store, Config(), load_policy(home.root / "policy.yaml")).run().to_dict()
     assert session["outcome"] == "rolled_back", session["reason"]
     assert session["accuracy_after"] < session["accuracy_before"] - 0.01
     assert repo.current() == current and file_sha256(repo.weights_path(current)) == sha
@@ -126,7 +125,7 @@ def _day(home: Home, store, tmp_path: Path, seed: int, progress=None) -> dict:
     datasets.write_image_folder(x, y, datasets.CLASSES, tmp_path / f"imgs{seed}", start_index=seed)
     Ingestor(home, store, list(datasets.CLASSES), (32, 32)).ingest(discover(tmp_path / f"imgs{seed}", None))
     return SessionRunner(home, store, Config(), load_policy(home.root / "policy.yaml"),
-                         progress=progress).run()
+                         progress=progress).run().to_dict()
 
 
 def test_refused_candidate_is_resumed_and_judged_against_current(pretrained, tmp_path):

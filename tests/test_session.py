@@ -8,9 +8,10 @@ import subprocess
 import sys
 import time
 
+import pytest
 from conftest import REPO, odtctl, odtctl_json, write_images
 
-from odtd.store.database import SESSION_KEYS
+from odtd.store.records import SESSION_KEYS
 
 
 def _current(home):
@@ -153,3 +154,57 @@ def test_init_replay_seed_is_rehearsed_from_the_first_session(tmp_path):
     # ratio 1.0: as many rehearsed as new, drawn from the seed (the buffer had nothing else).
     assert session["samples_new"] == new and session["samples_replay"] == new
     assert session["details"]["replay_buffer"]["size"] == 30 + new
+
+
+@pytest.mark.parametrize("failing", ["Store.add_model_version", "ModelRepo.set_current"])
+def test_an_error_while_promoting_changes_nothing_and_fails_the_session(home, tmp_path, monkeypatch,
+                                                                       failing):
+    from odtd.config import Config
+    from odtd.home.paths import Home
+    from odtd.home.versions import ModelRepo
+    from odtd.policy import load_policy
+    from odtd.session.runner import SessionRunner
+    from odtd.store.database import Store
+
+    write_images(tmp_path / "imgs", per_class=4)
+    odtctl("ingest", str(tmp_path / "imgs"), home=home)
+    # Tolerance 100: the candidate is promoted whatever it scores.
+    policy = home / "policy.yaml"
+    policy.write_text(policy.read_text().replace("tolerance: 1.0", "tolerance: 100.0"))
+    db = sqlite3.connect(home / "odtd.db")
+
+    def state():
+        repo = ModelRepo(home / "models", "tinycnn")
+        # eval-cache.npz is the current model's own results, written before training: not
+        # something a promotion changes.
+        files = sorted(p.name for p in repo.dir.iterdir() if p.name != "eval-cache.npz")
+        return (repo.current(), repo.versions(), files,
+                db.execute("SELECT * FROM model_versions ORDER BY version").fetchall(),
+                db.execute("SELECT sha256, status, session_id FROM samples ORDER BY sha256").fetchall(),
+                db.execute("SELECT * FROM replay_buffer").fetchall(),
+                db.execute("SELECT * FROM replay_seen").fetchall())
+
+    before = state()
+    owner, name = failing.split(".")
+    cls = {"Store": Store, "ModelRepo": ModelRepo}[owner]
+    original = getattr(cls, name)
+
+    def fail_on_the_new_version(self, *args, **kwargs):
+        if name == "set_current" and args[0] == 0:
+            return original(self, *args, **kwargs)  # putting the old pointer back may work
+        raise OSError(f"{failing} failed (injected)")
+
+    monkeypatch.setattr(cls, name, fail_on_the_new_version)
+    odtd_home = Home(home)
+    store = odtd_home.open_store()
+    try:
+        session = SessionRunner(odtd_home, store, Config(), load_policy(policy)).run().to_dict()
+    finally:
+        store.close()
+    assert session["outcome"] == "failed"
+    assert session["reason"].startswith("internal error while accepting the candidate: OSError")
+    assert f"{failing} failed (injected)" in session["reason"]
+    assert session["model_version_after"] == session["model_version_before"] == 0
+    assert state() == before  # served model, versions, samples and replay buffer as they were
+    assert db.execute("SELECT count(*) FROM events WHERE kind = 'promoted'").fetchone()[0] == 0
+    assert odtctl_json("status", home=home)["samples"]["pending"] > 0

@@ -4,7 +4,8 @@ import threading
 import pytest
 
 from odtd.errors import StoreError
-from odtd.store.database import SESSION_KEYS, Store
+from odtd.store.database import Store
+from odtd.store.records import SESSION_KEYS, SessionRecord
 from odtd.store.schema import MIGRATIONS
 
 
@@ -28,29 +29,51 @@ def test_newer_schema_is_refused(tmp_path):
         Store(path)
 
 
-def test_session_object_has_every_contract_key(tmp_path):
+def test_session_record_round_trips_as_the_contract_object(tmp_path):
     store = Store(tmp_path / "odtd.db")
-    sid = store.start_session("2026-11-22", "cli", model_version_before=0)
-    store.finish_session(sid, outcome="skipped", reason="no pending samples",
-                         energy_by_rail_j={"VDD_IN": 1.5})
-    session = store.session(sid)
-    assert set(SESSION_KEYS) <= set(session)
+    record = SessionRecord(day="2026-11-22", trigger="cli", model_version_before=0)
+    sid = store.start_session(record)
+    record.outcome, record.reason = "skipped", "no pending samples"
+    record.energy_by_rail_j = {"VDD_IN": 1.5}
+    record.details.paired = {"gained": 3, "lost": 1, "samples": 50}
+    store.finish_session(record)
+    stored = store.session(sid)
+    assert stored == record and stored.state == "done" and stored.finished_at
+    session = stored.to_dict()
+    assert list(session)[:len(SESSION_KEYS)] == list(SESSION_KEYS)
     assert session["energy_by_rail_j"] == {"VDD_IN": 1.5}
+    assert session["details"]["paired"] == {"gained": 3, "lost": 1, "samples": 50}
+    record.outcome = "great"
     with pytest.raises(StoreError, match="outcome"):
-        store.finish_session(sid, outcome="great")
+        store.finish_session(record)
+
+
+def test_details_written_by_an_older_release_read_back(tmp_path):
+    store = Store(tmp_path / "odtd.db")
+    record = SessionRecord(day="2026-11-22", trigger="cli")
+    store.start_session(record)
+    store.db.execute("UPDATE sessions SET details = ? WHERE id = ?",
+                     ['{"forced": true, "paired": null, "retired_key": 7}', record.id])
+    details = store.session(record.id).details
+    assert details.forced is True and details.kept_for_resume is False
+    assert details.to_dict()["retired_key"] == 7
 
 
 def test_last_kept_for_resume_is_the_latest_finished_one(tmp_path):
     store = Store(tmp_path / "odtd.db")
     assert store.last_kept_for_resume() is None
     kept = []
-    for details in ({"kept_for_resume": True}, {"kept_for_resume": True}, {"resumed": True}, {}):
-        sid = store.start_session("2026-11-22", "cli", model_version_before=0)
-        store.finish_session(sid, outcome="rolled_back", details=details)
-        kept += [sid] if details.get("kept_for_resume") else []
-    running = store.start_session("2026-11-23", "cli", model_version_before=0)
-    store.update_session(running, details={"kept_for_resume": True})
-    assert store.last_kept_for_resume()["id"] == kept[-1] == 2
+    for keep in (True, True, False, False):
+        record = SessionRecord(day="2026-11-22", trigger="cli", outcome="rolled_back")
+        record.details.kept_for_resume = keep
+        store.start_session(record)
+        store.finish_session(record)
+        kept += [record.id] if keep else []
+    running = SessionRecord(day="2026-11-23", trigger="cli")
+    running.details.kept_for_resume = True
+    store.start_session(running)
+    store.save_session(running)
+    assert store.last_kept_for_resume().id == kept[-1] == 2
 
 
 def test_failed_transaction_rolls_back_everything(tmp_path):

@@ -37,7 +37,7 @@ def write_job(directory: Path, name: str = "job", **keys) -> Path:
         "optimizer": "sgd", "learning_rate": 0.05, "momentum": 0.9, "augment": False,
         "freeze_bn": False, "seed": 0, "parent_pid": None, "precision": "fp32",
         "gpu_memory_limit_mb": None,
-    }  # fmt: skip
+    }
     job.update(keys)
     path = directory / f"{name}.json"
     path.write_text(json.dumps(job))

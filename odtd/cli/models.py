@@ -19,9 +19,9 @@ def cmd_models(args: argparse.Namespace) -> int:
         rows = [{"name": info.name, "description": info.description,
                  "input_shape": list(info.input_shape),
                  "param_count": catalog.param_count(name, 10)}
-                for name, info in catalog.MODELS.items()]  # fmt: skip
+                for name, info in catalog.MODELS.items()]
         text = "\n".join(f"{r['name']:<12} {r['param_count']:>10,} parameters (10 classes)  "
-                         f"{r['description']}" for r in rows)  # fmt: skip
+                         f"{r['description']}" for r in rows)
         emit(args, rows, text)
         return 0
     from odtd.home import versions
@@ -36,18 +36,18 @@ def cmd_models(args: argparse.Namespace) -> int:
             text = "\n".join(
                 f"{'*' if r['current'] else ' '} v{r['version']:<4} parent {r['parent']!s:<5} "
                 f"session {r['session_id']!s:<5} accuracy {pct(r['accuracy']):<6} "
-                f"{r['state']:<7} {r['sha256'][:12]}  {r['created_at']}" for r in rows)  # fmt: skip
+                f"{r['state']:<7} {r['sha256'][:12]}  {r['created_at']}" for r in rows)
             emit(args, rows, text)
         elif action == "rollback":
             result = versions.rollback(home, store, _version_arg(args))
             emit(args, result, f"{result['model']} v{result['version']} is current "
-                               f"(was v{result['previous']})")  # fmt: skip
+                               f"(was v{result['previous']})")
         elif action == "export":
             if not args.out:
                 raise ConfigError("models export: --out FILE.npz is required")
             result = versions.export(home, store, _version_arg(args), Path(args.out))
             emit(args, result, f"exported {result['model']} v{result['version']} to {result['out']} "
-                               f"(sha256 {result['sha256'][:12]})")  # fmt: skip
+                               f"(sha256 {result['sha256'][:12]})")
     finally:
         store.close()
     return 0

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import signal
-import threading
 from pathlib import Path
 from typing import Any, Optional
 
 from odtd.cli.output import command, emit, home_of, progress
 from odtd.home.paths import Home
+from odtd.store.records import SessionRecord
 
 
 @command("train-now")
@@ -23,24 +23,24 @@ def cmd_train_now(args: argparse.Namespace) -> int:
             "session started in the daemon; follow it with `odtctl status`"
         emit(args, session, text)
         return 0
-    session = run_foreground_session(home_of(args), trigger="cli", force=args.force)
+    session = run_foreground_session(home_of(args), trigger="cli", force=args.force).to_dict()
     emit(args, session, _session_line(session))
     return 0 if session["outcome"] != "failed" else 1
 
 
 def run_foreground_session(home: Home, trigger: str, day: Optional[str] = None,
-                           force: bool = False) -> dict[str, Any]:
+                           force: bool = False) -> SessionRecord:
     """Run one session in this process tree; Ctrl-C or SIGTERM stop it at a step boundary."""
     from odtd.policy import load_policy
+    from odtd.session.gates import StopRequest
     from odtd.session.runner import SessionRunner
     from odtd.telemetry.meter import SessionEnergyMeter, running_sampler
 
     store = home.open_store()
-    stop = threading.Event()
+    stop = StopRequest()
 
     def request_stop(signum: int, _frame: object) -> None:
-        stop.reason = f"stopped by {signal.Signals(signum).name}"  # type: ignore[attr-defined]
-        stop.set()
+        stop.request(f"stopped by {signal.Signals(signum).name}")
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -63,7 +63,7 @@ def _session_line(s: dict[str, Any]) -> str:
             f" -> {pct(s['accuracy_after'])}; model v{s['model_version_before']} -> "
             f"v{s['model_version_after']}; {s['samples_new']} new + {s['samples_replay']} replay "
             f"samples, {s['steps']} steps, {s['duration_s']} s, energy {energy_text(s)}, "
-            f"peak {s['peak_memory_mb']} MB")  # fmt: skip
+            f"peak {s['peak_memory_mb']} MB")
 
 
 @command("status")
@@ -88,7 +88,7 @@ def cmd_history(args: argparse.Namespace) -> int:
 
     store = home_of(args).open_store()
     try:
-        sessions = store.sessions(limit=args.limit)
+        sessions = [s.to_dict() for s in store.sessions(limit=args.limit)]
     finally:
         store.close()
     emit(args, sessions, "\n".join(sessions_table(sessions)) if sessions else "no sessions yet")
@@ -131,7 +131,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     home = home_of(args)
     store = home.open_store()
     try:
-        sessions = list(reversed(store.sessions(limit=args.limit, done_only=True)))
+        sessions = [s.to_dict() for s in reversed(store.sessions(limit=args.limit, done_only=True))]
         title = f"odtd: {store.meta('model')} in {home.root}"
     finally:
         store.close()

@@ -24,12 +24,12 @@ def cmd_init(args: argparse.Namespace) -> int:
         weights=Path(args.weights) if args.weights else None,
         validation=Path(args.validation) if args.validation else None, force=args.force,
         replay=Path(args.replay) if args.replay else None,
-    )  # fmt: skip
+    )
     emit(args, summary,
          f"initialised {summary['home']}: {summary['model']} v{summary['version']} "
          f"({summary['param_count']:,} parameters, weights {summary['weights']}), "
          f"{summary['validation_samples']} validation images, "
-         f"{summary['replay_samples']} replay images")  # fmt: skip
+         f"{summary['replay_samples']} replay images")
     return 0
 
 

@@ -17,7 +17,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         pretrain_samples=args.pretrain_samples, pretrain_epochs=args.pretrain_epochs,
         validation_samples=args.validation_samples, fresh=args.fresh, seed=args.seed,
         policy=args.policy,
-    )  # fmt: skip
+    )
     result = simulate(home_of(args), options, progress=progress)
     emit(args, result, None if args.json else "\n".join(result["table"]))
     return 0

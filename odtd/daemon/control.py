@@ -29,7 +29,7 @@ PROTOCOL_VERSION = 1
 OPERATIONS = ("ping", "status", "train-now", "pause", "resume", "reload")
 MAX_REQUEST_BYTES = 64 * 1024
 NO_DAEMON_HINT = ("run it in this process with `odtctl train-now --foreground`, or start the daemon "
-                  "with `systemctl start odtd` (or `odtd run`)")  # fmt: skip
+                  "with `systemctl start odtd` (or `odtd run`)")
 
 Handler = Callable[[str, dict[str, Any]], Any]
 

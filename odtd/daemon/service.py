@@ -29,6 +29,7 @@ from odtd.home.paths import Home
 from odtd.policy import Policy, load_policy
 from odtd.report.metrics import prometheus_text, write_textfile
 from odtd.report.status import status as build_status
+from odtd.session.gates import StopRequest
 from odtd.session.runner import SessionLock, SessionRunner, recover_stale_sessions
 from odtd.store.database import Store, utc_now
 from odtd.telemetry.meter import SessionEnergyMeter, make_sampler
@@ -68,7 +69,7 @@ class Daemon:
         self._reload = threading.Event()
         self._session_guard = threading.Lock()
         self._session_thread: Optional[threading.Thread] = None
-        self._session_stop: Optional[threading.Event] = None
+        self._session_stop: Optional[StopRequest] = None
         self._last_session: Optional[dict[str, Any]] = None
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -122,7 +123,7 @@ class Daemon:
         thread = self._session_thread
         if thread is not None and thread.is_alive():
             if self._session_stop is not None:
-                self._session_stop.set()
+                self._session_stop.request("daemon stopping")
             self.notifier.status("stopping: waiting for the session to stop at a step boundary")
             while thread.is_alive():
                 thread.join(timeout=_TICK_S)
@@ -137,8 +138,7 @@ class Daemon:
     def request_shutdown(self, reason: str) -> None:
         """Stop the daemon (signal handlers call this); a running session ends interrupted."""
         if self._session_stop is not None:
-            self._session_stop.reason = f"daemon stopping ({reason})"  # type: ignore[attr-defined]
-            self._session_stop.set()
+            self._session_stop.request(f"daemon stopping ({reason})")
         self._shutdown.set()
 
     def request_reload(self) -> None:
@@ -214,7 +214,7 @@ class Daemon:
                 raise SessionBusy("a session is already running; wait for it (odtctl status)")
             if self._shutdown.is_set():
                 raise SessionBusy("the daemon is stopping")
-            stop = threading.Event()
+            stop = StopRequest()
             self._session_stop = stop
             self._last_session = None
             thread = threading.Thread(target=self._session_body, args=(trigger, force, stop),
@@ -230,7 +230,7 @@ class Daemon:
             runner = SessionRunner(self.home, store, self.config, self.policy,
                                    energy_meter=SessionEnergyMeter(self.sampler),
                                    heartbeat=self.notifier.watchdog)
-            self._last_session = runner.run(trigger=trigger, stop=stop, force=force)
+            self._last_session = runner.run(trigger=trigger, stop=stop, force=force).to_dict()
         except OdtdError as exc:
             logger.error("session not run: %s", exc)
             self._last_session = {"error": str(exc)}

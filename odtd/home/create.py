@@ -19,6 +19,7 @@ from odtd.policy import default_policy_text, load_policy
 from odtd.session.replay_buffer import update_buffer
 from odtd.store.database import Store, utc_now
 from odtd.trainer import catalog
+from odtd.trainer.job import make_job
 from odtd.trainer.launch import run_job
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def init_home(
         store.add_model_version({
             "model": model, "version": version, "parent": None, "session_id": None,
             "sha256": manifest["sha256"], "param_count": manifest["param_count"], "accuracy": None,
-        })  # fmt: skip
+        })
         store.log_event("init", f"initialised with {model} v{version}",
                         weights=str(weights) if weights else "fresh")
         seeded = {"size": 0}
@@ -114,7 +115,7 @@ def init_home(
         "param_count": manifest["param_count"], "weights": str(weights) if weights else "fresh",
         "validation_samples": int(len(val[1])) if val is not None else 0,
         "replay_samples": seeded["size"],
-    }  # fmt: skip
+    }
 
 
 def seed_replay(home: Home, store: Store, files: list[tuple[Path, Optional[str]]],
@@ -182,14 +183,8 @@ def create_base_version(
     repo = ModelRepo(home.models, model)
     with tempfile.TemporaryDirectory(dir=home.runs) as tmp:
         out = Path(tmp) / "weights.npz"
-        job = {
-            "protocol": 1, "mode": "init", "model": model, "classes": classes,
-            "input_shape": input_shape, "weights_in": str(weights) if weights else None,
-            "weights_out": str(out), "train_data": None, "validation_data": None,
-            "batch_size": 1, "epochs": 0, "max_steps": None, "optimizer": "sgd",
-            "learning_rate": 0.01, "momentum": 0.0, "augment": False, "freeze_bn": False,
-            "seed": seed, "parent_pid": None, "precision": "fp32", "gpu_memory_limit_mb": None,
-        }  # fmt: skip
+        job = make_job("init", model, classes, input_shape, seed=seed, weights_out=str(out),
+                       weights_in=str(weights) if weights else None)
         result, _, _ = run_job(config.trainer.command(), job, Path(tmp), on_message=on_message)
         existing = repo.versions()
         version, manifest = repo.add_version(

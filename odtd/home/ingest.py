@@ -53,7 +53,7 @@ class IngestReport:
         """Return the JSON contract of ``odtctl ingest --json``."""
         return {"accepted": self.accepted, "duplicates": self.duplicates,
                 "rejected": self.rejected, "holdout": self.holdout,
-                "rejected_files": self.rejected_files}  # fmt: skip
+                "rejected_files": self.rejected_files}
 
 
 def decode_image(data: bytes, size: tuple[int, int]) -> np.ndarray:
@@ -234,7 +234,7 @@ class Ingestor:
             "original_path": str(path), "stored_path": str(stored.relative_to(self.home.root)),
             "array_path": str(array.relative_to(self.home.root)),
             "width": pixels.shape[1], "height": pixels.shape[0], "ingested_at": utc_now(),
-        })  # fmt: skip
+        })
         if not added:  # a concurrent ingest stored the same content first
             report.duplicates += 1
         else:

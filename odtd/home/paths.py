@@ -35,7 +35,7 @@ class Home:
     def directories(self) -> list[Path]:
         """Return every directory an initialised home has."""
         return [self.root, self.inbox, self.samples, self.quarantine, self.models,
-                self.validation, self.runs, self.run]  # fmt: skip
+                self.validation, self.runs, self.run]
 
     def is_initialised(self) -> bool:
         """Whether ``odtctl init`` has run here."""

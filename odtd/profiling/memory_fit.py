@@ -113,7 +113,7 @@ class MemoryFit:
             "points": [[size, round(peak, 1)] for size, peak in self.points],
             "errors_pct": {str(size): round(error, 2) for size, error in self.errors_pct.items()},
             "error_method": self.error_method, "reason": self.reason,
-        }  # fmt: skip
+        }
 
 
 def _round(value: Optional[float], digits: int = 1) -> Optional[float]:

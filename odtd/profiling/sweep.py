@@ -27,6 +27,7 @@ from odtd.profiling.profile import DOES_NOT_FIT, OK, ProfileResult, ProfileRow
 from odtd.session.runner import SessionLock
 from odtd.store.database import Store, utc_now
 from odtd.trainer import catalog
+from odtd.trainer.job import make_job
 from odtd.trainer.launch import WARMUP_STEPS, run_job
 
 logger = logging.getLogger(__name__)
@@ -112,17 +113,14 @@ def _profile_one(home: Home, store: Store, config: Config, sampler: Any, job_dir
     source = _write_data(home, store, data_path, batch_size * total_steps, input_shape, classes)
     say(f"profile {model} {precision} batch {batch_size}: worker starting "
         f"({total_steps} steps on {source} data)")
-    job = {
-        "protocol": 1, "mode": "profile", "model": model, "classes": classes,
-        "input_shape": input_shape, "weights_in": None, "weights_out": None,
-        "train_data": str(data_path), "validation_data": None, "batch_size": batch_size,
-        "epochs": None, "max_steps": total_steps, "optimizer": training.optimizer,
-        "learning_rate": training.learning_rate, "momentum": training.momentum,
-        "augment": training.augment, "freeze_bn": training.freeze_bn,
+    job = make_job(
+        "profile", model, classes, input_shape, train_data=str(data_path),
+        batch_size=batch_size, max_steps=total_steps, optimizer=training.optimizer,
+        learning_rate=training.learning_rate, momentum=training.momentum,
+        augment=training.augment, freeze_bn=training.freeze_bn,
         # Recalibration runs the model eagerly and can set a session's peak memory: profile it too.
-        "recalibrate_bn": training.recalibrate_bn, "seed": training.seed,
-        "parent_pid": os.getpid(), "precision": precision, "gpu_memory_limit_mb": None,
-    }  # fmt: skip
+        recalibrate_bn=training.recalibrate_bn, seed=training.seed, parent_pid=os.getpid(),
+        precision=precision)
     seen: Dict[str, Any] = {}
 
     def on_message(message: Dict[str, Any]) -> None:
@@ -176,7 +174,7 @@ def _energy(sampler: Any, start: float, end: float, samples: int) -> Dict[str, A
                                         for rail, j in report.energy_by_rail_j.items()},
         "energy_source": report.source, "energy_coverage": round(report.coverage, 4),
         "mean_power_w": None if report.mean_power_w is None else round(report.mean_power_w, 3),
-    }  # fmt: skip
+    }
 
 
 def _write_data(home: Home, store: Store, path: Path, count: int, input_shape: List[int],

@@ -19,7 +19,7 @@ def prometheus_text(home: Home, store: Store) -> str:
     """Return the metrics page: the last finished session's figures, counts, daemon liveness."""
     metrics: list[tuple[str, str, str, list[str]]] = []
     done = store.sessions(limit=1, done_only=True)
-    last: dict[str, Any] = done[0] if done else {}
+    last: dict[str, Any] = done[0].to_dict() if done else {}
     counts = store.sample_counts()
     model = store.meta("model")
     daemon = daemon_status(store)

@@ -8,7 +8,7 @@ from typing import Any
 from odtd.errors import OdtdError
 
 _COLOURS = {"promoted": "#2a9d8f", "rolled_back": "#e9c46a", "failed": "#e76f51",
-            "interrupted": "#8d99ae", "skipped": "#d9d9d9"}  # fmt: skip
+            "interrupted": "#8d99ae", "skipped": "#d9d9d9"}
 
 
 def kept_accuracy(session: dict[str, Any], key_before: str, key_after: str) -> Any:

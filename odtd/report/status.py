@@ -40,7 +40,7 @@ def daemon_status(store: Store) -> dict[str, Any]:
         beat = datetime.fromisoformat(row["heartbeat_at"])
         age = round((datetime.now(timezone.utc) - beat).total_seconds(), 1)
     running = bool(row.get("state") == "running" and pid_alive(row.get("pid"))
-                   and age is not None and age < HEARTBEAT_STALE_S)  # fmt: skip
+                   and age is not None and age < HEARTBEAT_STALE_S)
     return {
         "running": running,
         "pid": row.get("pid") if running else None,
@@ -65,8 +65,8 @@ def model_status(home: Home, store: Store) -> dict[str, Any]:
     if repo.resume_path.exists():
         kept = store.last_kept_for_resume()
         if kept:
-            resume = {"session": kept["id"], "accuracy": kept["accuracy_after"],
-                      "current_accuracy": kept["accuracy_before"]}
+            resume = {"session": kept.id, "accuracy": kept.accuracy_after,
+                      "current_accuracy": kept.accuracy_before}
     return {"name": name, "version": version, "accuracy": manifest.get("metrics", {}).get("accuracy"),
             "param_count": manifest.get("param_count"), "sha256": manifest.get("sha256"),
             "resume": resume}
@@ -94,7 +94,7 @@ def status(home: Home, store: Store, limit: int = 10) -> dict[str, Any]:
         "model": model_status(home, store),
         "samples": store.sample_counts(),
         "gates": gates_status(home),
-        "sessions": store.sessions(limit=limit),
+        "sessions": [s.to_dict() for s in store.sessions(limit=limit)],
     }
 
 
@@ -136,7 +136,7 @@ def sessions_table(sessions: list[dict[str, Any]]) -> list[str]:
     best earlier accuracy of a kept model minus the kept model's now, in points.
     """
     header = ("id", "day", "outcome", "batch", "new", "replay", "acc before", "acc after",
-              "holdout", "forgetting", "energy", "source", "peak MB", "time s")  # fmt: skip
+              "holdout", "forgetting", "energy", "source", "peak MB", "time s")
     rows = [header]
     for s in sessions:
         details = s.get("details") or {}
@@ -147,7 +147,7 @@ def sessions_table(sessions: list[dict[str, Any]]) -> list[str]:
             pct(details.get("holdout_accuracy_after")), _points(details.get("forgetting")),
             energy_text(s), s.get("energy_source") or "-", _num(s["peak_memory_mb"]),
             _num(s["duration_s"], "{:.1f}"),
-        ))  # fmt: skip
+        ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import signal
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -108,7 +107,7 @@ def predict(profile: ProfileResult, precision: str, batch_size: int, samples: in
         energy_j=round(total * joules_per_sample, 3) if joules_per_sample is not None else None,
         peak_mb=None if peak_mb is None else round(peak_mb, 1), basis=basis,
         fails_at=failure.batch_size if failure and failure.batch_size <= batch_size else None,
-    )  # fmt: skip
+    )
 
 
 def memory_problem(prediction: Prediction, batch: BatchPolicy) -> Optional[str]:
@@ -219,17 +218,6 @@ def admit_session(store: Store, policy: Policy, samples: int) -> Admission:
 
 
 # -- running out of memory during a session ----------------------------------------------------
-
-
-def is_oom(error: Optional[Dict[str, Any]], returncode: Optional[int]) -> bool:
-    """Whether a worker ended for lack of memory: an ``oom`` error event, or SIGKILL.
-
-    SIGKILL is how the kernel's OOM killer ends a process (a person can send it too; odtd's own
-    stop path sends SIGUSR1 first and records ``interrupted`` instead).
-    """
-    if error is not None and error.get("kind") == "oom":
-        return True
-    return returncode == -signal.SIGKILL
 
 
 def learned_oom_limit(store: Store, model: str) -> Optional[int]:

@@ -244,10 +244,28 @@ def _battery(batteries: List[Tuple[str, Optional[float], str]], min_pct: float) 
     return GateResult("battery", ok, pct, f"{name} {pct:g}% {'>=' if ok else '<'} {min_pct:g}%")
 
 
+class StopRequest(threading.Event):
+    """A request that a running session stop at its next step boundary, and why.
+
+    Set by a closing gate (``GateMonitor``), a signal to a foreground session, or the daemon
+    shutting down; the first reason given is the one recorded.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reason: Optional[str] = None
+
+    def request(self, reason: str) -> None:
+        """Ask for the stop (a second request keeps the first reason)."""
+        if not self.is_set():
+            self.reason = reason
+            self.set()
+
+
 class GateMonitor:
     """Re-checks the gates every ``check_interval_s`` in a thread while a session runs.
 
-    When a gate closes it sets ``stop.reason = "gate NAME closed: ..."`` and ``stop.set()``;
+    When a gate closes it requests a stop with the reason ``gate NAME closed: ...``;
     the session runner then stops the worker at its next step boundary (outcome interrupted).
     It checks once at ``start()`` too. Use it as a context manager around the session.
 
@@ -259,7 +277,7 @@ class GateMonitor:
         force_file: ``ODTD_HOME/run/force-gate-closed``.
     """
 
-    def __init__(self, gates: GatesPolicy, stop: threading.Event, root: Path = Path("/"),
+    def __init__(self, gates: GatesPolicy, stop: StopRequest, root: Path = Path("/"),
                  clock: Callable[[], datetime] = datetime.now,
                  force_file: Optional[Path] = None) -> None:
         self.gates, self.stop, self.root = gates, stop, Path(root)
@@ -300,8 +318,7 @@ class GateMonitor:
                 failed = [GateResult("monitor", False, None, f"gate check failed: {exc!r}")]
             if failed:
                 self.closed = failed[0]
-                self.stop.reason = f"gate {failed[0].name} closed: {failed[0].reason}"  # type: ignore[attr-defined]
-                logger.info("%s", self.stop.reason)  # type: ignore[attr-defined]
-                self.stop.set()
+                self.stop.request(f"gate {failed[0].name} closed: {failed[0].reason}")
+                logger.info("%s", self.stop.reason)
                 return
             self._halt.wait(self.gates.check_interval_s)

@@ -2,19 +2,16 @@
 
 The runner is shared by ``odtctl train-now --foreground``, ``odtctl simulate`` and the daemon.
 A session never leaves a broken model behind: the worker writes a candidate; only a candidate
-that passes acceptance becomes a new version and ``current``; a crash, kill or timeout of the
-worker leaves the current model and the pending samples as they were.
+that passes acceptance becomes a new version and ``current`` (``promotion``); a crash, kill or
+timeout of the worker, or an error while accepting, leaves the current model and the pending
+samples as they were.
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
-import queue
-import signal
-import threading
 import time
 from contextlib import nullcontext
 from datetime import date
@@ -24,23 +21,24 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from odtd.config import Config
-from odtd.errors import SessionBusy, TrainerFailed
+from odtd.errors import SessionBusy
 from odtd.home.ingest import load_sample_arrays
 from odtd.home.paths import Home
-from odtd.home.versions import ModelRepo, prune
+from odtd.home.versions import ModelRepo
 from odtd.policy import Policy
-from odtd.session.acceptance import refusal_reason
 from odtd.session.admission import SKIP, admit_session, oom_retry_batch, record_oom
-from odtd.session.gates import FORCE_CLOSED_FILE, GateMonitor, check_gates
-from odtd.session.replay_buffer import choose_replay, update_buffer
+from odtd.session.gates import FORCE_CLOSED_FILE, GateMonitor, StopRequest, check_gates
+from odtd.session.promotion import CANDIDATE_EVAL_CACHE, Promotion
+from odtd.session.replay_buffer import choose_replay
 from odtd.store.database import Store
-from odtd.trainer.launch import WARMUP_STEPS, WorkerRun, failure_reason, worker_ran_out_of_memory
+from odtd.store.records import SessionRecord
+from odtd.trainer.job import make_job
+from odtd.trainer.launch import WARMUP_STEPS, WorkerEnd, WorkerRun, write_job
 
 logger = logging.getLogger(__name__)
 
 GROUP_VALIDATION, GROUP_HOLDOUT = 0, 1  # evaluation groups (docs/worker-protocol.md)
-_POLL_S = 0.2
-CANDIDATE_EVAL_CACHE = "candidate-eval-cache.npz"  # worker job key eval_cache_out
+_PROGRESS_ROW_S = 2.0
 
 
 class SessionLock:
@@ -111,13 +109,13 @@ class SessionRunner:
         self.force_file = home.run / FORCE_CLOSED_FILE
 
     def run(self, trigger: str = "cli", day: Optional[str] = None,
-            stop: Optional[threading.Event] = None, force: bool = False) -> dict[str, Any]:
-        """Run one session and return its session object.
+            stop: Optional[StopRequest] = None, force: bool = False) -> SessionRecord:
+        """Run one session and return its record.
 
         Args:
             trigger: what started it (cli, schedule, socket, simulate).
             day: YYYY-MM-DD the session belongs to (default: today).
-            stop: set it to stop the worker at its next step boundary (outcome interrupted).
+            stop: request it to stop the worker at its next step boundary (outcome interrupted).
             force: bypass the policy's gates (never the memory budget or the OOM rules).
 
         Raises:
@@ -126,119 +124,130 @@ class SessionRunner:
         with SessionLock(self.home.session_lock):
             recover_stale_sessions(self.store)
             return self._run_locked(trigger, day or date.today().isoformat(),
-                                    stop or threading.Event(), force)
+                                    stop or StopRequest(), force)
 
-    def _run_locked(self, trigger: str, day: str, stop: threading.Event, force: bool) -> dict[str, Any]:
+    def _run_locked(self, trigger: str, day: str, stop: StopRequest, force: bool) -> SessionRecord:
         policy = self.policy
         current = self.repo.current()
         self.repo.verify(current)
         pending = self.store.samples("pending", limit=policy.training.max_samples_per_session)
-        session_id = self.store.start_session(
-            day, trigger, model_version_before=current, batch_size=policy.batch.size,
-            epochs=policy.training.epochs,
-        )
-        skip = {"outcome": "skipped", "model_version_after": current}
+        record = SessionRecord(day=day, trigger=trigger, model_version_before=current,
+                               model_version_after=current, batch_size=policy.batch.size,
+                               epochs=policy.training.epochs, samples_new=0, samples_replay=0)
+        record.details.forced = force
+        self.store.start_session(record)
         if not pending:
-            return self._finish(session_id, reason="no pending samples", samples_new=0,
-                                samples_replay=0, **skip)
+            return self._finish(record, "skipped", "no pending samples")
         closed = [] if force else [g for g in check_gates(policy.gates, self.root, None, self.force_file)
                                    if not g.passed]
         if closed:
-            return self._finish(session_id, reason=f"gate {closed[0].name} closed: {closed[0].reason}",
-                                samples_new=0, samples_replay=0, **skip)
-        replay_rows = choose_replay(self.store, policy.replay, len(pending), seed=session_id)
-        counts = {"samples_new": len(pending), "samples_replay": len(replay_rows)}
+            return self._finish(record, "skipped", f"gate {closed[0].name} closed: {closed[0].reason}")
+        replay_rows = choose_replay(self.store, policy.replay, len(pending), seed=record.id)
+        record.samples_new, record.samples_replay = len(pending), len(replay_rows)
         admission = admit_session(self.store, policy, samples=len(pending) + len(replay_rows))
+        record.batch_size, record.epochs = admission.batch_size, admission.epochs
+        record.details.admission = admission.to_dict()
         # Resuming trains on from the last refused candidate, always judged against current.
-        resume = policy.training.resume_within is not None and self.repo.resume_path.exists()
-        details: dict[str, Any] = {"admission": admission.to_dict(), "forced": force,
-                                   "resumed": resume}
+        record.details.resumed = policy.training.resume_within is not None and \
+            self.repo.resume_path.exists()
         if admission.decision == SKIP:
-            return self._finish(session_id, reason=admission.reason, details=details,
-                                batch_size=admission.batch_size, epochs=admission.epochs,
-                                **counts, **skip)
-        job_dir = self.home.runs / f"session-{session_id}"
-        job_dir.mkdir(parents=True, exist_ok=True)
-        batch_size, attempts = admission.batch_size, []
+            return self._finish(record, "skipped", admission.reason)
+        job_dir = self.home.runs / f"session-{record.id}"
         try:
-            while True:
-                self.progress(f"session {session_id}: {len(pending)} new + {len(replay_rows)} "
-                              f"replay samples, batch {batch_size}, {admission.epochs} epochs; "
-                              "worker starting")
-                self.store.update_session(session_id, batch_size=batch_size, epochs=admission.epochs)
-                job_path, eval_name = self._write_job(job_dir, current, pending + replay_rows,
-                                                      batch_size, admission.epochs, resume)
-                try:
-                    with self._gate_monitor(stop, force):
-                        outcome = self._train(session_id, job_dir, job_path, stop)
-                    break
-                except TrainerFailed as exc:
-                    retry = self._after_oom(exc, batch_size, stop)
-                    attempts.append({"batch_size": batch_size, "reason": str(exc), "oom": exc.oom})
-                    if retry is None:
-                        details["attempts"] = attempts
-                        return self._finish(session_id, outcome="failed", reason=str(exc),
-                                            model_version_after=current, details=details, **counts)
-                    self.progress(f"session {session_id}: out of memory at batch {batch_size}; "
-                                  f"retrying at batch {retry} (on_oom: halve)")
-                    batch_size = retry
+            result = self._train_with_retries(record, job_dir, current, pending + replay_rows, stop)
         except BaseException as exc:
             # Record before propagating: a session row must never stay `running` by our hand.
-            self._finish(session_id, outcome="failed", reason=f"internal error: {exc!r}",
-                         model_version_after=current, **counts)
+            self._finish(record, "failed", f"internal error: {exc!r}")
             raise
-        outcome.update(counts)
-        details.update(outcome.get("details", {}), evaluation_set=eval_name)
-        if attempts:
-            details["attempts"] = attempts
-        outcome["details"] = details
-        if outcome.get("outcome") == "interrupted":
-            outcome["model_version_after"] = current
-            return self._finish(session_id, **outcome)
-        return self._accept(session_id, current, pending, job_dir, outcome)
+        if result is None:  # failed or interrupted; the record says which and why
+            return self._finish(record, record.outcome, record.reason)
+        try:
+            Promotion(self.home, self.store, self.repo, self.policy, self.progress).conclude(
+                record, pending, job_dir, result)
+        except BaseException as exc:
+            # Promotion is all or nothing: the served model, the versions, the samples and the
+            # replay buffer are as they were; the session is failed, with why.
+            logger.exception("session %d: accepting the candidate failed", record.id)
+            record.details.kept_for_resume = False
+            record.details.replay_buffer = None
+            record.model_version_after = current
+            self._finish(record, "failed", f"internal error while accepting the candidate: {exc!r}; "
+                         "the current model, its versions and the samples are unchanged")
+            if not isinstance(exc, Exception):
+                raise
+            return record
+        return self._finished(record)
 
-    def _gate_monitor(self, stop: threading.Event, force: bool) -> Any:
+    def _train_with_retries(self, record: SessionRecord, job_dir: Path, current: int,
+                            rows: list[dict[str, Any]], stop: StopRequest) -> Optional[dict[str, Any]]:
+        """Run the worker, halving the batch after an out-of-memory as ``batch.on_oom`` says.
+
+        Returns:
+            The worker's result event, or None with the record's outcome set to ``failed`` or
+            ``interrupted`` and its reason.
+        """
+        job_path = self._write_job(job_dir, current, rows, record)
+        while True:
+            self.progress(f"session {record.id}: {record.samples_new} new + {record.samples_replay} "
+                          f"replay samples, batch {record.batch_size}, {record.epochs} epochs; "
+                          "worker starting")
+            self.store.save_session(record)
+            with self._gate_monitor(stop, record.details.forced):
+                end = self._follow_worker(record, job_dir, job_path, stop)
+            if end.stop_reason and (end.result is None or end.result.get("status") == "interrupted"):
+                record.outcome, record.reason = "interrupted", end.stop_reason
+                return None
+            if end.failure is None:
+                return end.result
+            record.details.attempts.append({"batch_size": record.batch_size, "reason": end.failure,
+                                            "oom": end.oom})
+            retry = self._after_oom(end.oom, record.batch_size, stop)
+            if retry is None:
+                record.outcome, record.reason = "failed", end.failure
+                return None
+            self.progress(f"session {record.id}: out of memory at batch {record.batch_size}; "
+                          f"retrying at batch {retry} (on_oom: halve)")
+            record.batch_size = retry
+            job_path = self._write_job(job_dir, current, rows, record)
+
+    def _gate_monitor(self, stop: StopRequest, force: bool) -> Any:
         if force:
             return nullcontext()
         return GateMonitor(self.policy.gates, stop, root=self.root, force_file=self.force_file)
 
-    def _after_oom(self, exc: TrainerFailed, batch_size: int, stop: threading.Event) -> Optional[int]:
+    def _after_oom(self, oom: bool, batch_size: int, stop: StopRequest) -> Optional[int]:
         """Apply ``batch.on_oom`` to a failed attempt; return the batch to retry at, or None."""
-        if not exc.oom or stop.is_set():
+        if not oom or stop.is_set():
             return None
         record_oom(self.store, self.model, batch_size)
         return oom_retry_batch(self.policy.batch, batch_size)
 
-    def _write_job(self, job_dir: Path, current: int, rows: list[dict[str, Any]], batch_size: int,
-                   epochs: int, resume: bool) -> tuple[Path, str]:
-        x, y = load_sample_arrays(self.home, rows, self.classes)
-        np.savez(job_dir / "train.npz", x=x, y=y)
-        eval_name, validation = self._write_evaluation_set(job_dir)
+    def _write_job(self, job_dir: Path, current: int, rows: list[dict[str, Any]],
+                   record: SessionRecord) -> Path:
+        job_dir.mkdir(parents=True, exist_ok=True)
+        train = job_dir / "train.npz"
+        if not train.exists():
+            x, y = load_sample_arrays(self.home, rows, self.classes)
+            np.savez(train, x=x, y=y)
+        record.details.evaluation_set, validation = self._write_evaluation_set(job_dir)
         training = self.policy.training
         current_weights = str(self.repo.weights_path(current))
-        job = {
-            "protocol": 1, "mode": "train", "model": self.model, "classes": self.classes,
-            "input_shape": self.input_shape,
-            "weights_in": str(self.repo.resume_path) if resume else current_weights,
-            "baseline_weights": current_weights if resume else None,
-            "weights_out": str(job_dir / "candidate.npz"),
-            "train_data": str(job_dir / "train.npz"),
-            "validation_data": str(validation) if validation else None,
-            "batch_size": batch_size, "epochs": epochs, "max_steps": None,
-            "optimizer": training.optimizer, "learning_rate": training.learning_rate,
-            "lr_schedule": training.lr_schedule,
-            "momentum": training.momentum, "augment": training.augment,
-            "freeze_bn": training.freeze_bn, "recalibrate_bn": training.recalibrate_bn,
-            "seed": training.seed, "parent_pid": os.getpid(),
-            "precision": training.precision, "gpu_memory_limit_mb": training.gpu_memory_limit_mb,
-            "eval_batch_size": training.eval_batch_size,
-            "eval_cache": str(self.repo.eval_cache_path),
+        resume = record.details.resumed
+        job = make_job(
+            "train", self.model, self.classes, self.input_shape,
+            weights_in=str(self.repo.resume_path) if resume else current_weights,
+            baseline_weights=current_weights if resume else None,
+            weights_out=str(job_dir / "candidate.npz"), train_data=str(train),
+            validation_data=str(validation) if validation else None,
+            batch_size=record.batch_size, epochs=record.epochs, optimizer=training.optimizer,
+            learning_rate=training.learning_rate, lr_schedule=training.lr_schedule,
+            momentum=training.momentum, augment=training.augment, freeze_bn=training.freeze_bn,
+            recalibrate_bn=training.recalibrate_bn, seed=training.seed, parent_pid=os.getpid(),
+            precision=training.precision, gpu_memory_limit_mb=training.gpu_memory_limit_mb,
+            eval_batch_size=training.eval_batch_size, eval_cache=str(self.repo.eval_cache_path),
             # The candidate's results, adopted as the eval cache if it is promoted.
-            "eval_cache_out": str(job_dir / CANDIDATE_EVAL_CACHE),
-        }  # fmt: skip
-        job_path = job_dir / "job.json"
-        job_path.write_text(json.dumps(job, indent=2), encoding="utf-8")
-        return job_path, eval_name
+            eval_cache_out=str(job_dir / CANDIDATE_EVAL_CACHE))
+        return write_job(job, job_dir)
 
     def _write_evaluation_set(self, job_dir: Path) -> tuple[str, Optional[Path]]:
         """Write the evaluation ``.npz``: validation set (group 0), then held-out samples (group 1).
@@ -261,195 +270,85 @@ class SessionRunner:
                  group=np.concatenate([np.full(len(p[1]), p[2], dtype=np.int64) for p in parts]))
         return ("validation" if parts[0][2] == GROUP_VALIDATION else "holdout"), path
 
-    def _train(self, session_id: int, job_dir: Path, job_path: Path,
-               stop: threading.Event) -> dict[str, Any]:
-        """Run the worker to its end; return partial session fields.
-
-        Raises:
-            TrainerFailed: the worker crashed, was killed, timed out or reported an error.
-        """
-        timeout_s = self.policy.trainer_timeout_s or self.config.trainer.timeout_s
-        grace_s = self.config.trainer.stop_grace_s
+    def _follow_worker(self, record: SessionRecord, job_dir: Path, job_path: Path,
+                       stop: StopRequest) -> WorkerEnd:
+        """Run the worker to its end and fill the record with what it measured."""
         energy_token = self.energy_meter.begin() if self.energy_meter else None
-        started = time.monotonic()
         worker = WorkerRun(self.config.trainer.command(), job_path, job_dir / "worker.stderr")
-        self.store.update_session(session_id, worker_pid=worker.process.pid)
+        record.worker_pid = worker.process.pid
+        self.store.save_session(record)
         steps: list[dict[str, Any]] = []
-        result: Optional[dict[str, Any]] = None
-        error: Optional[dict[str, Any]] = None
-        stop_sent_at: Optional[float] = None
-        stop_reason = None
-        eof = False
-        worker_ready = False
-        last_progress = started
-        try:
-            while not eof or worker.process.poll() is None:
-                worker.sample_memory()
-                if steps and time.monotonic() - last_progress > 2.0:
-                    # Progress for `odtctl status` while the session runs.
-                    last_progress = time.monotonic()
-                    self.store.update_session(session_id, steps=len(steps))
-                if self.heartbeat:
-                    self.heartbeat()
-                now = time.monotonic()
-                # SIGUSR1 before the worker's "start" line could arrive before its handler is
-                # installed and kill it outright; wait for the line (kill escalation still runs).
-                timed_out = now - started > timeout_s
-                if stop_sent_at is None and (worker_ready or timed_out) and (stop.is_set() or timed_out):
-                    stop_reason = (getattr(stop, "reason", None) or "stop requested") if stop.is_set() \
-                        else f"timed out after {timeout_s:.0f} s"
-                    worker.signal(signal.SIGUSR1)
-                    stop_sent_at = now
-                elif stop_sent_at is not None and now - stop_sent_at > 2 * grace_s:
-                    worker.signal(signal.SIGKILL)
-                elif stop_sent_at is not None and now - stop_sent_at > grace_s:
-                    worker.signal(signal.SIGTERM)
-                if eof:
-                    time.sleep(_POLL_S)
-                    continue
-                try:
-                    message = worker.lines.get(timeout=_POLL_S)
-                except queue.Empty:
-                    continue
-                if message is None:
-                    eof = True
-                elif message.get("event") == "start":
-                    worker_ready = True
-                elif message.get("event") == "step":
-                    if not steps or message.get("epoch") != steps[-1].get("epoch"):
-                        self.progress(f"session {session_id}: epoch {message.get('epoch', 0) + 1}"
-                                      f"/{self.policy.training.epochs}")
-                    steps.append(message)
-                elif message.get("event") == "eval":
-                    cached = message.get("cached")
-                    self.progress(f"session {session_id}: accuracy {message.get('phase')} training "
-                                  f"{message.get('accuracy', 0) * 100:.1f}% on {message.get('samples')} "
-                                  "evaluation samples" + (f" ({cached} scored in an earlier session)"
-                                                          if cached else ""))
-                elif message.get("event") == "result":
-                    result = message
-                elif message.get("event") == "error":
-                    error = message
-        finally:
-            worker.close()
-        duration_s = time.monotonic() - started
-        returncode = worker.process.returncode
-        fields: dict[str, Any] = {"duration_s": round(duration_s, 3), "steps": len(steps),
-                                  "peak_memory_mb": round(worker.peak_rss_mb, 1)}
-        details: dict[str, Any] = {"min_mem_available_mb": worker.min_available_mb}
+        last_row = [time.monotonic()]
+
+        def on_tick() -> None:
+            if self.heartbeat:
+                self.heartbeat()
+            if len(steps) != (record.steps or 0) and time.monotonic() - last_row[0] > _PROGRESS_ROW_S:
+                last_row[0] = time.monotonic()
+                record.steps = len(steps)  # progress for `odtctl status` while it runs
+                self.store.save_session(record)
+
+        def on_message(message: dict[str, Any]) -> None:
+            event = message.get("event")
+            if event == "step":
+                if not steps or message.get("epoch") != steps[-1].get("epoch"):
+                    self.progress(f"session {record.id}: epoch {message.get('epoch', 0) + 1}"
+                                  f"/{record.epochs}")
+                steps.append(message)
+            elif event == "eval":
+                cached = message.get("cached")
+                self.progress(f"session {record.id}: accuracy {message.get('phase')} training "
+                              f"{message.get('accuracy', 0) * 100:.1f}% on {message.get('samples')} "
+                              "evaluation samples" + (f" ({cached} scored in an earlier session)"
+                                                      if cached else ""))
+
+        timeout_s = self.policy.trainer_timeout_s or self.config.trainer.timeout_s
+        end = worker.follow(on_message, stop_requested=lambda: stop.reason if stop.is_set() else None,
+                            timeout_s=timeout_s, grace_s=self.config.trainer.stop_grace_s,
+                            on_tick=on_tick)
+        record.duration_s = round(end.duration_s, 3)
+        record.steps = len(end.steps)
+        record.peak_memory_mb = round(end.peak_rss_mb, 1)
+        record.details.min_mem_available_mb = end.min_available_mb
         if self.energy_meter:
-            energy = self.energy_meter.end(energy_token, steps)  # also sets each step's energy_j
-            details["energy"] = energy.pop("energy_details")
-            fields.update(energy)
-        if steps:
-            self.store.add_steps(session_id, steps)
-            fields["throughput_sps"] = throughput_sps(steps)
-        fields["details"] = details
-        if result and result.get("peak_rss_mb"):
-            fields["peak_memory_mb"] = round(max(worker.peak_rss_mb, result["peak_rss_mb"]), 1)
-        if stop_reason and (result is None or result.get("status") == "interrupted"):
-            fields.update(outcome="interrupted", reason=stop_reason)
-            self.store.update_session(session_id, **fields)
-            return fields
-        if error is not None or result is None or returncode != 0:
-            self.store.update_session(session_id, **fields)
-            raise TrainerFailed(failure_reason(returncode, error, job_dir / "worker.stderr"),
-                                oom=worker_ran_out_of_memory(error, returncode, worker.oom_kills_at_start))
+            energy = self.energy_meter.end(energy_token, end.steps)  # also sets each step's energy_j
+            record.details.energy = energy.pop("energy_details")
+            for key, value in energy.items():
+                setattr(record, key, value)
+        if end.steps:
+            self.store.add_steps(record.id, end.steps)
+            record.throughput_sps = throughput_sps(end.steps)
+        if end.result is not None and end.failure is None and not end.stop_reason:
+            self._read_result(record, end.result)
+        self.store.save_session(record)
+        return end
+
+    def _read_result(self, record: SessionRecord, result: dict[str, Any]) -> None:
+        """Fill the record's accuracy fields from the worker's result event."""
         before = result.get("by_group_before") or {}
         after = result.get("by_group_after") or {}
         primary = str(GROUP_VALIDATION) if str(GROUP_VALIDATION) in before else str(GROUP_HOLDOUT)
-        fields.update(
-            accuracy_before=before.get(primary, result.get("accuracy_before")),
-            accuracy_after=after.get(primary, result.get("accuracy_after")),
-            _result=result,
-        )
-        details.update(holdout_accuracy_before=before.get(str(GROUP_HOLDOUT)),
-                       holdout_accuracy_after=after.get(str(GROUP_HOLDOUT)),
-                       paired=(result.get("paired_by_group") or {}).get(primary))
-        details.update(
-            per_class_before=_by_class(self.classes, result.get("per_class_before")),
-            per_class_after=_by_class(self.classes, result.get("per_class_after")),
-            precision=result.get("precision"), tf_peak_memory_mb=result.get("tf_peak_memory_mb"),
-        )
-        return fields
+        record.accuracy_before = before.get(primary, result.get("accuracy_before"))
+        record.accuracy_after = after.get(primary, result.get("accuracy_after"))
+        details = record.details
+        details.holdout_accuracy_before = before.get(str(GROUP_HOLDOUT))
+        details.holdout_accuracy_after = after.get(str(GROUP_HOLDOUT))
+        details.paired = (result.get("paired_by_group") or {}).get(primary)
+        details.per_class_before = _by_class(self.classes, result.get("per_class_before"))
+        details.per_class_after = _by_class(self.classes, result.get("per_class_after"))
+        details.precision = result.get("precision")
+        details.tf_peak_memory_mb = result.get("tf_peak_memory_mb")
 
-    def _accept(self, session_id: int, current: int, pending: list[dict[str, Any]],
-                job_dir: Path, fields: dict[str, Any]) -> dict[str, Any]:
-        result = fields.pop("_result")
-        before, after = fields.get("accuracy_before"), fields.get("accuracy_after")
-        acceptance = self.policy.acceptance
-        tolerance = acceptance.tolerance / 100.0
-        shas = [row["sha256"] for row in pending]
-        fields["details"]["replay_buffer"] = update_buffer(
-            self.store, self.policy.replay, pending, session_id, self.home.root)
-        refusal = None
-        if before is not None and after is not None:
-            refusal = refusal_reason(before, after, tolerance, acceptance.confidence_z,
-                                     fields["details"].get("paired"))
-        fields["details"]["forgetting"] = self._forgetting(before, before if refusal else after)
-        if refusal:
-            with self.store.transaction():
-                self.store.mark_trained(shas, session_id)
-                session = self._finish_refused(session_id, job_dir, before, after,
-                                               reason=refusal + "; kept the current model",
-                                               outcome="rolled_back", model_version_after=current,
-                                               **fields)
-            return session
-        version, manifest = self.repo.add_version(
-            job_dir / "candidate.npz", classes=self.classes, input_shape=self.input_shape,
-            param_count=result.get("param_count"), parent=current, session_id=session_id,
-            metrics={"accuracy": after}, weight_names=result.get("weight_names"), move=True,
-        )
-        # Before _finish clears the job directory. Should the promotion fail, the cache is
-        # another model's and simply not used.
-        self.repo.adopt_eval_cache(job_dir / CANDIDATE_EVAL_CACHE)
-        reason = "accepted" if before is not None else "no evaluation data: promoted unguarded"
-        with self.store.transaction():
-            self.store.add_model_version({
-                "model": self.model, "version": version, "parent": current,
-                "session_id": session_id, "sha256": manifest["sha256"],
-                "param_count": manifest["param_count"], "accuracy": after,
-            })  # fmt: skip
-            self.store.mark_trained(shas, session_id)
-            session = self._finish(session_id, outcome="promoted", reason=reason,
-                                   model_version_after=version, **fields)
-            # The pointer moves last, inside the transaction: if it fails, nothing is recorded.
-            self.repo.set_current(version)
-        self.repo.clear_resume()  # the promoted candidate is current: go on from there
-        self.store.log_event("promoted", f"{self.model} v{version} is current", session_id=session_id)
-        pruned = prune(self.home, self.store, keep=self.policy.models.keep_versions)
-        if pruned:
-            self.progress(f"pruned model versions {', '.join(f'v{v}' for v in pruned)}")
-        return session
+    def _finish(self, record: SessionRecord, outcome: Optional[str], reason: Optional[str]
+                ) -> SessionRecord:
+        record.outcome, record.reason = outcome, reason
+        self.store.finish_session(record)
+        return self._finished(record)
 
-    def _finish_refused(self, session_id: int, job_dir: Path, before: float, after: float,
-                        **fields: Any) -> dict[str, Any]:
-        """Finish a rolled-back session, keeping its candidate to resume from if the policy says so."""
-        within = self.policy.training.resume_within
-        candidate = job_dir / "candidate.npz"
-        if within is not None and after >= before - within / 100.0 and candidate.exists():
-            self.repo.keep_for_resume(candidate)
-            fields["details"]["kept_for_resume"] = True
-        else:
-            self.repo.clear_resume()
-        return self._finish(session_id, **fields)
-
-    def _forgetting(self, before: Optional[float], kept_now: Optional[float]) -> Optional[float]:
-        """Best accuracy any kept model had on the evaluation set, minus the kept one's now."""
-        if before is None or kept_now is None:
-            return None
-        earlier = [s["accuracy_after"] if s["outcome"] == "promoted" else s["accuracy_before"]
-                   for s in self.store.sessions(done_only=True)
-                   if s["outcome"] in ("promoted", "rolled_back")]
-        best = max([before] + [a for a in earlier if a is not None])
-        return round(max(0.0, best - kept_now), 4)
-
-    def _finish(self, session_id: int, **fields: Any) -> dict[str, Any]:
-        self.store.finish_session(session_id, **fields)
-        _remove_bulky_files(self.home.runs / f"session-{session_id}")
-        session = self.store.session(session_id)
-        logger.info("session %d: %s (%s)", session_id, session["outcome"], session["reason"])
-        return session
+    def _finished(self, record: SessionRecord) -> SessionRecord:
+        _remove_bulky_files(self.home.runs / f"session-{record.id}")
+        logger.info("session %d: %s (%s)", record.id, record.outcome, record.reason)
+        return record
 
 
 def _by_class(classes: list[str], values: Optional[list[Optional[float]]]) -> Optional[dict[str, Any]]:
@@ -458,9 +357,9 @@ def _by_class(classes: list[str], values: Optional[list[Optional[float]]]) -> Op
 
 def _remove_bulky_files(job_dir: Path) -> None:
     # The job file and the worker's stderr stay for diagnosis; data and weights go.
-    for name in ("train.npz", "candidate.npz", "candidate.npz.tmp", CANDIDATE_EVAL_CACHE):
+    for name in ("train.npz", "evaluation.npz", "candidate.npz", "candidate.npz.tmp",
+                 CANDIDATE_EVAL_CACHE):
         (job_dir / name).unlink(missing_ok=True)
-    (job_dir / "evaluation.npz").unlink(missing_ok=True)
 
 
 def recover_stale_sessions(store: Store) -> list[int]:
@@ -469,16 +368,15 @@ def recover_stale_sessions(store: Store) -> list[int]:
     Call it only while holding the session lock: then no live process can own such a row.
     Their samples were never marked trained, so they stay pending.
     """
-    stale = [row["id"] for row in store.running_sessions()]
-    for session_id in stale:
-        store.finish_session(
-            session_id, outcome="interrupted",
-            reason="the process running this session died (crash, kill or power loss); "
-                   "its samples stay pending",
-        )  # fmt: skip
-        store.log_event("recovered", f"session {session_id} marked interrupted", session_id=session_id)
-        logger.warning("session %d was left running by a dead process: marked interrupted", session_id)
-    return stale
+    stale = store.running_sessions()
+    for record in stale:
+        record.outcome = "interrupted"
+        record.reason = ("the process running this session died (crash, kill or power loss); "
+                         "its samples stay pending")
+        store.finish_session(record)
+        store.log_event("recovered", f"session {record.id} marked interrupted", session_id=record.id)
+        logger.warning("session %d was left running by a dead process: marked interrupted", record.id)
+    return [record.id for record in stale]
 
 
 def throughput_sps(steps: list[dict[str, Any]]) -> Optional[float]:

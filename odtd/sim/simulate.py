@@ -27,6 +27,7 @@ from odtd.session.runner import SessionRunner
 from odtd.sim import datasets
 from odtd.store.database import Store
 from odtd.telemetry.meter import SessionEnergyMeter, running_sampler
+from odtd.trainer.job import make_job
 from odtd.trainer.launch import run_job
 
 
@@ -147,7 +148,7 @@ def _run_days(home: Home, store: Store, config: Config, source: DataSource,
             report = ingestor.ingest(discover(Path(tmp), None), day=day)
         progress(f"day {index + 1}/{options.days} ({day}): ingested {report.accepted} "
                  f"({report.holdout} held out); training ...")
-        session = runner.run(trigger="simulate", day=day)
+        session = runner.run(trigger="simulate", day=day).to_dict()
         sessions.append(session)
         progress(f"day {index + 1}/{options.days}: {session['outcome']}, accuracy "
                  f"{pct(session['accuracy_before'])} -> {pct(session['accuracy_after'])}, "
@@ -175,18 +176,14 @@ def pretrain_base(home: Home, source: DataSource, options: SimulationOptions,
         precision = load_policy(home.policy_path(config)).training.precision
         with tempfile.TemporaryDirectory(dir=home.runs) as tmp:
             np.savez(Path(tmp) / "server.npz", x=x, y=y)
-            job = {
-                "protocol": 1, "mode": "train", "model": model, "classes": store.meta("classes"),
-                "input_shape": store.meta("input_shape"),
-                "weights_in": str(repo.weights_path(parent)),
-                "weights_out": str(Path(tmp) / "pretrained.npz"),
-                "train_data": str(Path(tmp) / "server.npz"),
-                "validation_data": str(home.validation_file()),
-                "batch_size": options.pretrain_batch_size, "epochs": options.pretrain_epochs,
-                "max_steps": None, "optimizer": "sgd", "learning_rate": options.pretrain_learning_rate,
-                "momentum": 0.9, "augment": True, "freeze_bn": False, "seed": options.seed,
-                "parent_pid": None, "precision": precision, "gpu_memory_limit_mb": None,
-            }  # fmt: skip
+            job = make_job(
+                "train", model, store.meta("classes"), store.meta("input_shape"),
+                weights_in=str(repo.weights_path(parent)),
+                weights_out=str(Path(tmp) / "pretrained.npz"), train_data=str(Path(tmp) / "server.npz"),
+                validation_data=str(home.validation_file()), batch_size=options.pretrain_batch_size,
+                epochs=options.pretrain_epochs, optimizer="sgd",
+                learning_rate=options.pretrain_learning_rate, momentum=0.9, augment=True,
+                seed=options.seed, precision=precision)
             total_steps = options.pretrain_epochs * -(-len(y) // options.pretrain_batch_size)
 
             def show(message: dict[str, Any]) -> None:
@@ -208,7 +205,7 @@ def pretrain_base(home: Home, source: DataSource, options: SimulationOptions,
                 "model": model, "version": version, "parent": parent, "session_id": None,
                 "sha256": manifest["sha256"], "param_count": manifest["param_count"],
                 "accuracy": result.get("accuracy_after"),
-            })  # fmt: skip
+            })
             store.log_event("pretrained", f"{model} v{version} pre-trained on {len(y)} server images")
             repo.set_current(version)
     finally:

@@ -19,20 +19,10 @@ from typing import Any, Iterable, Iterator, Optional
 import sqlite_utils
 
 from odtd.errors import StoreError
+from odtd.store.records import OUTCOMES, SessionRecord
 from odtd.store.schema import MIGRATIONS
 
 logger = logging.getLogger(__name__)
-
-# The session object of the CLI contract (DESIGN.md), in its documented order.
-SESSION_KEYS = (
-    "id", "day", "started_at", "finished_at", "outcome", "reason",
-    "model_version_before", "model_version_after", "batch_size", "epochs",
-    "samples_new", "samples_replay", "steps", "duration_s", "throughput_sps",
-    "accuracy_before", "accuracy_after", "energy_j", "energy_by_rail_j",
-    "energy_source", "energy_coverage", "peak_memory_mb",
-)  # fmt: skip
-OUTCOMES = ("promoted", "rolled_back", "failed", "interrupted", "skipped")
-_JSON_COLUMNS = ("energy_by_rail_j", "details")
 
 def utc_now() -> str:
     """Return the current time as ISO 8601 UTC with seconds, e.g. 2026-11-22T02:00:07+00:00."""
@@ -213,24 +203,23 @@ class Store:
 
     # -- sessions -------------------------------------------------------------------------
 
-    def start_session(self, day: str, trigger: str, **fields: Any) -> int:
-        """Insert a ``running`` session row and return its id."""
-        row = {"day": day, "trigger": trigger, "state": "running", "started_at": utc_now()}
-        row.update(fields)
-        return self._insert("sessions", row)
+    def start_session(self, record: SessionRecord) -> int:
+        """Insert ``record`` as a ``running`` session row; set and return its id."""
+        record.state, record.started_at = "running", utc_now()
+        record.id = self._insert("sessions", record.to_row())
+        return record.id
 
-    def finish_session(self, session_id: int, **fields: Any) -> None:
-        """Set a session's final fields and mark it done (one transaction)."""
-        if fields.get("outcome") not in OUTCOMES:
-            raise StoreError(f"session {session_id}: outcome {fields.get('outcome')!r} not in {OUTCOMES}")
-        row = _encode_json(fields)
-        row.setdefault("finished_at", utc_now())
-        row["state"] = "done"
-        self._update("sessions", {"id": session_id}, row)
+    def save_session(self, record: SessionRecord) -> None:
+        """Write a running session's fields (progress: steps, batch size, the worker's pid)."""
+        self._update("sessions", {"id": record.id}, record.to_row())
 
-    def update_session(self, session_id: int, **fields: Any) -> None:
-        """Update fields of a session without finishing it."""
-        self._update("sessions", {"id": session_id}, _encode_json(fields))
+    def finish_session(self, record: SessionRecord) -> None:
+        """Mark a session done with its outcome and write all its fields (one transaction)."""
+        if record.outcome not in OUTCOMES:
+            raise StoreError(f"session {record.id}: outcome {record.outcome!r} not in {OUTCOMES}")
+        record.finished_at = record.finished_at or utc_now()
+        record.state = "done"
+        self._update("sessions", {"id": record.id}, record.to_row())
 
     def add_steps(self, session_id: int, steps: list[dict[str, Any]]) -> None:
         """Store a session's step spans (monotonic seconds) in one transaction."""
@@ -248,13 +237,13 @@ class Store:
         """Return a session's steps in order."""
         return list(self.db.query("SELECT * FROM steps WHERE session_id = ? ORDER BY idx", [session_id]))
 
-    def session(self, session_id: int) -> Optional[dict[str, Any]]:
-        """Return one session as a contract object, or None."""
+    def session(self, session_id: int) -> Optional[SessionRecord]:
+        """Return one session, or None."""
         rows = list(self.db.query("SELECT * FROM sessions WHERE id = ?", [session_id]))
-        return session_object(rows[0]) if rows else None
+        return SessionRecord.from_row(rows[0]) if rows else None
 
-    def sessions(self, limit: Optional[int] = None, done_only: bool = False) -> list[dict[str, Any]]:
-        """Return sessions as contract objects, most recent first."""
+    def sessions(self, limit: Optional[int] = None, done_only: bool = False) -> list[SessionRecord]:
+        """Return sessions, most recent first."""
         sql = "SELECT * FROM sessions"
         if done_only:
             sql += " WHERE state = 'done'"
@@ -263,18 +252,19 @@ class Store:
         if limit is not None:
             sql += " LIMIT ?"
             params.append(limit)
-        return [session_object(row) for row in self.db.query(sql, params)]
+        return [SessionRecord.from_row(row) for row in self.db.query(sql, params)]
 
-    def last_kept_for_resume(self) -> Optional[dict[str, Any]]:
+    def last_kept_for_resume(self) -> Optional[SessionRecord]:
         """The latest finished session whose refused candidate was kept to resume from, or None."""
         rows = list(self.db.query(
             "SELECT * FROM sessions WHERE state = 'done' AND "
             "json_extract(details, '$.kept_for_resume') ORDER BY id DESC LIMIT 1"))
-        return session_object(rows[0]) if rows else None
+        return SessionRecord.from_row(rows[0]) if rows else None
 
-    def running_sessions(self) -> list[dict[str, Any]]:
+    def running_sessions(self) -> list[SessionRecord]:
         """Return sessions still marked running (by a live or a crashed process)."""
-        return list(self.db.query("SELECT * FROM sessions WHERE state = 'running' ORDER BY id"))
+        return [SessionRecord.from_row(row) for row in
+                self.db.query("SELECT * FROM sessions WHERE state = 'running' ORDER BY id")]
 
     def outcome_counts(self) -> dict[str, int]:
         """Return the number of finished sessions per outcome."""
@@ -407,21 +397,3 @@ class Store:
     def iter_query(self, sql: str, params: Optional[list[Any]] = None) -> Iterator[dict[str, Any]]:
         """Run a read-only query (for reports that need their own SQL)."""
         return self.db.query(sql, params or [])
-
-
-def _encode_json(fields: dict[str, Any]) -> dict[str, Any]:
-    row = dict(fields)
-    for key in _JSON_COLUMNS:
-        if key in row and row[key] is not None and not isinstance(row[key], str):
-            row[key] = json.dumps(row[key], sort_keys=True)
-    return row
-
-
-def session_object(row: dict[str, Any]) -> dict[str, Any]:
-    """Turn a sessions row into the contract's session object (plus ``details``, ``state``)."""
-    obj = {key: row.get(key) for key in SESSION_KEYS}
-    obj["energy_by_rail_j"] = json.loads(row["energy_by_rail_j"]) if row.get("energy_by_rail_j") else None
-    obj["state"] = row.get("state")
-    obj["trigger"] = row.get("trigger")
-    obj["details"] = json.loads(row["details"]) if row.get("details") else {}
-    return obj

@@ -1,15 +1,16 @@
-"""The trainer worker's job file: its keys, their validation, and the data files it names.
+"""The trainer worker's job file: its keys, how it is built, how the worker validates it.
 
-A job is checked, and its data files read, before TensorFlow is imported, so a bad job fails in
-well under a second with a message that names the key, the value and the fix (``BadJob``).
-See docs/worker-protocol.md. Standard library and numpy only; Python 3.6-compatible.
+Both sides of the protocol use this module: the daemon side builds every job with ``make_job``
+(the one place a job is assembled, with the one protocol version), the worker checks it with
+``load_job`` before TensorFlow is imported, so a bad job fails in well under a second with a
+message that names the key, the value and the fix (``BadJob``). ``PRECISIONS`` is the one list
+of precisions the policy, the CLI and the worker accept. See docs/worker-protocol.md. Standard
+library only (the daemon imports it); Python 3.6-compatible.
 """
 
 import json
 import os
-from typing import Any, Dict, List, Optional, Tuple
-
-import numpy as np
+from typing import Any, Dict
 
 from odtd.trainer import catalog
 
@@ -58,6 +59,24 @@ MODE_REQUIRES = {
 
 class BadJob(Exception):
     """The job file or a file it names is invalid; the message names the key, value and fix."""
+
+
+def make_job(mode: str, model: str, classes: Any, input_shape: Any, **keys: Any) -> Dict[str, Any]:
+    """Build a job for the worker: the protocol version, the model, and ``keys`` (see JOB_KEYS).
+
+    Keys not given take their defaults when the worker loads the job; a key the worker does not
+    know is refused here, in the caller's process, before any worker starts.
+
+    Raises:
+        ValueError: An unknown key or mode (a bug in the caller).
+    """
+    unknown = sorted(set(keys) - set(JOB_KEYS))
+    if unknown or mode not in MODE_REQUIRES:
+        raise ValueError("make_job: unknown job keys {} or mode {!r}".format(unknown, mode))
+    job = {"protocol": PROTOCOL_VERSION, "mode": mode, "model": model, "classes": list(classes),
+           "input_shape": list(input_shape)}
+    job.update(keys)
+    return job
 
 
 def _is_int(value: Any) -> bool:
@@ -151,48 +170,3 @@ def load_job(path: str) -> Dict[str, Any]:
         if out_dir and not os.path.isdir(out_dir):
             raise BadJob("{}: directory {} does not exist".format(key, out_dir))
     return job
-
-
-def load_dataset(key: str, path: str, input_shape: List[int], num_classes: int
-                 ) -> Tuple[np.ndarray, np.ndarray]:
-    """Read a samples ``.npz`` (``x`` uint8 (N, h, w, c), ``y`` integer labels (N,)).
-
-    Args:
-        key: The job key naming the file, for messages.
-        path: The ``.npz`` file.
-        input_shape: The model's (height, width, channels).
-        num_classes: Labels must lie in [0, num_classes).
-
-    Returns:
-        ``(x, y)`` with ``y`` as int64.
-
-    Raises:
-        BadJob: Unreadable file, missing array, wrong dtype or shape, label out of range.
-    """
-    try:
-        with np.load(path, allow_pickle=False) as arrays:
-            x, y = arrays["x"], arrays["y"]
-    except (OSError, ValueError, KeyError) as error:
-        raise BadJob("{}: cannot read x and y from {}: {}".format(key, path, error)) from None
-    if x.dtype != np.uint8 or x.shape[1:] != tuple(input_shape) or len(x) == 0:
-        raise BadJob("{}: x in {} must be uint8 (N>0, {}), got {} {}".format(
-            key, path, ", ".join(map(str, input_shape)), x.dtype, x.shape))
-    if y.dtype.kind not in "iu" or y.shape != (len(x),):
-        raise BadJob("{}: y in {} must be integers of shape ({},), got {} {}".format(
-            key, path, len(x), y.dtype, y.shape))
-    if y.min() < 0 or y.max() >= num_classes:
-        raise BadJob("{}: labels in {} must lie in [0, {}), got [{}, {}]".format(
-            key, path, num_classes, y.min(), y.max()))
-    return x, y.astype(np.int64)
-
-
-def load_groups(path: str, count: int) -> Optional[np.ndarray]:
-    """Read the optional ``group`` array of a validation ``.npz`` (one integer per sample)."""
-    with np.load(path, allow_pickle=False) as arrays:
-        if "group" not in arrays.files:
-            return None
-        groups = arrays["group"]
-    if groups.shape != (count,) or groups.dtype.kind not in "iu":
-        raise BadJob("validation_data: group in {} must be {} integers, got {} {}".format(
-            path, count, groups.dtype, groups.shape))
-    return groups

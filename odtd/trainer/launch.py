@@ -1,7 +1,8 @@
-"""Launching the trainer worker (``python -m odtd.trainer.worker JOB.json``) and reading it.
+"""Launching the trainer worker (``python -m odtd.trainer.worker JOB.json``) and following it.
 
 The worker speaks JSON lines on stdout (docs/worker-protocol.md). This module never imports
-TensorFlow; it only starts, watches and stops the process that does.
+TensorFlow; it only starts, watches and stops the process that does. Sessions, profiles, ``init``
+and the simulations all follow a worker the same way: ``WorkerRun.follow``.
 """
 
 import json
@@ -11,8 +12,9 @@ import queue
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from odtd.errors import TrainerFailed
 
@@ -26,6 +28,36 @@ NOTIFY_ENV_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 # statistic: throughput, per-step energy, profiles.
 WARMUP_STEPS = 3
 
+POLL_S = 0.2
+
+
+class WorkerEnd(NamedTuple):
+    """How a followed worker ended.
+
+    Attributes:
+        result: Its ``result`` event, None if it printed none.
+        error: Its ``error`` event, None if it printed none.
+        steps: Its ``step`` events, in order.
+        returncode: The exit status (negative: killed by that signal).
+        stop_reason: Why it was asked to stop (a stop request or the timeout), else None.
+        peak_rss_mb: The worker's peak RSS in MB (``/proc`` and its own report, the larger).
+        min_available_mb: The system's lowest MemAvailable while it ran, in MB.
+        duration_s: Wall time from start to exit.
+        oom: It ran out of memory (see ``worker_ran_out_of_memory``).
+        failure: One line saying why it ended without a result, None if it has one.
+    """
+
+    result: Optional[Dict[str, Any]]
+    error: Optional[Dict[str, Any]]
+    steps: List[Dict[str, Any]]
+    returncode: Optional[int]
+    stop_reason: Optional[str]
+    peak_rss_mb: float
+    min_available_mb: Optional[float]
+    duration_s: float
+    oom: bool
+    failure: Optional[str]
+
 
 class WorkerRun:
     """A running trainer worker: its JSON lines, its peak memory, and how to stop it.
@@ -37,24 +69,24 @@ class WorkerRun:
     """
 
     def __init__(self, command: List[str], job_path: Path, stderr_path: Path) -> None:
-        self._stderr = open(stderr_path, "wb")
-        # A new session keeps a terminal's Ctrl-C away from the worker: the runner decides how
+        self.stderr_path = Path(stderr_path)
+        self._stderr = open(str(stderr_path), "wb")
+        # A new session keeps a terminal's Ctrl-C away from the worker: the caller decides how
         # it stops (step boundary first), so a foreground session ends `interrupted`, not torn.
-        # The worker must not speak to systemd in the daemon's name.
         env = {k: v for k, v in os.environ.items() if k not in NOTIFY_ENV_VARS}
+        self.started = time.monotonic()
         self.process = subprocess.Popen(
-            [*command, str(job_path)], stdout=subprocess.PIPE, stderr=self._stderr,
+            list(command) + [str(job_path)], stdout=subprocess.PIPE, stderr=self._stderr,
             stdin=subprocess.DEVNULL, start_new_session=True, env=env,
         )
         self.lines = queue.Queue()  # type: queue.Queue  # of Optional[Dict[str, Any]]
         self.peak_rss_mb = 0.0
-        self.min_available_mb: Optional[float] = None
+        self.min_available_mb = None  # type: Optional[float]
         self.oom_kills_at_start = read_oom_kills()
         self._reader = threading.Thread(target=self._read, name="worker-stdout", daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
-        assert self.process.stdout is not None  # noqa: S101 - Popen(stdout=PIPE) guarantees it
         for raw in self.process.stdout:
             try:
                 message = json.loads(raw)
@@ -70,18 +102,12 @@ class WorkerRun:
 
         Read here rather than only reported by the worker, so even a killed worker has a figure.
         """
+        available = read_meminfo_mb("MemAvailable")
+        if available is not None and (self.min_available_mb is None
+                                      or available < self.min_available_mb):
+            self.min_available_mb = round(available, 1)
         try:
-            with open("/proc/meminfo", encoding="ascii") as handle:
-                for line in handle:
-                    if line.startswith("MemAvailable:"):
-                        available = int(line.split()[1]) / 1024.0
-                        if self.min_available_mb is None or available < self.min_available_mb:
-                            self.min_available_mb = round(available, 1)
-                        break
-        except (OSError, ValueError):
-            logger.debug("no MemAvailable in /proc/meminfo")
-        try:
-            with open(f"/proc/{self.process.pid}/status", encoding="ascii") as handle:
+            with open("/proc/{}/status".format(self.process.pid), encoding="ascii") as handle:
                 for line in handle:
                     if line.startswith("VmHWM:"):
                         self.peak_rss_mb = max(self.peak_rss_mb, int(line.split()[1]) / 1024.0)
@@ -97,6 +123,83 @@ class WorkerRun:
             except ProcessLookupError:
                 logger.debug("worker %d exited before signal %d", self.process.pid, signum)
 
+    def follow(
+        self,
+        on_message: Optional[Callable[[Dict[str, Any]], None]] = None,
+        stop_requested: Optional[Callable[[], Optional[str]]] = None,
+        timeout_s: Optional[float] = None,
+        grace_s: float = 20.0,
+        on_tick: Optional[Callable[[], None]] = None,
+    ) -> WorkerEnd:
+        """Read the worker's events until it exits, stopping it when asked; then reap it.
+
+        A stop (``stop_requested`` returns a reason, or ``timeout_s`` passes) sends SIGUSR1, the
+        worker's "stop at the next step boundary", once its ``start`` line has come (before it,
+        the handler may not be installed yet; a timeout does not wait for it); then SIGTERM after
+        ``grace_s`` and SIGKILL after twice that.
+
+        Args:
+            on_message: Called with every event line.
+            stop_requested: Polled every ``POLL_S``; a non-empty string is the stop's reason.
+            timeout_s: Stop the worker after this long.
+            grace_s: Seconds from SIGUSR1 to SIGTERM (and from SIGTERM to SIGKILL).
+            on_tick: Called every ``POLL_S`` (watchdog pings, progress rows).
+        """
+        result = error = None  # type: Optional[Dict[str, Any]]
+        steps = []  # type: List[Dict[str, Any]]
+        stop_reason = None  # type: Optional[str]
+        stop_sent_at = None  # type: Optional[float]
+        ready = eof = False
+        try:
+            while not eof or self.process.poll() is None:
+                self.sample_memory()
+                if on_tick is not None:
+                    on_tick()
+                now = time.monotonic()
+                timed_out = timeout_s is not None and now - self.started > timeout_s
+                if stop_reason is None:
+                    asked = stop_requested() if stop_requested is not None else None
+                    if asked or timed_out:
+                        stop_reason = asked or "timed out after {:.0f} s".format(timeout_s)
+                if stop_reason is not None and stop_sent_at is None and (ready or timed_out):
+                    self.signal(signal.SIGUSR1)
+                    stop_sent_at = now
+                elif stop_sent_at is not None and now - stop_sent_at > 2 * grace_s:
+                    self.signal(signal.SIGKILL)
+                elif stop_sent_at is not None and now - stop_sent_at > grace_s:
+                    self.signal(signal.SIGTERM)
+                if eof:
+                    time.sleep(POLL_S)
+                    continue
+                try:
+                    message = self.lines.get(timeout=POLL_S)
+                except queue.Empty:
+                    continue
+                if message is None:
+                    eof = True
+                    continue
+                event = message.get("event")
+                if event == "start":
+                    ready = True
+                elif event == "step":
+                    steps.append(message)
+                elif event == "result":
+                    result = message
+                elif event == "error":
+                    error = message
+                if on_message is not None:
+                    on_message(message)
+        finally:
+            self.close()
+        returncode = self.process.returncode
+        peak = max(self.peak_rss_mb, (result or {}).get("peak_rss_mb") or 0.0)
+        failed = error is not None or result is None or returncode != 0
+        return WorkerEnd(
+            result, error, steps, returncode, stop_reason, peak, self.min_available_mb,
+            time.monotonic() - self.started,
+            oom=failed and worker_ran_out_of_memory(error, returncode, self.oom_kills_at_start),
+            failure=failure_reason(returncode, error, self.stderr_path) if failed else None)
+
     def close(self) -> None:
         """Reap the worker and release its pipes."""
         self.process.wait()
@@ -106,6 +209,14 @@ class WorkerRun:
             self.process.stdout.close()
 
 
+def write_job(job: Dict[str, Any], job_dir: Path) -> Path:
+    """Write ``job`` to ``job_dir/job.json`` (creating the directory) and return the path."""
+    job_dir.mkdir(parents=True, exist_ok=True)
+    job_path = job_dir / "job.json"
+    job_path.write_text(json.dumps(job, indent=2), encoding="utf-8")
+    return job_path
+
+
 def run_job(
     command: List[str],
     job: Dict[str, Any],
@@ -113,14 +224,14 @@ def run_job(
     on_message: Optional[Callable[[Dict[str, Any]], None]] = None,
     timeout_s: Optional[float] = None,
 ) -> Tuple[Dict[str, Any], List[Dict[str, Any]], float]:
-    """Run a worker job to completion (init, pre-training, profiling probes).
+    """Run a worker job to completion (init, pre-training, profiling probes, evaluations).
 
     Args:
         command: argv prefix for the worker module.
-        job: the job (written to ``job_dir/job.json``).
+        job: the job (``odtd.trainer.job.make_job``), written to ``job_dir/job.json``.
         job_dir: a directory for the job file and the worker's stderr.
         on_message: called with every JSON line (progress output).
-        timeout_s: kill the worker after this long.
+        timeout_s: stop the worker after this long (and fail).
 
     Returns:
         (result event, step events, peak RSS in MB).
@@ -128,42 +239,25 @@ def run_job(
     Raises:
         TrainerFailed: the worker reported an error, crashed, was killed or timed out.
     """
-    job_dir.mkdir(parents=True, exist_ok=True)
-    job_path = job_dir / "job.json"
-    job_path.write_text(json.dumps(job, indent=2), encoding="utf-8")
-    worker = WorkerRun(command, job_path, job_dir / "worker.stderr")
-    result: Optional[Dict[str, Any]] = None
-    error: Optional[Dict[str, Any]] = None
-    steps: List[Dict[str, Any]] = []
-    waited_s = 0.0
+    worker = WorkerRun(command, write_job(job, job_dir), job_dir / "worker.stderr")
+    end = worker.follow(on_message, timeout_s=timeout_s, grace_s=5.0)
+    if end.stop_reason is not None:
+        raise TrainerFailed("worker {}".format(end.stop_reason))
+    if end.failure is not None:
+        raise TrainerFailed(end.failure, oom=end.oom)
+    return end.result, end.steps, end.peak_rss_mb
+
+
+def read_meminfo_mb(key: str, meminfo: Path = Path("/proc/meminfo")) -> Optional[float]:
+    """A ``/proc/meminfo`` field (``MemAvailable``, ``MemTotal``) in MB, or None."""
     try:
-        while True:
-            try:
-                message = worker.lines.get(timeout=0.5)
-            except queue.Empty:
-                worker.sample_memory()
-                waited_s += 0.5
-                if timeout_s is not None and waited_s > timeout_s:
-                    worker.signal(signal.SIGKILL)
-                    raise TrainerFailed(f"worker timed out after {timeout_s:.0f} s") from None
-                continue
-            if message is None:
-                break
-            worker.sample_memory()
-            event = message.get("event")
-            if event == "step":
-                steps.append(message)
-            elif event == "result":
-                result = message
-            elif event == "error":
-                error = message
-            if on_message:
-                on_message(message)
-    finally:
-        worker.close()
-    if error is not None or result is None or worker.process.returncode != 0:
-        raise TrainerFailed(failure_reason(worker.process.returncode, error, job_dir / "worker.stderr"))
-    return result, steps, max(worker.peak_rss_mb, result.get("peak_rss_mb") or 0.0)
+        with open(str(meminfo), encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError):
+        logger.debug("no %s in %s", key, meminfo)
+    return None
 
 
 def read_oom_kills(vmstat: Path = Path("/proc/vmstat")) -> Optional[int]:
@@ -196,15 +290,15 @@ def worker_ran_out_of_memory(error: Optional[Dict[str, Any]], returncode: Option
 def failure_reason(returncode: Optional[int], error: Optional[Dict[str, Any]], stderr: Path) -> str:
     """Say in one line why a worker ended without a result."""
     if error is not None:
-        return f"worker error ({error.get('kind')}): {error.get('message')}"
+        return "worker error ({}): {}".format(error.get("kind"), error.get("message"))
     if returncode is not None and returncode < 0:
         name = signal.Signals(-returncode).name
         hint = " (the kernel's OOM killer, or a person)" if name == "SIGKILL" else ""
-        return f"worker killed by {name}{hint}"
+        return "worker killed by {}{}".format(name, hint)
     tail = ""
     try:
         lines = stderr.read_text(encoding="utf-8", errors="replace").strip().splitlines()
-        tail = f": {lines[-1][:200]}" if lines else ""
+        tail = ": {}".format(lines[-1][:200]) if lines else ""
     except OSError:
         logger.debug("no stderr kept at %s", stderr)
-    return f"worker exited with status {returncode} without a result{tail}"
+    return "worker exited with status {} without a result{}".format(returncode, tail)

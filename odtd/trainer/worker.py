@@ -25,8 +25,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from odtd.trainer import evalcache
+from odtd.trainer.data import load_dataset, load_groups
 from odtd.trainer.evaluation import evaluate, make_eval_step, open_eval_cache, paired_counts
-from odtd.trainer.job import BadJob, load_dataset, load_groups, load_job
+from odtd.trainer.job import BadJob, load_job
 
 EXIT_ERROR = 2
 EXIT_PARENT_GONE = 3

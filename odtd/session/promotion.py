@@ -1,0 +1,130 @@
+"""The end of a session: promote the candidate or roll it back, all or nothing.
+
+Acceptance (``acceptance.refusal_reason``) decides; this module carries the decision out. Every
+database change (the replay buffer's update, the samples marked trained, the new version's row,
+the finished session row) is one transaction, and the ``current`` pointer moves last inside it.
+Files that only make sense once the database says so (the candidate kept for resuming, the
+candidate's evaluation results, pruning) move after the commit. If anything fails before the
+commit, the new version's directory is removed and nothing else has changed: the served model,
+its versions, the samples and the replay buffer are as they were.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from odtd.home.paths import Home
+from odtd.home.versions import ModelRepo, prune
+from odtd.policy import Policy
+from odtd.session.acceptance import refusal_reason
+from odtd.session.replay_buffer import update_buffer
+from odtd.store.database import Store
+from odtd.store.records import SessionRecord
+
+logger = logging.getLogger(__name__)
+
+CANDIDATE_EVAL_CACHE = "candidate-eval-cache.npz"  # worker job key eval_cache_out
+
+
+class Promotion:
+    """Concludes sessions of one home's model.
+
+    Args:
+        home: The state directory.
+        store: Its open database.
+        repo: The model's versions.
+        policy: The active policy (acceptance, replay, resume and retention settings).
+        progress: Called with one-line progress messages.
+    """
+
+    def __init__(self, home: Home, store: Store, repo: ModelRepo, policy: Policy,
+                 progress: Callable[[str], None]) -> None:
+        self.home, self.store, self.repo, self.policy = home, store, repo, policy
+        self.progress = progress
+
+    def conclude(self, record: SessionRecord, pending: list[dict[str, Any]], job_dir: Path,
+                 result: dict[str, Any]) -> None:
+        """Promote the candidate in ``job_dir`` or roll it back; finish ``record`` either way.
+
+        Raises:
+            Exception: Whatever failed; then nothing of this session was written (the caller
+                records the session as failed).
+        """
+        current = record.model_version_before
+        before, after = record.accuracy_before, record.accuracy_after
+        acceptance = self.policy.acceptance
+        refusal = None
+        if before is not None and after is not None:
+            refusal = refusal_reason(before, after, acceptance.tolerance / 100.0,
+                                     acceptance.confidence_z, record.details.paired)
+        record.details.forgetting = self._forgetting(before, before if refusal else after)
+        candidate = job_dir / "candidate.npz"
+        if refusal:
+            within = self.policy.training.resume_within
+            record.details.kept_for_resume = (within is not None and candidate.exists()
+                                              and after >= before - within / 100.0)
+            record.outcome, record.reason = "rolled_back", refusal + "; kept the current model"
+            self._commit(record, pending, new_version=None, manifest=None)
+            if record.details.kept_for_resume:
+                self.repo.keep_for_resume(candidate)
+            else:
+                self.repo.clear_resume()
+            return
+        version, manifest = self.repo.add_version(
+            candidate, classes=self.store.meta("classes"), input_shape=self.store.meta("input_shape"),
+            param_count=result.get("param_count"), parent=current, session_id=record.id,
+            metrics={"accuracy": after}, weight_names=result.get("weight_names"), move=True)
+        record.outcome = "promoted"
+        record.reason = "accepted" if before is not None else "no evaluation data: promoted unguarded"
+        record.model_version_after = version
+        try:
+            self._commit(record, pending, new_version=version, manifest=manifest)
+        except BaseException:
+            self._discard(version, current)
+            raise
+        self.repo.adopt_eval_cache(job_dir / CANDIDATE_EVAL_CACHE)
+        self.repo.clear_resume()  # the promoted candidate is current: go on from there
+        self.store.log_event("promoted", f"{self.repo.name} v{version} is current",
+                             session_id=record.id)
+        pruned = prune(self.home, self.store, keep=self.policy.models.keep_versions)
+        if pruned:
+            self.progress(f"pruned model versions {', '.join(f'v{v}' for v in pruned)}")
+
+    def _commit(self, record: SessionRecord, pending: list[dict[str, Any]],
+                new_version: Optional[int], manifest: Optional[dict[str, Any]]) -> None:
+        """Write the session's outcome in one transaction; the pointer moves last, inside it."""
+        with self.store.transaction():
+            record.details.replay_buffer = update_buffer(
+                self.store, self.policy.replay, pending, record.id, self.home.root)
+            self.store.mark_trained([row["sha256"] for row in pending], record.id)
+            if new_version is not None and manifest is not None:
+                self.store.add_model_version({
+                    "model": self.repo.name, "version": new_version,
+                    "parent": record.model_version_before, "session_id": record.id,
+                    "sha256": manifest["sha256"], "param_count": manifest["param_count"],
+                    "accuracy": record.accuracy_after})
+            self.store.finish_session(record)
+            if new_version is not None:
+                self.repo.set_current(new_version)
+
+    def _discard(self, version: int, current: Optional[int]) -> None:
+        """Undo a promotion whose transaction failed: the pointer back, the new version gone."""
+        try:
+            if current is not None and self.repo.current() != current:
+                self.repo.set_current(current)
+            self.repo.remove_version(version)
+        except OSError:
+            logger.exception("could not remove %s v%d after a failed promotion", self.repo.name,
+                             version)
+
+    def _forgetting(self, before: Optional[float], kept_now: Optional[float]) -> Optional[float]:
+        """Best accuracy any kept model had on the evaluation set, minus the kept one's now."""
+        if before is None or kept_now is None:
+            return None
+        earlier = [s.kept_accuracy for s in self.store.sessions(done_only=True)
+                   if s.outcome in ("promoted", "rolled_back")]
+        best = max([before] + [a for a in earlier if a is not None])
+        return round(max(0.0, best - kept_now), 4)
+

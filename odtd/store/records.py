@@ -1,0 +1,155 @@
+"""The session record: one typed value that the session fills, the store writes and the CLI prints.
+
+``SessionRecord.to_dict()`` is the session object of the CLI contract (DESIGN.md; README:
+``train-now --json``, ``history --json``, ``status --json``'s ``sessions``): the contract keys in
+their documented order, then ``trigger``, ``state`` and ``details``. ``SessionDetails`` is what
+``details`` holds; a session row stores it as JSON, so a home written by an older release reads
+back with the fields it had (the others stay at their defaults) and keys this release does not
+know are kept in ``extra``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Dict, List, Optional
+
+# The session object of the CLI contract (DESIGN.md), in its documented order.
+SESSION_KEYS = (
+    "id", "day", "started_at", "finished_at", "outcome", "reason",
+    "model_version_before", "model_version_after", "batch_size", "epochs",
+    "samples_new", "samples_replay", "steps", "duration_s", "throughput_sps",
+    "accuracy_before", "accuracy_after", "energy_j", "energy_by_rail_j",
+    "energy_source", "energy_coverage", "peak_memory_mb",
+)
+OUTCOMES = ("promoted", "rolled_back", "failed", "interrupted", "skipped")
+
+
+@dataclass
+class SessionDetails:
+    """What a session found out beyond the contract keys (the ``details`` object).
+
+    Attributes:
+        forced: ``train-now --force`` bypassed the gates.
+        resumed: Training went on from the last refused candidate (``training.resume_within``).
+        admission: The admission decision (``Admission.to_dict()``): batch, epochs, predictions.
+        attempts: Failed worker runs before the last, each ``{batch_size, reason, oom}``.
+        evaluation_set: ``validation`` (the fixed set), ``holdout`` (the device's held-out
+            samples) or ``none``: what ``accuracy_before``/``accuracy_after`` were measured on.
+        precision: What the worker trained in (``auto`` resolved).
+        paired: ``{gained, lost, samples}`` on the evaluation set: the images only the candidate
+            gets right, only the current model gets right, and all (McNemar).
+        holdout_accuracy_before: The current model on the device's held-out samples (0..1).
+        holdout_accuracy_after: The candidate on them.
+        per_class_before: Class name -> accuracy of the current model (None: no samples).
+        per_class_after: Class name -> accuracy of the candidate.
+        forgetting: Best accuracy any kept model had on the evaluation set minus the kept
+            model's now (0..1).
+        replay_buffer: The reservoir update: ``{added, removed, size}``.
+        kept_for_resume: The refused candidate was kept for the next session to go on from.
+        min_mem_available_mb: The system's lowest MemAvailable while the worker ran.
+        tf_peak_memory_mb: TensorFlow's own peak on a GPU, None on a CPU.
+        energy: Mean, peak and idle-baseline power, incremental energy, samples, per-step mean.
+        extra: Keys of a stored row this release does not know, kept as they were.
+    """
+
+    forced: bool = False
+    resumed: bool = False
+    admission: Optional[Dict[str, Any]] = None
+    attempts: List[Dict[str, Any]] = field(default_factory=list)
+    evaluation_set: Optional[str] = None
+    precision: Optional[str] = None
+    paired: Optional[Dict[str, int]] = None
+    holdout_accuracy_before: Optional[float] = None
+    holdout_accuracy_after: Optional[float] = None
+    per_class_before: Optional[Dict[str, Optional[float]]] = None
+    per_class_after: Optional[Dict[str, Optional[float]]] = None
+    forgetting: Optional[float] = None
+    replay_buffer: Optional[Dict[str, int]] = None
+    kept_for_resume: bool = False
+    min_mem_available_mb: Optional[float] = None
+    tf_peak_memory_mb: Optional[float] = None
+    energy: Optional[Dict[str, Any]] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Return the ``details`` object (``extra``'s keys beside the known ones)."""
+        data = asdict(self)
+        extra = data.pop("extra")
+        return {**extra, **data}
+
+    @classmethod
+    def from_dict(cls, data: Optional[Dict[str, Any]]) -> SessionDetails:
+        """Read a stored ``details`` object (missing keys take their defaults)."""
+        data = dict(data or {})
+        known = {f.name for f in fields(cls)} - {"extra"}
+        extra = {key: data.pop(key) for key in list(data) if key not in known}
+        return cls(**data, extra=extra)
+
+
+@dataclass
+class SessionRecord:
+    """One session: its trigger, its outcome and everything measured (a ``sessions`` row).
+
+    The contract keys are documented in README.md ("A session object"); ``worker_pid`` is
+    internal (crash diagnosis) and not part of ``to_dict``.
+    """
+
+    day: str
+    trigger: str
+    id: Optional[int] = None
+    state: str = "running"
+    started_at: Optional[str] = None
+    finished_at: Optional[str] = None
+    outcome: Optional[str] = None
+    reason: Optional[str] = None
+    model_version_before: Optional[int] = None
+    model_version_after: Optional[int] = None
+    batch_size: Optional[int] = None
+    epochs: Optional[int] = None
+    samples_new: Optional[int] = None
+    samples_replay: Optional[int] = None
+    steps: Optional[int] = None
+    duration_s: Optional[float] = None
+    throughput_sps: Optional[float] = None
+    accuracy_before: Optional[float] = None
+    accuracy_after: Optional[float] = None
+    energy_j: Optional[float] = None
+    energy_by_rail_j: Optional[Dict[str, float]] = None
+    energy_source: Optional[str] = None
+    energy_coverage: Optional[float] = None
+    peak_memory_mb: Optional[float] = None
+    worker_pid: Optional[int] = None
+    details: SessionDetails = field(default_factory=SessionDetails)
+
+    @property
+    def kept_accuracy(self) -> Optional[float]:
+        """Accuracy of the model kept after this session (a refused candidate's is not kept)."""
+        return self.accuracy_after if self.outcome == "promoted" else self.accuracy_before
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Return the contract's session object, plus ``trigger``, ``state`` and ``details``."""
+        obj = {key: getattr(self, key) for key in SESSION_KEYS}
+        obj.update(trigger=self.trigger, state=self.state, details=self.details.to_dict())
+        return obj
+
+    def to_row(self) -> Dict[str, Any]:
+        """Return the ``sessions`` table row (JSON text for the nested values)."""
+        row = {f.name: getattr(self, f.name) for f in fields(self)}
+        row["details"] = json.dumps(self.details.to_dict(), sort_keys=True)
+        if self.energy_by_rail_j is not None:
+            row["energy_by_rail_j"] = json.dumps(self.energy_by_rail_j, sort_keys=True)
+        if self.id is None:
+            del row["id"]
+        return row
+
+    @classmethod
+    def from_row(cls, row: Dict[str, Any]) -> SessionRecord:
+        """Read a ``sessions`` table row."""
+        known = {f.name for f in fields(cls)}
+        values = {key: value for key, value in row.items() if key in known}
+        rails = values.get("energy_by_rail_j")
+        values["energy_by_rail_j"] = json.loads(rails) if rails else None
+        details = values.get("details")
+        values["details"] = SessionDetails.from_dict(json.loads(details) if details else None)
+        return cls(**values)

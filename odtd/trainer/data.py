@@ -1,0 +1,56 @@
+"""The data files a job names: samples ``.npz`` (``x`` uint8 NHWC, ``y`` labels, ``group``).
+
+Read by the worker before TensorFlow is imported, so a bad file fails fast with a ``BadJob``
+naming the key, the file and the fix. Standard library and numpy only; Python 3.6-compatible.
+"""
+
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from odtd.trainer.job import BadJob
+
+
+def load_dataset(key: str, path: str, input_shape: List[int], num_classes: int
+                 ) -> Tuple[np.ndarray, np.ndarray]:
+    """Read a samples ``.npz`` (``x`` uint8 (N, h, w, c), ``y`` integer labels (N,)).
+
+    Args:
+        key: The job key naming the file, for messages.
+        path: The ``.npz`` file.
+        input_shape: The model's (height, width, channels).
+        num_classes: Labels must lie in [0, num_classes).
+
+    Returns:
+        ``(x, y)`` with ``y`` as int64.
+
+    Raises:
+        BadJob: Unreadable file, missing array, wrong dtype or shape, label out of range.
+    """
+    try:
+        with np.load(path, allow_pickle=False) as arrays:
+            x, y = arrays["x"], arrays["y"]
+    except (OSError, ValueError, KeyError) as error:
+        raise BadJob("{}: cannot read x and y from {}: {}".format(key, path, error)) from None
+    if x.dtype != np.uint8 or x.shape[1:] != tuple(input_shape) or len(x) == 0:
+        raise BadJob("{}: x in {} must be uint8 (N>0, {}), got {} {}".format(
+            key, path, ", ".join(map(str, input_shape)), x.dtype, x.shape))
+    if y.dtype.kind not in "iu" or y.shape != (len(x),):
+        raise BadJob("{}: y in {} must be integers of shape ({},), got {} {}".format(
+            key, path, len(x), y.dtype, y.shape))
+    if y.min() < 0 or y.max() >= num_classes:
+        raise BadJob("{}: labels in {} must lie in [0, {}), got [{}, {}]".format(
+            key, path, num_classes, y.min(), y.max()))
+    return x, y.astype(np.int64)
+
+
+def load_groups(path: str, count: int) -> Optional[np.ndarray]:
+    """Read the optional ``group`` array of a validation ``.npz`` (one integer per sample)."""
+    with np.load(path, allow_pickle=False) as arrays:
+        if "group" not in arrays.files:
+            return None
+        groups = arrays["group"]
+    if groups.shape != (count,) or groups.dtype.kind not in "iu":
+        raise BadJob("validation_data: group in {} must be {} integers, got {} {}".format(
+            path, count, groups.dtype, groups.shape))
+    return groups
