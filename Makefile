@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 COMPAT := .venv-compat
 COMPAT_STAMP := $(COMPAT)/.installed
 
-.PHONY: install test test-compat demo lint bench clean
+.PHONY: install test quick test-compat demo lint bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,8 +17,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Two pytest workers: most tests wait on subprocesses (the trainer worker, the daemon).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
+
+# The edit loop: everything that starts no TensorFlow worker (tests marked `trains` are left out).
+quick: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 -m "not trains"
 
 # Pre-train DenseNet40 briefly on the built-in synthetic "server" images, then simulate 7 days
 # of 64 new "device" images each through the real session path, and show the result.
@@ -32,12 +37,12 @@ demo: $(STAMP)
 $(COMPAT_STAMP): pyproject.toml
 	@test -x $(COMPAT)/bin/python || $(PYTHON) -m venv $(COMPAT)
 	$(COMPAT)/bin/python -m pip install --quiet --upgrade pip
-	$(COMPAT)/bin/python -m pip install --quiet 'tensorflow==2.15.1' 'numpy<2' 'sqlite-utils>=3.35,<4' pytest
+	$(COMPAT)/bin/python -m pip install --quiet 'tensorflow==2.15.1' 'numpy<2' 'sqlite-utils>=3.35,<4' pytest pytest-xdist
 	$(COMPAT)/bin/python -m pip install --quiet -e .
 	@touch $(COMPAT_STAMP)
 
 test-compat: $(COMPAT_STAMP)
-	$(COMPAT)/bin/python -m pytest -q -p no:cacheprovider tests/test_worker.py tests/test_store.py \
+	$(COMPAT)/bin/python -m pytest -q -n 2 -p no:cacheprovider tests/test_worker.py tests/test_store.py \
 		tests/test_session.py tests/test_learning.py tests/test_ingest.py tests/test_config.py
 
 lint: $(STAMP)

@@ -56,8 +56,11 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+MODEL = "densenet40"  # --model
+
+
 def job(mode: str, **fields):
-    return make_job(mode, "densenet40", datasets.CLASSES, [32, 32, 3], **fields)
+    return make_job(mode, MODEL, datasets.CLASSES, [32, 32, 3], **fields)
 
 
 def worker(spec: dict, tmp: Path, show_steps: int = 0) -> dict:
@@ -90,7 +93,8 @@ def evaluate(weights: Path, test_npz: Path, work: Path, precision: str) -> dict:
 
 def pretrain(args, ds, work: Path, pretrain_idx, check_npz: Path, test_npz: Path) -> dict:
     """Train from scratch until the check set reaches the target; cached by its settings."""
-    key = (f"base-n{len(pretrain_idx)}-s{args.seed}-t{int(args.target * 100)}"
+    model = "" if MODEL == "densenet40" else f"{MODEL}-"  # the cache of earlier runs stays valid
+    key = (f"base-{model}n{len(pretrain_idx)}-s{args.seed}-t{int(args.target * 100)}"
            f"-b{args.pretrain_batch}-lr{args.pretrain_lr:g}-d{args.pretrain_decay_epoch}"
            f"-{args.pretrain_anneal_epoch}")
     weights, meta = work / f"{key}.npz", work / f"{key}.json"
@@ -192,7 +196,7 @@ def run(args) -> dict:
     seed_idx = pretrain_idx[:args.replay_seed]
     ds.extract("train", [train_files[i][0] for i in seed_idx], seed_dir)
     log(f"odtd home: base model, {len(check_y)} validation images, {len(seed_idx)} replay seed images")
-    init_home(home, "densenet40", list(datasets.CLASSES), weights=Path(base["weights"]), force=True,
+    init_home(home, MODEL, list(datasets.CLASSES), weights=Path(base["weights"]), force=True,
               validation_arrays=(check_x, check_y), replay=seed_dir if len(seed_idx) else None)
     shutil.rmtree(seed_dir)
     plain_weights = work / "plain-current.npz"
@@ -227,7 +231,7 @@ def run(args) -> dict:
                                freeze_bn=False, seed=args.seed + day, precision=args.precision),
                            Path(tmp) / "plain")
                     shutil.move(out, plain_weights)
-                repo = ModelRepo(home.models, "densenet40")
+                repo = ModelRepo(home.models, MODEL)
                 version = repo.current()
                 if version not in odtd_tested:
                     odtd_tested[version] = evaluate(repo.weights_path(version), work / "test.npz",
@@ -342,6 +346,7 @@ def table(summary) -> str:
 
 
 def main() -> int:
+    global MODEL
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cifar", default=os.environ.get("ODTD_CIFAR10"),
                         help="CIFAR-10 JPEG tar.gz or folder (or $ODTD_CIFAR10)")
@@ -372,6 +377,9 @@ def main() -> int:
     parser.add_argument("--replay-seed", type=int, default=20000,
                         help="pre-training images shipped with the base model to seed the replay "
                              "buffer (default: all of them; 0: the buffer starts empty)")
+    parser.add_argument("--model", default=MODEL,
+                        help="built-in network (default densenet40, the published one; tinycnn: a "
+                             "quick trial of the whole path)")
     parser.add_argument("--policy", default=str(REPO / "policies" / "densenet40.yaml"),
                         help="odtd's policy (the recipe); precision and eval batch come from here")
     parser.add_argument("--precision", default="auto", help="fp32 | mixed_bfloat16 | auto")
@@ -383,6 +391,7 @@ def main() -> int:
         print(f"Error: --cifar {args.cifar!r}: no such file; pass the CIFAR-10 archive "
               "(../shared/datasets/cifar10-jpeg.tar.gz)", file=sys.stderr)
         return 1
+    MODEL = args.model
     summary = run(args)
     print(json.dumps(summary, indent=2) if args.json else table(summary))
     return 0

@@ -16,6 +16,16 @@ REPO = Path(__file__).resolve().parents[1]
 # The CIFAR-10 JPEG archive is never part of the project: tests that need it skip without it.
 CIFAR = Path(os.environ.get("ODTD_CIFAR10", REPO.parent / "shared" / "datasets" / "cifar10-jpeg.tar.gz"))
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+# Fixtures that run a TensorFlow worker (init, pre-training, sessions, profiles): a test using one
+# is marked `trains`, which `make quick` leaves out. Tests that start a worker by other means
+# carry the mark themselves.
+TRAINING_FIXTURES = {"_base_home", "home", "daemon_home", "pretrained", "trained_home", "profiled"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if TRAINING_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.trains)
 
 
 def write_images(root: Path, per_class: int = 2, classes=CLASSES, seed: int = 0, size: int = 32,

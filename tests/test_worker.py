@@ -16,6 +16,8 @@ import pytest
 
 from odtd.trainer import catalog, worker
 
+pytestmark = pytest.mark.trains  # every test here runs the real worker
+
 REPO = Path(__file__).resolve().parents[1]
 CLASSES = ["red", "green", "blue"]
 SHAPE = [32, 32, 3]
