@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Literal, Optional
+from typing import List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
 
 from odtd.config import describe_validation_error, read_yaml_mapping
 from odtd.errors import PolicyError
@@ -87,6 +87,9 @@ class TrainingPolicy(_Strict):
     recalibrate_bn: bool = Field(
         default=False, description="after training, recompute BatchNorm's moving statistics over the "
         "session's images under the trained weights (ignored with freeze_bn)")
+    trainable: Union[Literal["all", "head"], PositiveInt] = Field(
+        default="all", description="what trains: all, head (the last layer that holds weights), "
+        "or the last N layers that hold weights; the rest stays as loaded (BatchNorm included)")
     max_samples_per_session: int = Field(default=512, ge=1)
     resume_within: Optional[float] = Field(
         default=None, ge=0, le=100,

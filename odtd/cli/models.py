@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from odtd.cli.output import command, emit, home_of
+from odtd.cli.output import command, emit, home_of, progress
 from odtd.errors import ConfigError
 
 
@@ -44,8 +44,12 @@ def cmd_models(args: argparse.Namespace) -> int:
                                f"(was v{result['previous']})")
         elif action == "export":
             if not args.out:
-                raise ConfigError("models export: --out FILE.npz is required")
-            result = versions.export(home, store, _version_arg(args), Path(args.out))
+                raise ConfigError("models export: --out FILE is required (.keras or .h5: a full "
+                                  "Keras model; .npz: odtd's weights)")
+            version = _version_arg(args)
+            if not args.out.endswith(".npz"):
+                progress(f"exporting v{version} to {args.out} (a worker builds the Keras model) ...")
+            result = versions.export(home, store, version, Path(args.out))
             emit(args, result, f"exported {result['model']} v{result['version']} to {result['out']} "
                                f"(sha256 {result['sha256'][:12]})")
     finally:
@@ -65,7 +69,9 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     """Add ``models``."""
     p = sub.add_parser("models", parents=[reader], help="model registry, versions, rollback, export",
                        description="With no action: the registry with parameter counts. "
-                                   "versions | rollback VERSION | export VERSION --out FILE.npz")
+                                   "versions | rollback VERSION | export VERSION --out FILE "
+                                   "(.keras or .h5: a full Keras model that keras.models.load_model "
+                                   "opens without odtd; .npz: odtd's weights)")
     p.add_argument("action", nargs="?", choices=["list", "versions", "rollback", "export"])
     p.add_argument("version", nargs="?", help="version number for rollback/export (e.g. 3 or v3)")
-    p.add_argument("--out", help="export: output .npz path")
+    p.add_argument("--out", help="export: FILE.keras or FILE.h5 (a full Keras model), or FILE.npz")

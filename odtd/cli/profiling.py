@@ -46,7 +46,7 @@ def _precisions(text: str) -> List[str]:
 @command("profile")
 def cmd_profile(args: argparse.Namespace) -> int:
     """Profile batch sizes in worker processes; optionally write a policy from the result."""
-    from odtd.home.versions import check_model_name
+    from odtd.home.spec import check_model_name
     from odtd.profiling.policy_writer import write_policy
     from odtd.profiling.profile import profile_table
     from odtd.profiling.sweep import run_profile
@@ -62,7 +62,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         config = home.load_config()
         policy = load_policy(home.policy_path(config))
         model = args.model or store.meta("model")
-        check_model_name(model)
+        if model != store.meta("model"):
+            check_model_name(model)
         sizes = _int_list("--batch-sizes", args.batch_sizes) if args.batch_sizes \
             else list(policy.batch.candidates)
         precisions = _precisions(args.precisions) if args.precisions \

@@ -14,20 +14,32 @@ from odtd.errors import ConfigError
 def cmd_init(args: argparse.Namespace) -> int:
     """Create an ODTD_HOME."""
     from odtd.home.create import init_home, parse_classes
-    from odtd.home.versions import check_model_name
+    from odtd.home.spec import check_model_name
 
     home = home_of(args)
-    check_model_name(args.model)
-    progress(f"initialising {home.root} with {args.model} ...")
+    if (args.model is None) == (args.model_file is None):
+        raise ConfigError("init: give --model NAME (a built-in network, see `odtctl models`) or "
+                          "--model-file FILE.keras|.h5 (your own Keras classifier), not both")
+    if args.model_file is not None and args.weights:
+        raise ConfigError("init: --weights goes with --model; a --model-file brings its own")
+    if args.model is not None:
+        check_model_name(args.model)
+    progress(f"initialising {home.root} with {args.model or args.model_file} ...")
     summary = init_home(
         home, args.model, parse_classes(args.classes),
         weights=Path(args.weights) if args.weights else None,
         validation=Path(args.validation) if args.validation else None, force=args.force,
         replay=Path(args.replay) if args.replay else None,
+        model_file=Path(args.model_file) if args.model_file else None, name=args.name,
+        input_scale=args.input_scale, output=args.output, progress=progress,
     )
+    for note in summary["notes"]:
+        progress(f"note: {note}")
+    shape = "x".join(map(str, summary["input_shape"]))
     emit(args, summary,
          f"initialised {summary['home']}: {summary['model']} v{summary['version']} "
-         f"({summary['param_count']:,} parameters, weights {summary['weights']}), "
+         f"({summary['param_count']:,} parameters, input {shape} in {summary['input_scale']}, "
+         f"output {summary['output']}, weights {summary['weights']}), "
          f"{summary['validation_samples']} validation images, "
          f"{summary['replay_samples']} replay images")
     return 0
@@ -74,11 +86,25 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     """Add ``init`` and ``ingest``."""
     p = sub.add_parser("init", parents=[reader], help="create an ODTD_HOME with model version 0",
                        description="Create ODTD_HOME: config, policy, database, model v0, validation set. "
-                       "The policy is the model's own recipe where it has one (policies/<model>.yaml), "
-                       "else policies/default.yaml; an existing policy file is kept.")
-    p.add_argument("--model", required=True, help="registry name (see `odtctl models`)")
+                       "Version 0 is a built-in network (--model) or your own Keras classifier "
+                       "(--model-file: read without running any code in it; Lambda layers and "
+                       "custom objects are refused). The policy is the model's own recipe where it "
+                       "has one (policies/<model>.yaml), else policies/default.yaml; an existing "
+                       "policy file is kept.")
+    p.add_argument("--model", help="a built-in network (see `odtctl models`)")
+    p.add_argument("--model-file", metavar="FILE",
+                   help="your own trained Keras image classifier, a .keras archive or an .h5 file")
+    p.add_argument("--name", help="with --model-file: the model's name in the home (default: the "
+                                  "file's name)")
+    p.add_argument("--input-scale", choices=["0-255", "0-1", "-1-1"],
+                   help="with --model-file: the pixels the model takes (default 0-255, as "
+                        "keras.utils.image_dataset_from_directory gives them to a model that "
+                        "holds its own Rescaling layer)")
+    p.add_argument("--output", choices=["softmax", "logits"],
+                   help="with --model-file: what the last layer gives (default: read from it)")
     p.add_argument("--weights",
-                   help="starting weights (.npz from `odtctl models export`); default: fresh init")
+                   help="with --model: starting weights (.npz from `odtctl models export`); "
+                        "default: fresh init")
     p.add_argument("--classes", help="comma-separated class names (default: the ten CIFAR-10 classes)")
     p.add_argument("--validation", help="directory of <label>/<image> files: the fixed validation set")
     p.add_argument("--replay", help="directory of <label>/<image> files the base model was trained on: "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -11,10 +12,20 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from odtd.config import Config, default_config_text
-from odtd.errors import ConfigError, IngestError
+from odtd.errors import ConfigError, IngestError, ModelError, TrainerFailed
 from odtd.home.ingest import BadImage, Ingestor, decode_image, discover
 from odtd.home.paths import Home
-from odtd.home.versions import ModelRepo, check_model_name, check_weights_file
+from odtd.home.spec import (
+    ARCHITECTURE_NAME,
+    BUILTIN,
+    IMPORTED,
+    ORIGINAL_STEM,
+    ModelSpec,
+    check_conventions,
+    check_model_name,
+    imported_name,
+)
+from odtd.home.versions import ModelRepo, check_weights_file
 from odtd.policy import default_policy_text, load_policy
 from odtd.session.replay_buffer import update_buffer
 from odtd.store.database import Store, utc_now
@@ -37,7 +48,7 @@ def parse_classes(text: Optional[str]) -> list[str]:
 
 def init_home(
     home: Home,
-    model: str,
+    model: Optional[str],
     classes: list[str],
     weights: Optional[Path] = None,
     validation: Optional[Path] = None,
@@ -45,25 +56,51 @@ def init_home(
     seed: int = 0,
     validation_arrays: Optional[tuple[np.ndarray, np.ndarray]] = None,
     replay: Optional[Path] = None,
+    model_file: Optional[Path] = None,
+    name: Optional[str] = None,
+    input_scale: Optional[str] = None,
+    output: Optional[str] = None,
+    progress: Optional[Callable[[str], None]] = None,
 ) -> dict[str, Any]:
     """Create an ODTD_HOME and return a summary.
 
+    Version 0 is made first, by a worker, in a staging directory outside the home: a refused
+    model file, unreadable weights or a bad validation directory leave no half-made home.
+
     Args:
         home: the state directory.
-        model: registry name.
+        model: a built-in network's name (None with ``model_file``).
         classes: class names, in the order of the model's outputs.
-        weights: starting weights (``.npz``); None = a fresh, seeded initialisation.
+        weights: starting weights of a built-in network (``.npz``); None = a fresh, seeded
+            initialisation.
         validation: a ``<label>/<file>`` directory of images, the fixed validation set.
         force: replace an existing home (its samples, sessions and models are deleted).
         seed: seed of a fresh initialisation.
         validation_arrays: (x uint8 NHWC, y) instead of a ``validation`` directory.
         replay: a ``<label>/<file>`` directory of the base model's own training images: they
             seed the replay buffer (see `seed_replay`).
+        model_file: the user's Keras model (``.keras`` or ``.h5``), screened and imported.
+        name: the imported model's name in the home (default: the file's stem).
+        input_scale: the pixels an imported model takes (default ``0-255``).
+        output: ``logits`` or ``softmax``, overriding what is read from the model's last layer.
+        progress: called with one-line progress messages.
 
     Raises:
         ConfigError: the home exists and ``force`` is not set, or an argument is invalid.
+        ModelError: an unknown network, a missing or refused model file, unusable weights.
     """
-    check_model_name(model)
+    say = progress or (lambda message: None)
+    check_conventions(input_scale, output)
+    if model_file is not None:
+        if not model_file.is_file():
+            raise ModelError(f"--model-file {model_file}: no such file")
+        name = imported_name(name or model_file.stem)
+    else:
+        check_model_name(model)
+        if input_scale is not None or output is not None:
+            raise ConfigError("--input-scale and --output describe a model given with "
+                              "--model-file; a built-in network has its own")
+        name = model
     if weights is not None:
         check_weights_file(weights)
     if home.is_initialised() and not force:
@@ -71,51 +108,113 @@ def init_home(
             f"{home.root} is already an odtd home; pass --force to replace it "
             "(its samples, sessions and models are deleted)"
         )
-    # Read the validation images before touching the home, so a bad path loses nothing.
-    val = validation_arrays
-    if validation is not None:
-        val = load_validation_dir(validation, classes, catalog.MODELS[model].input_shape)
     replay_files = None
     if replay is not None:
         if not replay.is_dir():
             raise IngestError(f"--replay {replay}: not a directory of <label>/<image> files")
         replay_files = list(discover(replay, None))
-    if force:
-        wipe_home(home)
-    for directory in home.directories():
-        directory.mkdir(parents=True, exist_ok=True)
-    if not home.config_path.exists():
-        home.config_path.write_text(default_config_text(), encoding="utf-8")
     config = home.load_config()
-    policy_path = home.policy_path(config)
-    if not policy_path.exists():
-        policy_path.write_text(default_policy_text(model), encoding="utf-8")
-    input_shape = list(catalog.MODELS[model].input_shape)
-    if val is not None:
-        np.savez(home.validation_file(), x=val[0], y=val[1])
+    with tempfile.TemporaryDirectory(prefix="odtd-init-") as staging:
+        stage = Path(staging)
+        spec, result = stage_version0(config, stage, name, classes, model_file, weights, seed,
+                                      input_scale, output, say)
+        # Read the validation images before touching the home, so a bad path loses nothing.
+        val = validation_arrays
+        if validation is not None:
+            val = load_validation_dir(validation, classes, spec.input_shape)
+        if force:
+            wipe_home(home)
+        for directory in home.directories():
+            directory.mkdir(parents=True, exist_ok=True)
+        if not home.config_path.exists():
+            home.config_path.write_text(default_config_text(), encoding="utf-8")
+        policy_path = home.policy_path(config)
+        if not policy_path.exists():
+            policy_path.write_text(default_policy_text(model), encoding="utf-8")
+        if val is not None:
+            np.savez(home.validation_file(), x=val[0], y=val[1])
+        repo = ModelRepo(home.models, name)
+        repo.dir.mkdir(parents=True, exist_ok=True)
+        for staged in stage.glob(ORIGINAL_STEM + ".*"):
+            os.replace(staged, repo.dir / staged.name)
+        if (stage / ARCHITECTURE_NAME).exists():
+            os.replace(stage / ARCHITECTURE_NAME, repo.dir / ARCHITECTURE_NAME)
+        version, manifest = repo.add_version(
+            stage / "weights.npz", classes=classes, input_shape=spec.input_shape,
+            param_count=result.get("param_count"), parent=None,
+            weight_names=result.get("weight_names"), move=True)
+    repo.set_current(version)
     store = Store(home.db_path)
     try:
-        store.set_meta(model=model, classes=classes, input_shape=input_shape, created_at=utc_now())
-        version, manifest = create_base_version(home, config, model, classes, input_shape,
-                                                weights, seed)
+        spec.save(store)
+        store.set_meta(created_at=utc_now())
         store.add_model_version({
-            "model": model, "version": version, "parent": None, "session_id": None,
+            "model": name, "version": version, "parent": None, "session_id": None,
             "sha256": manifest["sha256"], "param_count": manifest["param_count"], "accuracy": None,
         })
-        store.log_event("init", f"initialised with {model} v{version}",
-                        weights=str(weights) if weights else "fresh")
+        source = str(model_file) if model_file else (str(weights) if weights else "fresh")
+        store.log_event("init", f"initialised with {name} v{version}", weights=source)
         seeded = {"size": 0}
         if replay_files is not None:
-            seeded = seed_replay(home, store, replay_files, classes, input_shape,
+            seeded = seed_replay(home, store, replay_files, classes, spec.input_shape,
                                  load_policy(policy_path))
     finally:
         store.close()
-    return {
-        "home": str(home.root), "model": model, "version": version, "classes": classes,
-        "param_count": manifest["param_count"], "weights": str(weights) if weights else "fresh",
+    summary = {
+        "home": str(home.root), "model": name, "source": spec.source, "version": version,
+        "classes": classes, "input_shape": spec.input_shape, "input_scale": spec.input_scale,
+        "output": spec.output, "param_count": manifest["param_count"], "weights": source,
         "validation_samples": int(len(val[1])) if val is not None else 0,
-        "replay_samples": seeded["size"],
+        "replay_samples": seeded["size"], "notes": [],
     }
+    if spec.imported and input_scale is None and not result.get("rescales_input"):
+        summary["notes"].append(
+            "the model does not start with a Rescaling or Normalization layer; it is fed pixels "
+            "in 0..255: if it was trained on 0..1 or -1..1 pixels, init again with --input-scale")
+    return summary
+
+
+def stage_version0(config: Config, stage: Path, name: str, classes: list[str],
+                   model_file: Optional[Path], weights: Optional[Path], seed: int,
+                   input_scale: Optional[str], output: Optional[str],
+                   say: Callable[[str], None]) -> tuple[ModelSpec, dict[str, Any]]:
+    """Have a worker write version 0 into ``stage``; return the model's spec and the result.
+
+    ``weights.npz`` always; an imported model adds ``architecture.json`` and its original file.
+
+    A built-in network is built and initialised from ``seed`` or loaded with ``weights`` (which
+    proves they fit it). A model file is screened, built from its configuration and given its
+    own weights; its input shape and output are read from it.
+
+    Raises:
+        ModelError: the worker refused the file or the weights (the worker's one-line reason).
+    """
+    if model_file is not None:
+        suffix = ".h5" if model_file.suffix.lower() == ".h5" else ".keras"
+        job = make_job("import", name, classes, None, model_file=str(model_file.resolve()),
+                       weights_out=str(stage / "weights.npz"),
+                       architecture_out=str(stage / ARCHITECTURE_NAME),
+                       original_out=str(stage / (ORIGINAL_STEM + suffix)))
+        say(f"reading {model_file} (screened: no code in it is run) ...")
+    else:
+        shape = list(catalog.get(name).input_shape)
+        job = make_job("init", name, classes, shape, seed=seed,
+                       weights_out=str(stage / "weights.npz"),
+                       weights_in=str(weights.resolve()) if weights else None)
+    try:
+        result, _, _ = run_job(config.trainer.command(), job, stage / "job")
+    except TrainerFailed as exc:
+        message = str(exc)
+        for prefix in ("worker error (bad_model): ", "worker error (bad_job): "):
+            message = message.replace(prefix, "")
+        raise ModelError(message) from None
+    if model_file is None:
+        return ModelSpec(name, BUILTIN, classes, shape), result
+    detected = result["output"]
+    if output is not None and output != detected:
+        say(f"output: the last layer gives {detected}; treated as {output} (--output)")
+    return ModelSpec(name, IMPORTED, classes, result["input_shape"], input_scale or "0-255",
+                     output or detected), result
 
 
 def seed_replay(home: Home, store: Store, files: list[tuple[Path, Optional[str]]],
@@ -163,37 +262,6 @@ def wipe_home(home: Home) -> None:
             shutil.rmtree(directory)
     for name in ("odtd.db", "odtd.db-wal", "odtd.db-shm"):
         (home.root / name).unlink(missing_ok=True)
-
-
-def create_base_version(
-    home: Home,
-    config: Config,
-    model: str,
-    classes: list[str],
-    input_shape: list[int],
-    weights: Optional[Path],
-    seed: int = 0,
-    on_message: Optional[Callable[[dict[str, Any]], None]] = None,
-) -> tuple[int, dict[str, Any]]:
-    """Make model version 0 (or the next version) current, from weights or a fresh init.
-
-    Given weights are loaded into the model by the worker (which proves they fit it) and
-    written back; a fresh init is built by the worker with ``seed``.
-    """
-    repo = ModelRepo(home.models, model)
-    with tempfile.TemporaryDirectory(dir=home.runs) as tmp:
-        out = Path(tmp) / "weights.npz"
-        job = make_job("init", model, classes, input_shape, seed=seed, weights_out=str(out),
-                       weights_in=str(weights) if weights else None)
-        result, _, _ = run_job(config.trainer.command(), job, Path(tmp), on_message=on_message)
-        existing = repo.versions()
-        version, manifest = repo.add_version(
-            out, classes=classes, input_shape=input_shape, param_count=result.get("param_count"),
-            parent=existing[-1] if existing else None, weight_names=result.get("weight_names"),
-            move=True,
-        )
-    repo.set_current(version)
-    return version, manifest
 
 
 def load_validation_dir(

@@ -45,8 +45,8 @@ class Home:
         """Raise StoreError with the fix when this home was never initialised."""
         if not self.is_initialised():
             raise StoreError(
-                f"{self.root}: not an odtd home (no odtd.db); run `odtctl init --model NAME` "
-                "or pass --home / set ODTD_HOME"
+                f"{self.root}: not an odtd home (no odtd.db); run `odtctl init --model NAME` (or "
+                "--model-file FILE), or pass --home / set ODTD_HOME"
             )
 
     def open_store(self) -> Store:

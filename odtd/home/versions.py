@@ -14,15 +14,15 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from odtd.errors import ModelError
 from odtd.home.paths import Home
 from odtd.store.database import Store
-from odtd.trainer import catalog
 from odtd.trainer.evalcache import file_sha256
 
 logger = logging.getLogger(__name__)
@@ -63,13 +63,6 @@ def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
     atomic_write_bytes(path, text.encode("utf-8"), durable)
 
 
-def check_model_name(name: str) -> None:
-    """Raise ModelError when ``name`` is not in the model registry."""
-    if name not in catalog.MODELS:
-        known = ", ".join(sorted(catalog.MODELS))
-        raise ModelError(f"unknown model {name!r}; known models: {known} (see `odtctl models`)")
-
-
 def check_weights_file(path: Path) -> list[str]:
     """Open an ``.npz`` without pickle and return its array keys; raise ModelError if unusable."""
     try:
@@ -95,7 +88,8 @@ class ModelRepo:
     """
 
     def __init__(self, root: Path, name: str) -> None:
-        check_model_name(name)
+        if not name or "/" in name or name.startswith("."):
+            raise ModelError(f"model name {name!r} cannot be a directory under models/")
         self.name = name
         self.dir = Path(root) / name
 
@@ -274,20 +268,51 @@ def rollback(home: Home, store: Store, version: int) -> dict[str, Any]:
     return {"model": model, "version": version, "previous": previous}
 
 
-def export(home: Home, store: Store, version: int, out: Path) -> dict[str, Any]:
-    """Copy a version's weights to ``out`` (verified by sha256) and record the export."""
-    model = store.meta("model")
-    repo = ModelRepo(home.models, model)
+EXPORT_SUFFIXES = (".npz", ".keras", ".h5")
+
+
+def export(home: Home, store: Store, version: int, out: Path,
+           on_message: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
+    """Write a version (verified by sha256) to ``out`` and record the export.
+
+    ``.npz``: the weights as odtd stores them. ``.keras`` or ``.h5``: a full Keras model that a
+    plain ``keras.models.load_model`` opens without odtd, built by a worker (see
+    ``trainer.worker.export_model``: an imported model keeps the user's own input convention).
+
+    Raises:
+        ModelError: an unknown version, damaged weights, or another suffix.
+        TrainerFailed: the worker could not write the model.
+    """
+    from odtd.home.spec import ModelSpec, original_file
+    from odtd.trainer.job import make_job
+    from odtd.trainer.launch import run_job
+
+    spec = ModelSpec.from_store(store)
+    repo = ModelRepo(home.models, spec.name)
     repo.verify(version)
-    if out.suffix != ".npz":
-        raise ModelError(f"--out {out}: the export is an .npz file; name it e.g. {out.with_suffix('.npz')}")
+    if out.suffix not in EXPORT_SUFFIXES:
+        raise ModelError(f"--out {out}: name the file .npz (odtd's weights), .keras or .h5 "
+                         "(a full Keras model)")
+    out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.copyfile(repo.weights_path(version), tmp)
+    tmp = out.with_name(f".{out.stem}.{os.getpid()}.tmp{out.suffix}")
+    result = {"export": "weights"}
+    if out.suffix == ".npz":
+        shutil.copyfile(repo.weights_path(version), tmp)
+    else:
+        original = original_file(repo.dir) if spec.imported else None
+        with tempfile.TemporaryDirectory(dir=home.runs) as job_dir:
+            job = make_job("export", spec.name, spec.classes, spec.input_shape,
+                           weights_in=str(repo.weights_path(version)), export_to=str(tmp),
+                           model_file=str(original) if original else None, **spec.job_keys(home))
+            result, _, _ = run_job(home.load_config().trainer.command(), job, Path(job_dir),
+                                   on_message=on_message)
     os.replace(tmp, out)
     sha = file_sha256(out)
-    store.log_event("export", f"{model} v{version} exported to {out}", version=version, out=str(out))
-    return {"model": model, "version": version, "out": str(out), "sha256": sha}
+    store.log_event("export", f"{spec.name} v{version} exported to {out}", version=version,
+                    out=str(out))
+    return {"model": spec.name, "version": version, "out": str(out), "sha256": sha,
+            "format": out.suffix.lstrip("."), "written_as": result.get("export")}
 
 
 def prune(home: Home, store: Store, keep: int) -> list[int]:

@@ -22,6 +22,7 @@ import numpy as np
 from odtd.config import Config
 from odtd.errors import TelemetryUnavailable, TrainerFailed
 from odtd.home.paths import Home
+from odtd.home.spec import BUILTIN, ModelSpec
 from odtd.policy import TrainingPolicy
 from odtd.profiling.profile import DOES_NOT_FIT, OK, ProfileResult, ProfileRow
 from odtd.session.runner import SessionLock
@@ -60,10 +61,9 @@ def run_profile(
     """
     say = progress or (lambda message: None)
     training = training or TrainingPolicy()
-    info = catalog.get(model)
-    classes = store.meta("classes") or list(catalog.DEFAULT_CLASSES)
-    input_shape = list(info.input_shape) if model != store.meta("model") \
-        else store.meta("input_shape")
+    spec = ModelSpec.from_store(store)
+    if model != spec.name:  # another built-in network, profiled on this board
+        spec = ModelSpec(model, BUILTIN, spec.classes, list(catalog.get(model).input_shape))
     sampler = _start_sampler(config, say)
     rows = []
     try:
@@ -73,7 +73,7 @@ def run_profile(
                 for batch_size in sorted(set(batch_sizes)):
                     job_dir = home.runs / f"profile-{stamp}-{precision}-b{batch_size}"
                     rows.append(_profile_one(
-                        home, store, config, sampler, job_dir, say, model, classes, input_shape,
+                        home, store, config, sampler, job_dir, say, spec,
                         training, precision, batch_size, steps))
     finally:
         if sampler is not None:
@@ -104,12 +104,12 @@ def _start_sampler(config: Config, say: Callable[[str], None]) -> Any:
 
 
 def _profile_one(home: Home, store: Store, config: Config, sampler: Any, job_dir: Path,
-                 say: Callable[[str], None], model: str, classes: List[str],
-                 input_shape: List[int], training: TrainingPolicy, precision: str,
-                 batch_size: int, steps: int) -> ProfileRow:
+                 say: Callable[[str], None], spec: ModelSpec, training: TrainingPolicy,
+                 precision: str, batch_size: int, steps: int) -> ProfileRow:
     total_steps = WARMUP_STEPS + steps
     job_dir.mkdir(parents=True, exist_ok=True)
     data_path = job_dir / "train.npz"
+    model, classes, input_shape = spec.name, spec.classes, spec.input_shape
     source = _write_data(home, store, data_path, batch_size * total_steps, input_shape, classes)
     say(f"profile {model} {precision} batch {batch_size}: worker starting "
         f"({total_steps} steps on {source} data)")
@@ -120,7 +120,7 @@ def _profile_one(home: Home, store: Store, config: Config, sampler: Any, job_dir
         augment=training.augment, freeze_bn=training.freeze_bn,
         # Recalibration runs the model eagerly and can set a session's peak memory: profile it too.
         recalibrate_bn=training.recalibrate_bn, seed=training.seed, parent_pid=os.getpid(),
-        precision=precision)
+        precision=precision, trainable=training.trainable, **spec.job_keys(home))
     seen: Dict[str, Any] = {}
 
     def on_message(message: Dict[str, Any]) -> None:

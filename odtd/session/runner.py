@@ -24,6 +24,7 @@ from odtd.config import Config
 from odtd.errors import SessionBusy
 from odtd.home.ingest import load_sample_arrays
 from odtd.home.paths import Home
+from odtd.home.spec import ModelSpec
 from odtd.home.versions import ModelRepo
 from odtd.policy import Policy
 from odtd.session.admission import SKIP, admit_session, oom_retry_batch, record_oom
@@ -101,9 +102,10 @@ class SessionRunner:
         self.energy_meter = energy_meter
         self.heartbeat = heartbeat
         self.progress = progress or (lambda message: None)
-        self.model = store.meta("model")
-        self.classes = store.meta("classes")
-        self.input_shape = store.meta("input_shape")
+        self.spec = ModelSpec.from_store(store)
+        self.model = self.spec.name
+        self.classes = self.spec.classes
+        self.input_shape = self.spec.input_shape
         self.repo = ModelRepo(home.models, self.model)
         self.root = root
         self.force_file = home.run / FORCE_CLOSED_FILE
@@ -246,7 +248,8 @@ class SessionRunner:
             precision=training.precision, gpu_memory_limit_mb=training.gpu_memory_limit_mb,
             eval_batch_size=training.eval_batch_size, eval_cache=str(self.repo.eval_cache_path),
             # The candidate's results, adopted as the eval cache if it is promoted.
-            eval_cache_out=str(job_dir / CANDIDATE_EVAL_CACHE))
+            eval_cache_out=str(job_dir / CANDIDATE_EVAL_CACHE), trainable=training.trainable,
+            **self.spec.job_keys(self.home))
         return write_job(job, job_dir)
 
     def _write_evaluation_set(self, job_dir: Path) -> tuple[str, Optional[Path]]:

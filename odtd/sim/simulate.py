@@ -20,6 +20,7 @@ from odtd.errors import ConfigError
 from odtd.home.create import init_home
 from odtd.home.ingest import Ingestor, discover
 from odtd.home.paths import Home
+from odtd.home.spec import ModelSpec
 from odtd.home.versions import ModelRepo
 from odtd.policy import load_policy
 from odtd.report.status import energy_text, pct, sessions_table
@@ -176,8 +177,9 @@ def pretrain_base(home: Home, source: DataSource, options: SimulationOptions,
         precision = load_policy(home.policy_path(config)).training.precision
         with tempfile.TemporaryDirectory(dir=home.runs) as tmp:
             np.savez(Path(tmp) / "server.npz", x=x, y=y)
+            spec = ModelSpec.from_store(store)
             job = make_job(
-                "train", model, store.meta("classes"), store.meta("input_shape"),
+                "train", model, spec.classes, spec.input_shape, **spec.job_keys(home),
                 weights_in=str(repo.weights_path(parent)),
                 weights_out=str(Path(tmp) / "pretrained.npz"), train_data=str(Path(tmp) / "server.npz"),
                 validation_data=str(home.validation_file()), batch_size=options.pretrain_batch_size,

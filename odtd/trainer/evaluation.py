@@ -8,21 +8,23 @@ Keras 3 alike.
 """
 
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 
 from odtd.trainer import evalcache
 
 
-def make_eval_step(tf: Any, model: Any, input_shape: List[int]) -> Callable[[Any, Any], Any]:
+def make_eval_step(tf: Any, model: Any, job: Dict[str, Any]) -> Callable[[Any, Any], Any]:
     """Return a compiled ``(images, labels) -> (per-sample losses, predicted classes)``."""
     from odtd.trainer import networks
 
-    @tf.function(input_signature=[tf.TensorSpec([None] + list(input_shape), tf.uint8),
+    input_scale, output = job["input_scale"], job["output"]
+
+    @tf.function(input_signature=[tf.TensorSpec([None] + list(job["input_shape"]), tf.uint8),
                                   tf.TensorSpec([None], tf.int64)])
     def eval_step(images: Any, labels: Any) -> Any:
-        logits = model(networks.preprocess(images), training=False)
+        logits = networks.forward(model, images, input_scale, output, training=False)
         losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
         return losses, tf.argmax(logits, axis=-1)
 

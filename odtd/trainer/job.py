@@ -25,7 +25,11 @@ JOB_KEYS = {
     "mode": ("str", _REQUIRED),
     "model": ("str", _REQUIRED),
     "classes": ("classes", _REQUIRED),
-    "input_shape": ("shape", _REQUIRED),
+    "input_shape": ("shape", None),
+    "architecture": ("path", None),
+    "input_scale": ("str", "0-1"),
+    "output": ("str", "logits"),
+    "trainable": ("scope", "all"),
     "weights_in": ("path", None),
     "baseline_weights": ("path", None),
     "weights_out": ("path", None),
@@ -48,13 +52,22 @@ JOB_KEYS = {
     "eval_batch_size": ("positive_int", None),
     "eval_cache": ("path", None),
     "eval_cache_out": ("path", None),
+    "model_file": ("path", None),
+    "architecture_out": ("path", None),
+    "original_out": ("path", None),
+    "export_to": ("path", None),
 }
 MODE_REQUIRES = {
-    "init": ("weights_out",),
-    "train": ("train_data", "batch_size", "epochs", "optimizer", "learning_rate"),
-    "profile": ("train_data", "batch_size", "max_steps", "optimizer", "learning_rate"),
-    "evaluate": ("weights_in", "validation_data", "batch_size"),
+    "init": ("input_shape", "weights_out"),
+    "train": ("input_shape", "train_data", "batch_size", "epochs", "optimizer", "learning_rate"),
+    "profile": ("input_shape", "train_data", "batch_size", "max_steps", "optimizer",
+                "learning_rate"),
+    "evaluate": ("input_shape", "weights_in", "validation_data", "batch_size"),
+    "import": ("model_file", "weights_out", "architecture_out", "original_out"),
+    "export": ("input_shape", "weights_in", "export_to"),
 }
+INPUT_SCALES = ("0-255", "0-1", "-1-1")  # networks.INPUT_SCALES, without TensorFlow
+OUTPUTS = ("logits", "softmax")
 
 
 class BadJob(Exception):
@@ -74,7 +87,7 @@ def make_job(mode: str, model: str, classes: Any, input_shape: Any, **keys: Any)
     if unknown or mode not in MODE_REQUIRES:
         raise ValueError("make_job: unknown job keys {} or mode {!r}".format(unknown, mode))
     job = {"protocol": PROTOCOL_VERSION, "mode": mode, "model": model, "classes": list(classes),
-           "input_shape": list(input_shape)}
+           "input_shape": None if input_shape is None else list(input_shape)}
     job.update(keys)
     return job
 
@@ -100,6 +113,8 @@ _KINDS = {
     "classes": ("a non-empty list of class names",
                 lambda v: isinstance(v, list) and len(v) > 0
                 and all(isinstance(name, str) for name in v)),
+    "scope": ("all, head, or a positive number of layers",
+              lambda v: v in ("all", "head") or (_is_int(v) and v > 0)),
     "shape": ("[height, width, channels] of positive integers",
               lambda v: isinstance(v, list) and len(v) == 3
               and all(_is_int(size) and size > 0 for size in v)),
@@ -148,6 +163,8 @@ def load_job(path: str) -> Dict[str, Any]:
         "optimizer": ("sgd", "adam", None),
         "lr_schedule": LR_SCHEDULES,
         "precision": PRECISIONS,
+        "input_scale": INPUT_SCALES,
+        "output": OUTPUTS,
     }
     for key, allowed in choices.items():
         if job[key] not in allowed:
@@ -155,17 +172,20 @@ def load_job(path: str) -> Dict[str, Any]:
     if job["protocol"] != PROTOCOL_VERSION:
         raise BadJob("protocol={} is not supported; this worker speaks protocol {}".format(
             job["protocol"], PROTOCOL_VERSION))
-    try:
-        catalog.get(job["model"])
-    except ValueError as error:
-        raise BadJob(str(error)) from None
+    if job["architecture"] is None and job["model_file"] is None:
+        try:
+            catalog.get(job["model"])
+        except ValueError as error:
+            raise BadJob(str(error)) from None
     for key in MODE_REQUIRES[job["mode"]]:
         if job[key] is None:
             raise BadJob("mode {} needs job key {}".format(job["mode"], key))
-    for key in ("weights_in", "baseline_weights", "train_data", "validation_data"):
+    for key in ("weights_in", "baseline_weights", "train_data", "validation_data",
+                "architecture", "model_file"):
         if job[key] is not None and not os.path.isfile(job[key]):
             raise BadJob("{}: file {} does not exist".format(key, job[key]))
-    for key in ("weights_out", "eval_cache", "eval_cache_out"):
+    for key in ("weights_out", "eval_cache", "eval_cache_out", "architecture_out",
+                "original_out", "export_to"):
         out_dir = job[key] and os.path.dirname(os.path.abspath(job[key]))
         if out_dir and not os.path.isdir(out_dir):
             raise BadJob("{}: directory {} does not exist".format(key, out_dir))

@@ -1,10 +1,16 @@
-"""Keras model builders for the trainer worker (imports TensorFlow; never import from the daemon).
+"""The models the worker trains, built-in or imported, and how both are fed and read.
 
-Conventions shared by every model here, and relied on by the worker and the benchmarks:
+Imports TensorFlow: only the worker (and the benchmarks) import this module.
 
-- Input: float32 images of shape (height, width, channels) with values in [0, 1]. Samples are
-  stored as uint8; ``preprocess`` (``x / 255``) is the one conversion, used for training,
-  evaluation and benchmarks alike.
+Samples are stored as uint8 pixels. ``forward`` is the one way every model is called, in
+training, evaluation, recalibration and the benchmarks: the pixels become float32 in the
+model's input convention (``INPUT_SCALES``: ``0-255`` as keras.utils.image_dataset_from_directory
+gives them, the default of an imported model that holds its own Rescaling; ``0-1``; ``-1-1``),
+and the output becomes float32 logits (a softmax model's probabilities become their logs, which
+the same cross-entropy then reads exactly).
+
+The built-in networks (``BUILDERS``) take ``0-1`` input and end in logits:
+
 - Output: logits (no softmax in the model). The last Dense layer is float32 even under a mixed
   precision policy, so the loss is computed in float32.
 - Convolutions have no bias and ``he_normal`` initialisation; no weight decay is built in.
@@ -16,6 +22,7 @@ shape constants live in ``odtd.trainer.catalog``, which computes parameter count
 TensorFlow.
 """
 
+import json
 from typing import Optional, Sequence
 
 import tensorflow as tf
@@ -25,16 +32,29 @@ from odtd.trainer import catalog
 layers = tf.keras.layers
 
 
-def preprocess(images: tf.Tensor) -> tf.Tensor:
-    """Convert stored uint8 images to model input.
+INPUT_SCALES = ("0-255", "0-1", "-1-1")
+OUTPUTS = ("logits", "softmax")
+BUILTIN_INPUT_SCALE, BUILTIN_OUTPUT = "0-1", "logits"
+_SOFTMAX_FLOOR = 1e-7  # probabilities below this are clipped before their log
 
-    Args:
-        images: uint8 tensor (batch, height, width, channels).
 
-    Returns:
-        float32 tensor of the same shape with values in [0, 1].
-    """
-    return tf.cast(images, tf.float32) * (1.0 / 255.0)
+def scale_pixels(images: tf.Tensor, input_scale: str) -> tf.Tensor:
+    """Convert stored uint8 images to float32 model input in ``input_scale`` (``INPUT_SCALES``)."""
+    images = tf.cast(images, tf.float32)
+    if input_scale == "0-1":
+        return images * (1.0 / 255.0)
+    if input_scale == "-1-1":
+        return images * (1.0 / 127.5) - 1.0
+    return images
+
+
+def forward(model: tf.keras.Model, images: tf.Tensor, input_scale: str, output: str,
+            training: bool) -> tf.Tensor:
+    """Run ``model`` on uint8 ``images``; return float32 logits (see the module's conventions)."""
+    out = tf.cast(model(scale_pixels(images, input_scale), training=training), tf.float32)
+    if output == "softmax":
+        out = tf.math.log(tf.clip_by_value(out, _SOFTMAX_FLOOR, 1.0))
+    return out
 
 
 def _conv(filters: int, kernel_size: int, name: str) -> layers.Layer:
@@ -120,6 +140,23 @@ def tinycnn(
 
 
 BUILDERS = {"densenet40": densenet40, "tinycnn": tinycnn}
+
+
+def build_model(job: dict) -> tf.keras.Model:
+    """The job's model with fresh or file weights: the user's architecture, or a built-in one.
+
+    With ``architecture`` (an imported model's screened configuration, written by ``import``),
+    the configuration is built in this Keras (``imported.build_from_config``); its weights are
+    whatever ``weights_in`` then sets. Otherwise the built-in network ``model`` is built and
+    initialised from the job's seed.
+    """
+    if job["architecture"] is not None:
+        from odtd.trainer import imported
+
+        with open(job["architecture"]) as handle:
+            config = json.load(handle)["config"]
+        return imported.build_from_config(tf, config)
+    return build(job["model"], len(job["classes"]), job["input_shape"])
 
 
 def build(

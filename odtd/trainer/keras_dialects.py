@@ -1,0 +1,234 @@
+"""Translate a screened model configuration between the Keras 2 and Keras 3 dialects (JSON only).
+
+A model trained on a server with Keras 3 must train on a TX2 whose worker runs tf.keras 2.7, and
+the reverse: neither reads the other's files (tf.keras 2.15 refuses Keras 3's ``batch_shape``
+and ``keras.src.models`` modules; Keras 3 refuses Keras 2's nested-model node indices, mixed
+precision ``Policy`` dicts and DepthwiseConv2D ``groups``). Input: a configuration from
+``model_file.read_config`` that ``model_file.screen`` passed. Output: one the running Keras
+builds (``imported.build_from_config``); weights are copied separately.
+Standard library only; Python 3.6-compatible.
+
+What differs between the dialects (found by loading each stack's files on the other):
+- InputLayer: Keras 3 ``batch_shape`` (+ ``optional``) vs Keras 2 ``batch_input_shape``.
+- dtype: Keras 3 ``{"class_name": "DTypePolicy", "config": {"name": ...}}`` on every layer;
+  Keras 2 a string, or ``{"class_name": "Policy", ...}`` for a mixed policy.
+- inbound_nodes: Keras 3 ``[{"args": [<__keras_tensor__ ...>], "kwargs": {}}]``; Keras 2
+  ``[[[layer, node_index, tensor_index, kwargs], ...]]``.
+- node_index of a nested model: Keras 2 counts the nested model's own construction as node 0,
+  so the outer model's first call is node 1; Keras 3 counts it as node 0.
+- input_layers/output_layers: Keras 3 writes a bare ``[name, 0, 0]`` for a single tensor.
+- per-layer keys: Keras 2 DepthwiseConv2D writes ``groups`` (Keras 3 rejects it), Keras 3 Dense
+  writes ``quantization_config``/lora keys, BatchNormalization ``synchronized`` (not in TF 2.7),
+  Normalization ``invert`` (not in TF 2.7), the module/registered_name/build_config metadata.
+"""
+import copy
+
+MODEL_CLASSES = ("Functional", "Sequential", "Model")
+PLAIN_DTYPES = ("float16", "float32", "float64", "bfloat16")
+# Keys a target cannot take; dropped only if the value is the listed default (else refuse).
+DROP_FOR_KERAS2 = {
+    "Dense": {"quantization_config": None, "lora_rank": None, "lora_alpha": None},
+    "EinsumDense": {"quantization_config": None, "lora_rank": None, "lora_alpha": None},
+    "InputLayer": {"optional": False},
+    "Conv2D": {"lora_rank": None, "lora_alpha": None},
+    "DepthwiseConv2D": {"lora_rank": None, "lora_alpha": None},
+}
+# Arguments older tf.keras lacks: (first TF version with it, class, key, default). From the
+# versioned API docs: BatchNormalization(synchronized=) appears in r2.12 (SyncBatchNormalization
+# before); Normalization(invert=) is not in the r2.7-era signature (axis, mean, variance).
+NEWER_KEYS = [((2, 12), "BatchNormalization", "synchronized", False),
+              ((2, 10), "Normalization", "invert", False)]
+DROP_FOR_KERAS3 = {
+    "DepthwiseConv2D": {"groups": 1},
+    "SeparableConv2D": {"groups": 1},
+    "BatchNormalization": {"renorm": False, "renorm_clipping": None, "renorm_momentum": 0.99,
+                           "fused": None, "virtual_batch_size": None, "adjustment": None},
+}
+KERAS3_EMPTY_DEFAULT = {"fused": True}  # fused=True is also harmless for Keras 3 (dropped)
+
+
+class ConversionError(ValueError):
+    """A layer setting has no equivalent in the target dialect."""
+
+
+def _drop(cls, cfg, table, name):
+    for key, default in table.get(cls, {}).items():
+        if key in cfg:
+            value = cfg.pop(key)
+            if value != default and not (key == "fused" and value in (True, False)):
+                raise ConversionError("layer {}: {}={!r} has no equivalent".format(
+                    name, key, value))
+
+
+def _policy_name(dtype):
+    if isinstance(dtype, dict):
+        return (dtype.get("config") or {}).get("name")
+    return dtype
+
+
+def _strip_meta(obj):
+    """Remove Keras-3-only serialization metadata recursively (module, registered_name...)."""
+    if isinstance(obj, list):
+        return [_strip_meta(item) for item in obj]
+    if not isinstance(obj, dict):
+        return obj
+    out = {}
+    for key, value in obj.items():
+        if key in ("module", "registered_name", "build_config", "compile_config",
+                   "shared_object_id"):
+            continue
+        out[key] = _strip_meta(value)
+    return out
+
+
+def _nested_names(layers):
+    return set(layer["config"]["name"] for layer in layers
+               if layer.get("class_name") in MODEL_CLASSES)
+
+
+# ------------------------------------------------------------------ Keras 3 -> Keras 2
+def _k3_node_to_k2(node, nested, layer_name):
+    args = node.get("args", [])
+    kwargs = dict((k, v) for k, v in (node.get("kwargs") or {}).items() if v is not None)
+    if not args:
+        raise ConversionError("layer {}: call without tensor arguments".format(layer_name))
+    first = args[0]
+    tensors = first if isinstance(first, list) else [first]
+    if len(args) > 1:
+        raise ConversionError("layer {}: extra positional call arguments".format(layer_name))
+    out = []
+    for tensor in tensors:
+        if not (isinstance(tensor, dict) and tensor.get("class_name") == "__keras_tensor__"):
+            raise ConversionError("layer {}: non-tensor call argument".format(layer_name))
+        name, node_index, tensor_index = tensor["config"]["keras_history"]
+        if name in nested:
+            node_index += 1
+        out.append([name, node_index, tensor_index, kwargs])
+    return out
+
+
+def _k3_io_to_k2(io, nested):
+    if io and isinstance(io[0], str):
+        io = [io]
+    return [[n, i + (1 if n in nested else 0), t] for n, i, t in io]
+
+
+def _layer_to_k2(layer, nested, tf_version):
+    cls = layer["class_name"]
+    cfg = layer["config"]
+    name = cfg.get("name")
+    if cls in MODEL_CLASSES:
+        cfg = _model_to_k2(layer, tf_version)["config"]
+    else:
+        if cls == "InputLayer":
+            if "batch_shape" in cfg:
+                cfg["batch_input_shape"] = cfg.pop("batch_shape")
+        _drop(cls, cfg, DROP_FOR_KERAS2, name)
+        for since, klass, key, default in NEWER_KEYS:
+            if tf_version < since and cls == klass:
+                _drop(cls, cfg, {cls: {key: default}}, name)
+    if "dtype" in cfg:
+        pname = _policy_name(cfg["dtype"])
+        cfg["dtype"] = pname if pname in PLAIN_DTYPES or pname is None else {
+            "class_name": "Policy", "config": {"name": pname}}
+    out = {"class_name": cls, "config": cfg}
+    if "name" in layer:
+        out["name"] = layer["name"]
+    if "inbound_nodes" in layer:
+        out["inbound_nodes"] = [_k3_node_to_k2(n, nested, name) for n in layer["inbound_nodes"]]
+    return out
+
+
+def _model_to_k2(model, tf_version):
+    cfg = model["config"]
+    layers = cfg.get("layers") or []
+    nested = _nested_names(layers)
+    cfg["layers"] = [_layer_to_k2(layer, nested, tf_version) for layer in layers]
+    if model["class_name"] != "Sequential":
+        cfg["input_layers"] = _k3_io_to_k2(cfg["input_layers"], nested)
+        cfg["output_layers"] = _k3_io_to_k2(cfg["output_layers"], nested)
+    if "dtype" in cfg:
+        pname = _policy_name(cfg["dtype"])
+        cfg["dtype"] = pname if pname in PLAIN_DTYPES or pname is None else {
+            "class_name": "Policy", "config": {"name": pname}}
+    return {"class_name": "Functional" if model["class_name"] == "Model" else
+            model["class_name"], "config": cfg}
+
+
+OBJECT_DROP_FOR_KERAS2 = {"input_axes": None, "output_axes": None}  # Keras 3.1x initializers
+
+
+def _objects_to_k2(obj):
+    """Initializer/regularizer/constraint sub-configs: drop Keras-3-only keys at defaults."""
+    if isinstance(obj, list):
+        return [_objects_to_k2(item) for item in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "class_name" in obj and isinstance(obj.get("config"), dict) and "inbound_nodes" not in obj \
+            and obj["class_name"] not in MODEL_CLASSES and "name" not in obj["config"]:
+        _drop(obj["class_name"], obj["config"], {obj["class_name"]: OBJECT_DROP_FOR_KERAS2},
+              obj["class_name"])
+    return dict((k, _objects_to_k2(v)) for k, v in obj.items())
+
+
+def to_keras2(config, tf_version=(2, 15)):
+    """A Keras-3-dialect config -> Keras 2 (for tf.keras ``tf_version``, e.g. (2, 7)) dialect."""
+    return _model_to_k2(_objects_to_k2(_strip_meta(copy.deepcopy(config))), tf_version)
+
+
+# ------------------------------------------------------------------ Keras 2 -> Keras 3
+def _dtype_k3(dtype):
+    pname = _policy_name(dtype)
+    if pname is None:
+        return None
+    return {"module": "keras", "class_name": "DTypePolicy", "config": {"name": pname},
+            "registered_name": None}
+
+
+def _k2_nodes_fix(inbound, nested):
+    out = []
+    for node in inbound:
+        fixed = []
+        for ref in node:
+            ref = list(ref)
+            if ref[0] in nested:
+                ref[1] -= 1
+            fixed.append(ref)
+        out.append(fixed)
+    return out
+
+
+def _layer_to_k3(layer, nested):
+    cls = layer["class_name"]
+    cfg = layer["config"]
+    name = cfg.get("name")
+    if cls in MODEL_CLASSES:
+        cfg = _model_to_k3(layer)["config"]
+    else:
+        if cls == "InputLayer" and "batch_input_shape" in cfg:
+            cfg["batch_shape"] = cfg.pop("batch_input_shape")
+        _drop(cls, cfg, DROP_FOR_KERAS3, name)
+        if "dtype" in cfg and cls != "InputLayer":
+            cfg["dtype"] = _dtype_k3(cfg["dtype"])
+    out = {"class_name": cls, "config": cfg}
+    if "name" in layer:
+        out["name"] = layer["name"]
+    if "inbound_nodes" in layer:
+        out["inbound_nodes"] = _k2_nodes_fix(layer["inbound_nodes"], nested)
+    return out
+
+
+def _model_to_k3(model):
+    cfg = model["config"]
+    layers = cfg.get("layers") or []
+    nested = _nested_names(layers)
+    cfg["layers"] = [_layer_to_k3(layer, nested) for layer in layers]
+    if model["class_name"] != "Sequential":
+        for key in ("input_layers", "output_layers"):
+            cfg[key] = [[n, i - (1 if n in nested else 0), t] for n, i, t in cfg[key]]
+    return {"class_name": model["class_name"], "config": cfg}
+
+
+def to_keras3(config):
+    """A Keras-2-dialect config (tf.keras 2.x, .h5 or .keras) -> a config Keras 3 builds."""
+    return _model_to_k3(_strip_meta(copy.deepcopy(config)))

@@ -1,0 +1,362 @@
+"""A user's Keras model file, read and screened without deserializing anything in it.
+
+``odtctl init --model-file`` brings a classifier trained elsewhere: a ``.keras`` archive (Keras 3,
+or tf.keras >= 2.13) or an ``.h5`` file (any tf.keras 2 and Keras 3). Loading such a file the
+usual way can run code stored in it: a ``Lambda`` layer's marshalled bytecode, a custom class,
+a function named by module path. tf.keras 2.15 runs an ``.h5`` file's Lambda even with
+``safe_mode=True``, TF 2.7 (a TX2's) has no safe mode at all, and Keras 3 before 3.11 had
+safe-mode bypasses (CVE-2025-1550, CVE-2025-9905, CVE-2025-9906). So the file's configuration is
+read as JSON here and screened against an allowlist of built-in Keras layers and objects; only a
+configuration that passes is ever built (``imported``), and its weights are copied with h5py.
+``load_model`` is never called on the user's file.
+
+    read_config(path)   -> {"format", "keras_version", "config"}   (raises ModelFileError)
+    screen(config)      -> (layer name, reason) for each refused construct
+    model_summary(cfg)  -> dialect, input shape, classes, output convention, nested models
+
+Standard library only (h5py, which every TensorFlow install has, for ``.h5``); Python
+3.6-compatible.
+"""
+import json
+import os
+import zipfile
+
+# Classes a model file may name. Anything else (a Lambda, TFOpLambda, a custom or registered
+# class, a Keras-3 operation node, a function by module path) is refused.
+SAFE_LAYERS = frozenset("""
+InputLayer Conv1D Conv2D DepthwiseConv2D SeparableConv2D Conv2DTranspose Dense EinsumDense
+BatchNormalization LayerNormalization GroupNormalization UnitNormalization
+Activation ReLU LeakyReLU PReLU ELU Softmax
+Add Subtract Multiply Average Maximum Minimum Concatenate Dot
+GlobalAveragePooling1D GlobalAveragePooling2D GlobalMaxPooling1D GlobalMaxPooling2D
+MaxPooling1D MaxPooling2D AveragePooling1D AveragePooling2D
+Dropout SpatialDropout1D SpatialDropout2D GaussianNoise GaussianDropout AlphaDropout
+Flatten Reshape Permute RepeatVector ZeroPadding1D ZeroPadding2D Cropping1D Cropping2D
+UpSampling1D UpSampling2D Identity
+Rescaling Normalization Resizing CenterCrop
+Functional Sequential Model
+""".split())
+SAFE_OBJECTS = frozenset("""
+GlorotUniform GlorotNormal HeNormal HeUniform LecunNormal LecunUniform Zeros Ones Constant
+RandomNormal RandomUniform TruncatedNormal VarianceScaling Orthogonal Identity
+L1 L2 L1L2 OrthogonalRegularizer
+MaxNorm MinMaxNorm NonNeg UnitNorm RadialConstraint
+DTypePolicy FloatDTypePolicy Policy
+__keras_tensor__ __tuple__ __numpy__
+""".split())
+SAFE_ACTIVATIONS = frozenset("""
+linear relu relu6 sigmoid softmax log_softmax tanh elu selu gelu swish silu hard_sigmoid
+hard_silu hard_swish softplus softsign exponential leaky_relu mish
+""".split())
+MODEL_CLASSES = ("Functional", "Sequential", "Model")
+# A model that starts with one of these scales its own pixels: it takes 0..255 as they come.
+INPUT_SCALERS = ("Rescaling", "Normalization")
+KERAS_ZIP_MEMBERS = ("config.json", "metadata.json")
+
+
+class ModelFileError(Exception):
+    """The file is missing, unreadable, truncated, not a Keras model, or refused by the screen."""
+
+
+def read_config(path):
+    """Return {"format": "keras"|"h5", "keras_version": str|None, "config": dict}."""
+    if not os.path.exists(path):
+        raise ModelFileError("no such file: {}".format(path))
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+    if head.startswith(b"PK"):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                names = archive.namelist()
+                if "config.json" not in names:
+                    raise ModelFileError("{}: a zip without config.json, not a .keras model "
+                                         "(has {})".format(path, ", ".join(names[:5])))
+                bad = archive.testzip()  # CRC of every member: catches a damaged archive
+                if bad is not None:
+                    raise ModelFileError("{}: corrupt member {}".format(path, bad))
+                if "model.weights.h5" not in names:
+                    raise ModelFileError("{}: .keras archive without model.weights.h5".format(
+                        path))
+                config = json.loads(archive.read("config.json").decode("utf-8"))
+                meta = {}
+                if "metadata.json" in names:
+                    meta = json.loads(archive.read("metadata.json").decode("utf-8"))
+        except zipfile.BadZipFile as error:
+            raise ModelFileError("{}: corrupt or truncated zip ({})".format(path, error)) from None
+        except ValueError as error:  # json
+            raise ModelFileError("{}: config.json is not JSON ({})".format(path, error)) from None
+        if isinstance(config, dict):
+            # How the server compiled it (optimizer, loss, metrics): odtd trains with its own.
+            config.pop("compile_config", None)
+        return {"format": "keras", "keras_version": meta.get("keras_version"), "config": config}
+    if head == b"\x89HDF\r\n\x1a\n":
+        try:
+            import h5py  # comes with TensorFlow; the daemon's interpreter may lack it
+        except ImportError:
+            raise ModelFileError("{}: reading .h5 needs h5py (pip install h5py)".format(path)) from None
+        try:
+            with h5py.File(path, "r") as handle:
+                raw = handle.attrs.get("model_config")
+                version = handle.attrs.get("keras_version")
+                has_weights = "model_weights" in handle
+        except (OSError, IOError) as error:
+            raise ModelFileError("{}: unreadable HDF5 ({})".format(path, str(error)[:120])) from None
+        if raw is None:
+            raise ModelFileError("{}: HDF5 without model_config: not a saved Keras model "
+                                 "(a weights-only file?)".format(path))
+        if not has_weights:
+            raise ModelFileError("{}: HDF5 model without model_weights".format(path))
+        if isinstance(raw, bytes):
+            raw = raw.decode("utf-8")
+        if isinstance(version, bytes):
+            version = version.decode("utf-8")
+        try:
+            config = json.loads(raw)
+        except ValueError as error:
+            raise ModelFileError("{}: model_config is not JSON ({})".format(path, error)) from None
+        return {"format": "h5", "keras_version": version, "config": config}
+    raise ModelFileError("{}: neither a .keras zip nor an HDF5 file".format(path))
+
+
+def _class_name(obj):
+    name = obj.get("class_name")
+    return name if isinstance(name, str) else None
+
+
+def screen(config):
+    """Yield (layer_name, reason) for every construct that is not plain built-in Keras."""
+    def visit(obj, layer):
+        if isinstance(obj, list):
+            for item in obj:
+                for problem in visit(item, layer):
+                    yield problem
+            return
+        if not isinstance(obj, dict):
+            return
+        cls = _class_name(obj)
+        if cls is not None:
+            module = obj.get("module")
+            registered = obj.get("registered_name")
+            inner = obj.get("config")
+            here = layer
+            if isinstance(inner, dict) and isinstance(inner.get("name"), str) and (
+                    cls in SAFE_LAYERS or "inbound_nodes" in obj or cls not in SAFE_OBJECTS):
+                here = inner["name"]
+            if cls == "Lambda":
+                yield here, "Lambda layer (runs Python code from the file)"
+                return
+            if cls in ("TFOpLambda", "SlicingOpLambda"):
+                yield here, "{} layer (a TensorFlow function called by name: {})".format(
+                    cls, (inner or {}).get("function"))
+                return
+            if cls == "function":
+                if not (isinstance(module, str) and module.startswith("keras")
+                        and inner in SAFE_ACTIVATIONS):
+                    yield layer, "custom function {}.{}".format(module, inner)
+                return
+            if cls in ("__lambda__", "__python_function__") or cls.startswith("__") and (
+                    cls not in SAFE_OBJECTS):
+                yield layer, "serialized Python code ({})".format(cls)
+                return
+            if ">" in cls or (registered and registered not in (cls, None)):
+                yield here, "custom class {}".format(registered or cls)
+                return
+            if module is not None and not (module == "keras" or module.startswith("keras.")):
+                yield here, "class {} from module {}".format(cls, module)
+                return
+            if isinstance(module, str) and module.startswith("keras.src.ops"):
+                yield here, "operation node {} (a tensor op outside a layer)".format(cls)
+                return
+            if ("inbound_nodes" in obj and isinstance(inner, dict) and cls != "InputLayer"
+                    and cls not in MODEL_CLASSES
+                    and "trainable" not in inner):
+                # Keras 3 writes a bare tensor op (x * 2.0) as {"class_name": "Multiply",
+                # "config": {"name": ...}}: in .h5 without a module, so it looks like the
+                # Multiply layer. Every real layer's config has "trainable".
+                yield here, "operation node {} (a tensor op outside a layer)".format(cls)
+                return
+            if cls not in SAFE_LAYERS and cls not in SAFE_OBJECTS:
+                if module is None and obj.get("module", 1) is None:
+                    reason = "custom class {}".format(registered or cls)
+                else:
+                    reason = "class {} not on the allowlist".format(cls)
+                yield here, reason
+                return
+            for key, value in obj.items():
+                if key in ("class_name", "module", "registered_name"):
+                    continue
+                for problem in visit(value, here):
+                    yield problem
+            return
+        for key, value in obj.items():
+            if key in ("activation", "recurrent_activation") and isinstance(value, str):
+                if value not in SAFE_ACTIVATIONS:
+                    yield layer, "activation {!r} is not a built-in".format(value)
+                continue
+            if key == "function":
+                yield layer, "a 'function' field (code or a function name)"
+                continue
+            for problem in visit(value, layer):
+                yield problem
+
+    for problem in visit(config, None):
+        yield problem
+
+
+def read_screened(path):
+    """Read a model file and check it is a single-input image classifier odtd can train.
+
+    Returns:
+        ``(info, summary)``: ``read_config``'s result and ``model_summary``'s.
+
+    Raises:
+        ModelFileError: one line naming the file, and the layer where one is at fault: an
+            unreadable file, a construct that would run code (Lambda, custom classes or
+            functions), an input that is not an image (rank, channels 1 or 3, fixed height
+            and width), or an output that is neither softmax probabilities nor logits.
+    """
+    info = read_config(path)
+    config = info["config"]
+    if _class_name(config) not in MODEL_CLASSES:
+        raise ModelFileError("{}: the top-level object is {!r}, not a Keras Functional or "
+                             "Sequential model".format(path, _class_name(config)))
+    for layer, reason in screen(config):
+        raise ModelFileError(
+            "{}: layer {!r}: {}; code in a model file is not loaded: rebuild the model from "
+            "built-in Keras layers and save it again".format(path, layer, reason))
+    try:
+        summary = model_summary(config)
+    except (ValueError, KeyError, IndexError, TypeError) as error:
+        raise ModelFileError("{}: cannot read the model's input and output ({})".format(
+            path, error)) from None
+    shape = summary["input_shape"]
+    if shape is None or len(shape) != 3 or shape[2] not in (1, 3):
+        raise ModelFileError("{}: input shape {} is not an image: odtd trains models whose "
+                             "input is (height, width, channels) with 1 or 3 channels".format(
+                                 path, None if shape is None else list(shape)))
+    if shape[0] is None or shape[1] is None:
+        raise ModelFileError("{}: input shape {} has no fixed height and width; build the "
+                             "model with keras.Input(shape=(height, width, {})) and save it "
+                             "again".format(path, list(shape), shape[2]))
+    if summary["output"] not in ("softmax", "logits"):
+        raise ModelFileError("{}: the last layer {!r} outputs {}; odtd trains classifiers "
+                             "ending in softmax probabilities or logits".format(
+                                 path, summary["output_layer"], summary["output"]))
+    return info, summary
+
+
+# ----- shape, output convention -------------------------------------------------------------
+
+def _layers(config):
+    return (config.get("config") or {}).get("layers") or []
+
+
+def dialect(config):
+    """``keras3`` or ``keras2``, by the config's own spelling (not by ``keras_version``)."""
+    text = json.dumps(config)
+    if '"batch_shape"' in text or '"__keras_tensor__"' in text or '"DTypePolicy"' in text:
+        return "keras3"
+    return "keras2"
+
+
+def input_shape(config):
+    """(H, W, C) of a single-input model, from its InputLayer (or Sequential build info)."""
+    layers = _layers(config)
+    for layer in layers:
+        if layer.get("class_name") == "InputLayer":
+            cfg = layer["config"]
+            shape = cfg.get("batch_shape") or cfg.get("batch_input_shape")
+            return tuple(shape[1:])
+    # Keras-2 Sequential without an explicit InputLayer: first layer's batch_input_shape
+    if layers:
+        cfg = layers[0].get("config", {})
+        shape = cfg.get("batch_input_shape") or cfg.get("batch_shape")
+        if shape:
+            return tuple(shape[1:])
+    build = (config.get("config") or {}).get("build_input_shape") or config.get(
+        "build_config", {}).get("input_shape")
+    return tuple(build[1:]) if build else None
+
+
+def _output_layer(config):
+    """The layer config producing the model output (recursing into a nested model)."""
+    inner = config.get("config") or {}
+    layers = inner.get("layers") or []
+    if config.get("class_name") == "Sequential":
+        last = layers[-1]
+    else:
+        outs = inner.get("output_layers")
+        if outs and isinstance(outs[0], str):  # keras 3 single output: ["name", 0, 0]
+            outs = [outs]
+        if len(outs) != 1:
+            raise ValueError("model has {} outputs; need exactly one".format(len(outs)))
+        name = outs[0][0]
+        last = [layer for layer in layers if layer.get("config", {}).get("name") == name or
+                layer.get("name") == name][0]
+    if last.get("class_name") in MODEL_CLASSES:
+        return _output_layer(last)
+    return last
+
+
+def _dtype_name(value):
+    if isinstance(value, dict):
+        return (value.get("config") or {}).get("name")
+    return value
+
+
+def output_convention(config):
+    """('softmax'|'sigmoid'|'logits'|'other:<act>', units, last layer name, its dtype)."""
+    last = _output_layer(config)
+    cfg = last.get("config", {})
+    cls = last.get("class_name")
+    dtype = _dtype_name(cfg.get("dtype"))
+    if cls == "Softmax":
+        kind = "softmax"
+    elif cls in ("Activation", "Dense"):
+        act = cfg.get("activation", "linear")
+        if isinstance(act, dict):
+            act = act.get("config")
+        kind = {"softmax": "softmax", "sigmoid": "sigmoid", "linear": "logits",
+                None: "logits"}.get(act, "other:{}".format(act))
+    else:
+        kind = "other:{}".format(cls)
+    return kind, cfg.get("units"), cfg.get("name"), dtype
+
+
+def num_classes(config):
+    """Units of the last Dense (walking back over Activation/Softmax/Dropout layers)."""
+    kind, units, _, _ = output_convention(config)
+    if units:
+        return units
+    layers = _flat_layers(config)
+    for layer in reversed(layers):
+        if layer.get("class_name") == "Dense":
+            return layer["config"]["units"]
+    return None
+
+
+def _flat_layers(config):
+    out = []
+    for layer in _layers(config):
+        if layer.get("class_name") in MODEL_CLASSES:
+            out.extend(_flat_layers(layer))
+        else:
+            out.append(layer)
+    return out
+
+
+def nested_models(config):
+    """(name, class) of each model nested directly in this one."""
+    return [(layer["config"]["name"], layer["class_name"]) for layer in _layers(config)
+            if layer.get("class_name") in MODEL_CLASSES]
+
+
+def model_summary(config):
+    """What odtd needs to know of a model: dialect, input shape, classes, output convention."""
+    kind, units, last, dtype = output_convention(config)
+    flat = [layer for layer in _flat_layers(config) if layer.get("class_name") != "InputLayer"]
+    return {"dialect": dialect(config), "input_shape": input_shape(config),
+            "rescales_input": bool(flat) and flat[0].get("class_name") in INPUT_SCALERS,
+            "classes": num_classes(config), "output": kind, "output_layer": last,
+            "output_dtype": dtype, "nested_models": nested_models(config),
+            "layers": len(_flat_layers(config))}

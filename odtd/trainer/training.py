@@ -1,0 +1,294 @@
+"""Training in the worker: batches, the optimizer and its rate, the compiled step, BatchNorm.
+
+``train_and_evaluate`` is one ``train`` or ``profile`` job's work: score the model the candidate
+must beat, train, recalibrate BatchNorm, score the candidate. Every model is called through
+``networks.forward``, so built-in and imported models are trained alike.
+
+TensorFlow is passed in (``tf``), never imported here. Python 3.6-compatible; tf.keras 2 and
+Keras 3 alike.
+"""
+
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from odtd.trainer import evalcache
+from odtd.trainer.data import load_groups
+from odtd.trainer.evaluation import evaluate, make_eval_step, open_eval_cache, paired_counts
+from odtd.trainer.imported import leaf_layers
+
+Emit = Callable[..., None]
+
+
+def iterate_batches(num_samples: int, batch_size: int, epochs: Optional[int],
+                    max_steps: Optional[int], rng: np.random.RandomState
+                    ) -> Iterator[Tuple[int, np.ndarray]]:
+    """Yield ``(epoch, sample indices)`` per step, reshuffling every epoch.
+
+    With ``epochs`` set, each epoch visits every sample once and its last batch may be short.
+    With ``epochs`` None (profile mode), epochs run back to back and every batch is full, even
+    when there are fewer samples than ``batch_size``, so a profile measures that batch size.
+    ``max_steps`` caps the number of steps either way.
+    """
+    step = 0
+    if epochs is not None:
+        for epoch in range(epochs):
+            order = rng.permutation(num_samples)
+            for begin in range(0, num_samples, batch_size):
+                if max_steps is not None and step >= max_steps:
+                    return
+                yield epoch, order[begin:begin + batch_size]
+                step += 1
+        return
+    stream = np.empty(0, dtype=np.int64)
+    consumed = 0
+    while max_steps is None or step < max_steps:
+        while len(stream) < batch_size:
+            stream = np.concatenate([stream, rng.permutation(num_samples)])
+        yield consumed // num_samples, stream[:batch_size]
+        stream = stream[batch_size:]
+        consumed += batch_size
+        step += 1
+
+
+def make_rate(tf: Any, job: Dict[str, Any], total_steps: Optional[int]) -> Any:
+    """Return the job's learning rate: a number, or a Keras schedule called with the step.
+
+    With ``lr_schedule`` cosine and ``total_steps`` known, the rate decays from
+    ``learning_rate`` to 0 over the job's steps: a session ends annealed, wherever it started.
+    """
+    if job["lr_schedule"] == "cosine" and total_steps:
+        return tf.keras.optimizers.schedules.CosineDecay(job["learning_rate"], total_steps)
+    return job["learning_rate"]
+
+
+def make_optimizer(tf: Any, job: Dict[str, Any], precision: str, rate: Any) -> Any:
+    """Build the job's optimizer at ``rate`` (``make_rate``), in a LossScaleOptimizer for float16."""
+    if job["optimizer"] == "sgd":
+        optimizer = tf.keras.optimizers.SGD(learning_rate=rate, momentum=job["momentum"])
+    else:
+        optimizer = tf.keras.optimizers.Adam(learning_rate=rate)
+    if precision == "mixed_float16":
+        optimizer = tf.keras.mixed_precision.LossScaleOptimizer(optimizer)
+    return optimizer
+
+
+def augment_pad_px(input_shape: List[int]) -> int:
+    """The random crop's padding: an eighth of the smaller side (4 pixels at 32x32)."""
+    return max(1, int(round(min(input_shape[0], input_shape[1]) / 8.0)))
+
+
+def augment_batch(tf: Any, images: Any, pad: int) -> Any:
+    """Flip each image horizontally at random and crop it from a ``pad``-pixel zero-padded copy.
+
+    Vectorised per batch (one random offset per image), for use inside a ``tf.function``.
+    """
+    shape = tf.shape(images)
+    count, height, width = shape[0], shape[1], shape[2]
+    flip = tf.random.uniform([count]) < 0.5
+    images = tf.where(flip[:, None, None, None], tf.reverse(images, axis=[2]), images)
+    padded = tf.pad(images, [[0, 0], [pad, pad], [pad, pad], [0, 0]])
+    top = tf.random.uniform([count], 0, 2 * pad + 1, dtype=tf.int32)
+    left = tf.random.uniform([count], 0, 2 * pad + 1, dtype=tf.int32)
+    rows = top[:, None] + tf.range(height)[None, :]
+    cols = left[:, None] + tf.range(width)[None, :]
+    padded = tf.gather(padded, rows, axis=1, batch_dims=1)
+    return tf.gather(padded, cols, axis=2, batch_dims=1)
+
+
+def make_train_step(tf: Any, model: Any, optimizer: Any, job: Dict[str, Any]) -> Callable[[Any, Any], Any]:
+    """Return a compiled step ``(uint8 images, int64 labels) -> mean loss`` that updates weights.
+
+    The input signature has a free batch dimension, so a short last batch does not retrace.
+    """
+    from odtd.trainer import networks
+
+    variables = model.trainable_variables
+    # tf.keras 2 and Keras 3 spell loss scaling differently; Keras 3 unscales in apply_gradients.
+    legacy_scaling = hasattr(optimizer, "get_scaled_loss")
+    keras3_scaling = not legacy_scaling and hasattr(optimizer, "scale_loss")
+
+    input_shape, input_scale, output = job["input_shape"], job["input_scale"], job["output"]
+    pad = augment_pad_px(input_shape)
+
+    @tf.function(input_signature=[tf.TensorSpec([None] + list(input_shape), tf.uint8),
+                                  tf.TensorSpec([None], tf.int64)])
+    def train_step(images: Any, labels: Any) -> Any:
+        if job["augment"]:
+            images = augment_batch(tf, images, pad)
+        with tf.GradientTape() as tape:
+            logits = networks.forward(model, images, input_scale, output, training=True)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=labels, logits=logits))
+            if legacy_scaling:
+                scaled_loss = optimizer.get_scaled_loss(loss)
+            elif keras3_scaling:
+                scaled_loss = optimizer.scale_loss(loss)
+            else:
+                scaled_loss = loss
+        gradients = tape.gradient(scaled_loss, variables)
+        if legacy_scaling:
+            gradients = optimizer.get_unscaled_gradients(gradients)
+        optimizer.apply_gradients(zip(gradients, variables))
+        return loss
+
+    return train_step
+
+
+def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
+                       data: Dict[str, Tuple[np.ndarray, np.ndarray]],
+                       should_stop: Callable[[], bool], emit: Emit,
+                       baseline: Optional[List[np.ndarray]] = None,
+                       scored_after: Optional[Dict[str, np.ndarray]] = None) -> Dict[str, Any]:
+    """Evaluate before, train, evaluate after; return the result fields this produces.
+
+    With ``baseline`` (the ``baseline_weights`` arrays) the "before" figures are that model's
+    (the one the candidate must beat), and training then starts from the weights as loaded.
+    ``scored_after``, if given, receives the trained model's per-sample validation results
+    (``keys``, ``correct``, ``losses``: ``evalcache.save``'s arguments).
+    """
+    fields = {"status": "interrupted",
+              "trainable_layers": set_trainable_scope(model, job["trainable"])}  # type: Dict[str, Any]
+    if job["freeze_bn"]:
+        # A non-trainable BatchNormalization runs in inference mode in tf.keras 2 and Keras 3:
+        # moving statistics, gamma and beta all stay as loaded.
+        for layer in batchnorm_layers(tf, model):
+            layer.trainable = False
+    profiling = job["mode"] == "profile"
+    num_classes = len(job["classes"])
+    batch_size = job["batch_size"]
+    validation = None if profiling else data.get("validation_data")
+    # Evaluating at the training batch size (the default) keeps the session's memory within
+    # what the profile measured for that size.
+    eval_batch_size = job["eval_batch_size"] or batch_size
+    groups = None
+    if validation is not None:
+        groups = load_groups(job["validation_data"], len(validation[1]))
+        eval_step = make_eval_step(tf, model, job)
+        start_weights = None
+        if baseline is not None:
+            start_weights = model.get_weights()
+            model.set_weights(baseline)
+        cache = open_eval_cache(job, precision, validation)
+        before = evaluate(eval_step, validation[0], validation[1], num_classes, eval_batch_size,
+                          should_stop, groups, cache and cache[2])
+        if start_weights is not None:
+            model.set_weights(start_weights)
+        if before is None:
+            return fields
+        correct_before = before.pop("correct")
+        losses_before = before.pop("losses")
+        if cache is not None:
+            evalcache.save(job["eval_cache"], cache[0], precision, cache[1], correct_before,
+                           losses_before)
+        emit("eval", phase="before", **before)
+        fields["accuracy_before"] = before["accuracy"]
+        fields["per_class_before"] = before["per_class"]
+        fields["by_group_before"] = before["by_group"]
+
+    x_train, y_train = data["train_data"]
+    images, labels = tf.constant(x_train), tf.constant(y_train)
+    # Finite either way (profile mode requires max_steps); the count sizes the schedule.
+    batches = list(iterate_batches(len(y_train), batch_size, None if profiling else job["epochs"],
+                                   job["max_steps"], np.random.RandomState(job["seed"])))
+    rate = make_rate(tf, job, None if profiling else len(batches))
+    train_step = make_train_step(tf, model, make_optimizer(tf, job, precision, rate), job)
+    steps = samples = 0
+    train_started = time.monotonic()
+    for epoch, indices in batches:
+        if should_stop():
+            break
+        start = time.monotonic()
+        batch = tf.constant(indices)
+        loss = float(train_step(tf.gather(images, batch), tf.gather(labels, batch)))
+        end = time.monotonic()
+        emit("step", index=steps, epoch=epoch, batch_size=len(indices), loss=loss,
+             lr=float(rate(steps)) if callable(rate) else rate, start=start, end=end)
+        steps += 1
+        samples += len(indices)
+    fields.update(steps=steps, samples=samples, train_seconds=time.monotonic() - train_started)
+    if should_stop():
+        return fields
+    if job["recalibrate_bn"] and not job["freeze_bn"]:  # in profile mode too: its memory counts
+        fields["recalibrate_seconds"] = recalibrate_batchnorm(tf, model, job, x_train, batch_size,
+                                                              should_stop)
+        if fields["recalibrate_seconds"] is None:
+            return fields
+    if validation is not None:
+        after = evaluate(eval_step, validation[0], validation[1], num_classes, eval_batch_size,
+                         should_stop, groups)
+        if after is None:
+            return fields
+        correct_after, losses_after = after.pop("correct"), after.pop("losses")
+        fields["paired_by_group"] = paired_counts(correct_before, correct_after, groups)
+        if scored_after is not None:
+            keys = cache[1] if cache is not None else evalcache.sample_keys(*validation)
+            scored_after.update(keys=keys, correct=correct_after, losses=losses_after)
+        emit("eval", phase="after", **after)
+        fields["accuracy_after"] = after["accuracy"]
+        fields["per_class_after"] = after["per_class"]
+        fields["by_group_after"] = after["by_group"]
+    fields["status"] = "ok"
+    return fields
+
+
+def batchnorm_layers(tf: Any, model: Any) -> List[Any]:
+    """The model's BatchNormalization layers, in nested models too (freeze_bn, recalibrate_bn)."""
+    return [layer for _, layer in leaf_layers(model)
+            if isinstance(layer, tf.keras.layers.BatchNormalization)]
+
+
+TRAINABLE_SCOPES = ("all", "head")
+
+
+def set_trainable_scope(model: Any, scope: Any) -> int:
+    """Train only part of the model; every other leaf layer is frozen.
+
+    ``scope`` is ``all``, ``head`` (the last layer that holds weights) or N (the last N layers
+    that hold weights).
+
+    A frozen BatchNormalization runs in inference mode (tf.keras 2 and Keras 3): its moving
+    statistics stay as loaded, so recalibration leaves them alone too.
+
+    Returns:
+        How many weight-holding layers train.
+    """
+    layers = [layer for _, layer in leaf_layers(model) if layer.weights]
+    if scope == "all":
+        return len(layers)
+    keep = 1 if scope == "head" else int(scope)
+    for layer in layers[:max(0, len(layers) - keep)]:
+        layer.trainable = False
+    return min(keep, len(layers))
+
+
+def recalibrate_batchnorm(tf: Any, model: Any, job: Dict[str, Any], x: np.ndarray,
+                          batch_size: int, should_stop: Callable[[], bool]) -> Optional[float]:
+    """Recompute every BatchNormalization layer's moving statistics over ``x``, not augmented.
+
+    A short fine-tuning leaves moving averages that mix the statistics of the weights before and
+    during it. Here each layer's moving mean and variance become the equal-weight average of its
+    batch statistics over ``x`` under the trained weights ("precise BN"); nothing else changes.
+
+    Returns:
+        The seconds it took, or None if a stop was requested meanwhile (statistics partial).
+    """
+    from odtd.trainer import networks
+
+    layers = [layer for layer in batchnorm_layers(tf, model) if layer.trainable]
+    momenta = [layer.momentum for layer in layers]
+    started = time.monotonic()
+    try:
+        for count, begin in enumerate(range(0, len(x), batch_size), 1):
+            if should_stop():
+                return None
+            # Momentum (n - 1) / n makes the n-th batch's weight 1 / n: an equal-weight mean.
+            for layer in layers:
+                layer.momentum = (count - 1.0) / count
+            networks.forward(model, tf.constant(x[begin:begin + batch_size]), job["input_scale"],
+                             job["output"], training=True)
+    finally:
+        for layer, momentum in zip(layers, momenta):
+            layer.momentum = momentum
+    return time.monotonic() - started
