@@ -49,7 +49,7 @@ def cmd_models(args: argparse.Namespace) -> int:
             version = _version_arg(args)
             if not args.out.endswith(".npz"):
                 progress(f"exporting v{version} to {args.out} (a worker builds the Keras model) ...")
-            result = versions.export(home, store, version, Path(args.out))
+            result = versions.export(home, store, version, Path(args.out), as_given=args.as_given)
             emit(args, result, f"exported {result['model']} v{result['version']} to {result['out']} "
                                f"(sha256 {result['sha256'][:12]})")
     finally:
@@ -74,4 +74,9 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
                                    "opens without odtd; .npz: odtd's weights)")
     p.add_argument("action", nargs="?", choices=["list", "versions", "rollback", "export"])
     p.add_argument("version", nargs="?", help="version number for rollback/export (e.g. 3 or v3)")
-    p.add_argument("--out", help="export: FILE.keras or FILE.h5 (a full Keras model), or FILE.npz")
+    p.add_argument("--out", help="export: FILE.keras or FILE.h5 (a full Keras model, written by the "
+                                 "device's Keras), or FILE.npz")
+    p.add_argument("--as-given", action="store_true",
+                   help="export of an imported model: write the weights into a copy of the file "
+                        "given to init, which the Keras that wrote it opens (e.g. a server on "
+                        "Keras 3 when the device runs Keras 2)")

@@ -271,13 +271,15 @@ def rollback(home: Home, store: Store, version: int) -> dict[str, Any]:
 EXPORT_SUFFIXES = (".npz", ".keras", ".h5")
 
 
-def export(home: Home, store: Store, version: int, out: Path,
+def export(home: Home, store: Store, version: int, out: Path, as_given: bool = False,
            on_message: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
     """Write a version (verified by sha256) to ``out`` and record the export.
 
     ``.npz``: the weights as odtd stores them. ``.keras`` or ``.h5``: a full Keras model that a
-    plain ``keras.models.load_model`` opens without odtd, built by a worker (see
+    plain ``keras.models.load_model`` opens without odtd, written by a worker in its Keras (see
     ``trainer.worker.export_model``: an imported model keeps the user's own input convention).
+    ``as_given``: an imported model's weights written into a copy of the file the user gave,
+    which the Keras that wrote that file opens (a server on Keras 3, a device on Keras 2).
 
     Raises:
         ModelError: an unknown version, damaged weights, or another suffix.
@@ -300,7 +302,12 @@ def export(home: Home, store: Store, version: int, out: Path,
     if out.suffix == ".npz":
         shutil.copyfile(repo.weights_path(version), tmp)
     else:
-        original = original_file(repo.dir) if spec.imported else None
+        original = original_file(repo.dir) if as_given else None
+        if as_given and (original is None or original.suffix != out.suffix):
+            given = "a built-in network has none" if original is None else \
+                f"it was {original.suffix}"
+            raise ModelError(f"--as-given writes into a copy of the model file given to init: "
+                             f"name --out like it ({given})")
         with tempfile.TemporaryDirectory(dir=home.runs) as job_dir:
             job = make_job("export", spec.name, spec.classes, spec.input_shape,
                            weights_in=str(repo.weights_path(version)), export_to=str(tmp),

@@ -321,9 +321,10 @@ def import_model(tf: Any, job: Dict[str, Any]) -> Tuple[Any, Dict[str, Any]]:
 def export_model(tf: Any, job: Dict[str, Any], model: Any) -> Dict[str, Any]:
     """Write the loaded weights as a full Keras model at ``export_to`` (``.keras`` or ``.h5``).
 
-    An imported model whose original file (``model_file``) has the format asked for is written
-    into a copy of that file: the user's own Keras opens it as it opened what they gave. Any
-    other export is this worker's Keras writing the model. A built-in network is exported as a
+    This worker's Keras writes the model: it opens with a Keras of the same major version. With
+    ``model_file`` (an imported model's file as the user gave it, of the format asked for), the
+    weights are written into a copy of that file instead: the Keras that wrote it opens it, even
+    where that is another major version than the device's. A built-in network is exported as a
     classifier any Keras image pipeline can call: 0..255 pixels in (a Rescaling layer in front),
     softmax probabilities out.
     """
@@ -333,10 +334,12 @@ def export_model(tf: Any, job: Dict[str, Any], model: Any) -> Dict[str, Any]:
     suffix = ".h5" if out.endswith(".h5") else ".keras"
     if job["architecture"] is not None:
         original = job["model_file"]
-        if original is not None and \
-                model_file.read_config(original)["format"] == suffix.lstrip("."):
+        if original is not None:
+            if model_file.read_config(original)["format"] != suffix.lstrip("."):
+                raise BadJob("export_to {}: the original file is {}; name the export the same "
+                             "way to write into a copy of it".format(out, original))
             imported.export_like_original(model, original, out)
-            return {"export": "like_original"}
+            return {"export": "as_given"}
         imported.export_native(model, out)
         return {"export": "native"}
     inputs = tf.keras.Input(shape=tuple(job["input_shape"]), name="pixels")

@@ -1,0 +1,110 @@
+"""Write the Keras model files the bring-your-own-model tests import: ``python THIS OUTDIR [NAME..]``.
+
+Runs under Keras 3 and tf.keras 2 alike (it is the "server" that trained the user's model), in a
+subprocess of its own, so the test process never imports TensorFlow. For each model it writes
+``NAME.keras`` and ``NAME.h5`` and ``NAME.ref.npz`` (probe images and the model's outputs on
+them), then prints a JSON line of what it wrote. tests/fixtures/keras/k2 and k3 hold the small
+ones as tf.keras 2.15 and Keras 3.15 wrote them, so each stack's tests import the other's files.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+keras = tf.keras
+L = keras.layers
+OUT = sys.argv[1]
+rng = np.random.default_rng(0)
+keras.utils.set_random_seed(0)
+
+
+def cnn_softmax():
+    """A small CNN that scales its own pixels (Rescaling) and ends in softmax: 48x64 RGB, 4 classes."""
+    inp = keras.Input((48, 64, 3), name="image")
+    x = L.Rescaling(1.0 / 255, name="rescale")(inp)
+    x = L.Conv2D(8, 3, name="conv1")(x)
+    x = L.BatchNormalization(name="bn1")(x)
+    x = L.ReLU(name="relu1")(x)
+    x = L.MaxPooling2D(2, name="pool1")(x)
+    x = L.Conv2D(8, 3, name="conv2")(x)
+    x = L.GlobalAveragePooling2D(name="gap")(x)
+    out = L.Dense(4, activation="softmax", name="probs")(x)
+    return keras.Model(inp, out, name="cnn_softmax")
+
+
+def gray_logits():
+    """A model ending in logits (Dense without activation), grayscale 32x32, 3 classes; a
+    BatchNorm inside a nested Sequential block."""
+    block = keras.Sequential([L.Conv2D(6, 3, name="block_conv"), L.BatchNormalization(name="block_bn"),
+                              L.ReLU(name="block_relu")], name="block")
+    inp = keras.Input((32, 32, 1), name="image")
+    x = L.Rescaling(1.0 / 127.5, offset=-1.0, name="rescale")(inp)
+    x = block(x)
+    x = L.GlobalAveragePooling2D(name="gap")(x)
+    out = L.Dense(3, name="logits")(x)
+    return keras.Model(inp, out, name="gray_logits")
+
+
+def mobilenet():
+    """keras.applications.MobileNetV2 at 64x64, 5 classes, built offline (weights=None)."""
+    return keras.applications.MobileNetV2(input_shape=(64, 64, 3), weights=None, classes=5)
+
+
+def with_lambda():
+    inp = keras.Input((16, 16, 3), name="image")
+    x = L.Lambda(lambda t: t * 2.0, name="doubler")(inp)
+    x = L.GlobalAveragePooling2D(name="gap")(x)
+    return keras.Model(inp, L.Dense(3, activation="softmax", name="probs")(x), name="lam")
+
+
+@keras.utils.register_keras_serializable(package="userpkg")
+class Tripler(L.Layer):
+    def call(self, x):
+        return x * 3.0
+
+
+def with_custom_layer():
+    inp = keras.Input((16, 16, 3), name="image")
+    x = Tripler(name="tripler")(inp)
+    x = L.GlobalAveragePooling2D(name="gap")(x)
+    return keras.Model(inp, L.Dense(3, activation="softmax", name="probs")(x), name="custom")
+
+
+def vector_input():
+    inp = keras.Input((20,), name="features")
+    return keras.Model(inp, L.Dense(3, activation="softmax", name="probs")(inp), name="vector")
+
+
+def four_channels():
+    inp = keras.Input((16, 16, 4), name="image")
+    x = L.GlobalAveragePooling2D(name="gap")(inp)
+    return keras.Model(inp, L.Dense(3, activation="softmax", name="probs")(x), name="rgba")
+
+
+TRAINABLE = {"cnn_softmax": cnn_softmax, "gray_logits": gray_logits, "mobilenet": mobilenet}
+REFUSED = {"lambda": with_lambda, "custom_layer": with_custom_layer, "vector_input": vector_input,
+           "four_channels": four_channels}
+wanted = sys.argv[2:] or list(TRAINABLE) + list(REFUSED)
+written = {}
+for name in wanted:
+    model = {**TRAINABLE, **REFUSED}[name]()
+    if name in TRAINABLE:
+        # A few steps of training, so the weights are not the initial ones.
+        shape = model.input_shape[1:]
+        x = rng.integers(0, 256, (32,) + tuple(shape)).astype("float32")
+        y = rng.integers(0, model.output_shape[-1], 32)
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(
+            from_logits=name == "gray_logits"))
+        model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+        probe = x[:2]
+        np.savez(os.path.join(OUT, name + ".ref.npz"), x=probe.astype(np.uint8),
+                 y=model.predict(probe, verbose=0))
+    for suffix in (".keras", ".h5"):
+        model.save(os.path.join(OUT, name + suffix))
+    written[name] = {"input_shape": list(model.input_shape[1:]),
+                     "classes": int(model.output_shape[-1])}
+print(json.dumps(written))

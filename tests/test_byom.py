@@ -1,0 +1,269 @@
+"""Bring your own model: a user's Keras classifier in, fine-tuned on the device, a Keras file out.
+
+The model files are real Keras files: tests/fixtures/keras/k2 and k3 hold small ones written by
+tf.keras 2.15 and Keras 3.15 (each stack imports the other's), and ``models`` writes this
+stack's, MobileNetV2 included, with tests/make_keras_models.py in a subprocess.
+"""
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import REPO, odtctl, odtctl_json
+from PIL import Image
+
+from odtd.trainer import model_file
+
+FIXTURES = REPO / "tests" / "fixtures" / "keras"
+CLASSES = {"cnn_softmax": "cat,dog,owl,fox", "gray_logits": "red,green,blue",
+           "mobilenet": "ant,bee,cow,doe,eel"}
+
+
+def keras_major() -> int:
+    out = subprocess.run([sys.executable, "-c", "import keras; print(keras.__version__)"],
+                         capture_output=True, text=True, check=True).stdout
+    return int(out.split(".")[0])
+
+
+@pytest.fixture(scope="session")
+def other_stack():
+    """The fixture files the other Keras wrote (Keras 2's for Keras 3 and the reverse)."""
+    return FIXTURES / ("k2" if keras_major() == 3 else "k3")
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    """This stack's model files, written by tests/make_keras_models.py (MobileNetV2 too)."""
+    out = tmp_path_factory.mktemp("keras-models")
+    subprocess.run([sys.executable, str(REPO / "tests" / "make_keras_models.py"), str(out),
+                    "cnn_softmax", "gray_logits", "mobilenet"], check=True, capture_output=True)
+    return out
+
+
+def photos(root: Path, classes: str, per_class: int, seed: int) -> Path:
+    """Camera-like images of several sizes and modes under root/<class>/."""
+    rng = np.random.default_rng(seed)
+    kinds = [((640, 480), "RGB", "jpg"), ((90, 200), "RGBA", "png"), ((50, 50), "L", "bmp"),
+             ((120, 80), "P", "png"), ((64, 48), "RGB", "webp")]
+    for label in classes.split(","):
+        (root / label).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            (width, height), mode, fmt = kinds[i % len(kinds)]
+            image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+            image = image.convert(mode) if mode != "P" else image.quantize(16)
+            image.save(root / label / f"{i}.{fmt}")
+    return root
+
+
+# -- screening, without Keras ---------------------------------------------------------------
+
+@pytest.mark.parametrize("stack", ["k2", "k3"])
+@pytest.mark.parametrize("name, layer, reason", [
+    ("lambda", "doubler", "Lambda layer (runs Python code from the file)"),
+    ("custom_layer", "tripler", "custom class userpkg>Tripler"),
+])
+def test_code_in_a_model_file_is_refused_naming_the_layer(stack, name, layer, reason):
+    for suffix in (".keras", ".h5"):
+        with pytest.raises(model_file.ModelFileError) as error:
+            model_file.read_screened(str(FIXTURES / stack / (name + suffix)))
+        message = str(error.value)
+        assert f"layer {layer!r}: {reason}" in message, message
+        assert "code in a model file is not loaded" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("vector_input", "input shape [20] is not an image"),
+    ("four_channels", "input shape [16, 16, 4] is not an image"),
+])
+def test_inputs_that_are_not_images_are_refused(name, expected):
+    for stack in ("k2", "k3"):
+        with pytest.raises(model_file.ModelFileError, match=expected.replace("[", r"\[")):
+            model_file.read_screened(str(FIXTURES / stack / (name + ".h5")))
+
+
+def test_damaged_and_foreign_files_are_refused(tmp_path):
+    good = FIXTURES / "k3" / "cnn_softmax.keras"
+    truncated = tmp_path / "truncated.keras"
+    truncated.write_bytes(good.read_bytes()[:5000])
+    notes = tmp_path / "notes.keras"
+    with zipfile.ZipFile(notes, "w") as archive:
+        archive.writestr("notes.txt", "not a model")
+    half_h5 = tmp_path / "half.h5"
+    half_h5.write_bytes((FIXTURES / "k3" / "cnn_softmax.h5").read_bytes()[:3000])
+    text = tmp_path / "model.h5"
+    text.write_text("hello")
+    cases = {truncated: "corrupt or truncated zip", notes: "a zip without config.json",
+             half_h5: "unreadable HDF5", text: "neither a .keras zip nor an HDF5 file",
+             tmp_path / "missing.keras": "no such file"}
+    for path, expected in cases.items():
+        with pytest.raises(model_file.ModelFileError, match=expected):
+            model_file.read_screened(str(path))
+
+
+@pytest.mark.parametrize("stack", ["k2", "k3"])
+def test_input_shape_and_output_convention_are_read_from_the_file(stack):
+    for name, shape, output in (("cnn_softmax", (48, 64, 3), "softmax"),
+                                ("gray_logits", (32, 32, 1), "logits")):
+        for suffix in (".keras", ".h5"):
+            info, summary = model_file.read_screened(str(FIXTURES / stack / (name + suffix)))
+            assert (tuple(summary["input_shape"]), summary["output"]) == (shape, output)
+            assert summary["rescales_input"] is True and info["format"] == suffix[1:]
+            assert summary["dialect"] == ("keras3" if stack == "k3" else "keras2")
+
+
+# -- through the CLI, with a worker -----------------------------------------------------------
+
+@pytest.mark.trains
+@pytest.mark.parametrize("file, classes, expected", [
+    ("k3/lambda.h5", "a,b,c", "layer 'doubler': Lambda layer (runs Python code from the file)"),
+    ("k2/custom_layer.keras", "a,b,c", "layer 'tripler': custom class"),
+    ("k3/four_channels.keras", "a,b,c", "input shape [16, 16, 4] is not an image"),
+    ("k3/cnn_softmax.h5", None, "the model has 4 outputs but 10 classes were given"),
+    ("k3/missing.keras", None, "--model-file"),
+])
+def test_a_refused_model_is_one_line_and_leaves_no_home(tmp_path, file, classes, expected):
+    home = tmp_path / "home"
+    args = ["init", "--model-file", str(FIXTURES / file)] + (["--classes", classes] if classes else [])
+    proc = odtctl(*args, home=home, check=False)
+    assert proc.returncode == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1 and expected in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (home / "odtd.db").exists() and not (home / "models").exists()
+
+
+@pytest.mark.trains
+def test_the_other_stacks_files_import_and_export_predicting_the_same(other_stack, tmp_path):
+    # A model trained on a server running the other Keras: imported, exported by this one,
+    # and the export predicts what the original did.
+    for name, suffix in (("cnn_softmax", ".h5"), ("gray_logits", ".keras")):
+        home = tmp_path / name
+        odtctl("init", "--model-file", str(other_stack / (name + suffix)), "--classes",
+               CLASSES[name], home=home)
+        out = tmp_path / f"{name}-v0{suffix}"
+        odtctl("models", "export", "0", "--out", str(out), home=home)
+        assert predict_max_diff(out, other_stack / (name + ".ref.npz")) < 1e-5
+
+
+def other_python():
+    """The interpreter of the other Keras stack (.venv beside .venv-compat), or None."""
+    here = Path(sys.executable).parent.parent.name
+    other = REPO / (".venv" if here == ".venv-compat" else ".venv-compat") / "bin" / "python"
+    return other if other.exists() else None
+
+
+@pytest.mark.trains
+def test_as_given_export_opens_in_the_keras_that_wrote_the_file(other_stack, tmp_path):
+    # The device's Keras may not be the server's: --as-given writes the fine-tuned weights into
+    # a copy of the user's own file, which the Keras that wrote it opens.
+    home = tmp_path / "home"
+    odtctl("init", "--model-file", str(other_stack / "cnn_softmax.h5"), "--classes",
+           CLASSES["cnn_softmax"], home=home)
+    out = tmp_path / "as-given.h5"
+    odtctl("models", "export", "0", "--out", str(out), "--as-given", home=home)
+    wrong = odtctl("models", "export", "0", "--out", str(tmp_path / "x.keras"), "--as-given",
+                   home=home, check=False)
+    assert wrong.returncode == 1 and "name --out like it (it was .h5)" in wrong.stderr
+    python = other_python()
+    if python is None:
+        pytest.skip("the other Keras stack is not installed here (make test-compat builds it)")
+    assert predict_max_diff(out, other_stack / "cnn_softmax.ref.npz", python) < 1e-5
+
+
+def predict(model_path: Path, ref: Path, python=None) -> np.ndarray:
+    """Load with plain Keras (no odtd) in a subprocess; its predictions on ``ref``'s images."""
+    code = ("import sys, json, numpy as np, keras; model = keras.models.load_model(sys.argv[1]); "
+            "x = np.load(sys.argv[2])['x'].astype('float32'); "
+            "print(json.dumps(model.predict(x, verbose=0).tolist()))")
+    out = subprocess.run([str(python or sys.executable), "-c", code, str(model_path), str(ref)],
+                         capture_output=True, text=True, check=True).stdout
+    return np.array(json.loads(out.strip().splitlines()[-1]))
+
+
+def predict_max_diff(model_path: Path, ref: Path, python=None) -> float:
+    """The largest difference between a model file's predictions and ``ref``'s."""
+    with np.load(ref) as arrays:
+        return float(np.abs(predict(model_path, ref, python) - arrays["y"]).max())
+
+
+@pytest.mark.trains
+@pytest.mark.parametrize("name, suffix", [("cnn_softmax", ".keras"), ("mobilenet", ".keras")])
+def test_a_session_on_an_imported_model_and_its_export(models, tmp_path, name, suffix):
+    home = tmp_path / "home"
+    classes = CLASSES[name]
+    summary = json.loads(odtctl(
+        "init", "--model-file", str(models / (name + suffix)), "--classes", classes,
+        "--validation", str(photos(tmp_path / "validation", classes, 2, seed=1)), "--json",
+        home=home).stdout)
+    assert summary["source"] == "imported" and summary["output"] in ("softmax", "logits")
+    assert summary["input_scale"] == "0-255" and summary["validation_samples"] > 0
+    (home / "policy.yaml").write_text((REPO / "policies" / "tinycnn-test.yaml").read_text()
+                                      .replace("epochs: 2", "epochs: 1"))
+    ingest = odtctl_json("ingest", str(photos(tmp_path / "day1", classes, 5, seed=2)), home=home)
+    assert ingest["rejected"] == 0
+    session = odtctl_json("train-now", "--foreground", home=home)
+    assert session["outcome"] in ("promoted", "rolled_back"), session["reason"]
+    assert session["steps"] > 0 and session["accuracy_before"] is not None
+    assert session["peak_memory_mb"] > 100 and session["details"]["evaluation_set"] == "validation"
+    status = odtctl_json("status", home=home)
+    assert status["model"]["name"] == name and status["samples"]["pending"] == 0
+    # Version 0 exported predicts exactly what the user's file does; the current one loads too.
+    v0 = tmp_path / f"v0{suffix}"
+    odtctl("models", "export", "0", "--out", str(v0), home=home)
+    assert predict_max_diff(v0, models / (name + ".ref.npz")) < 1e-5
+    current = tmp_path / "current.keras"
+    odtctl("models", "export", str(status["model"]["version"]), "--out", str(current), home=home)
+    ref = models / (name + ".ref.npz")
+    out, original = predict(current, ref), np.load(ref)["y"]
+    assert out.shape == original.shape
+    if summary["output"] == "softmax":
+        assert np.allclose(out.sum(axis=1), 1.0, atol=1e-4)
+    assert np.array_equal(out, original) == (session["outcome"] == "rolled_back")
+
+
+def _weights(path: Path, names) -> dict:
+    with np.load(path) as arrays:
+        return {name: arrays[f"w{i:04d}"] for i, name in enumerate(names)}
+
+
+@pytest.mark.trains
+def test_trainable_scope_and_frozen_batchnorm_reach_nested_layers(other_stack, tmp_path):
+    from odtd.config import Config
+    from odtd.trainer.job import make_job
+    from odtd.trainer.launch import run_job
+
+    command = Config().trainer.command()
+    classes = CLASSES["gray_logits"].split(",")
+    result, _, _ = run_job(command, make_job(
+        "import", "gray", classes, None, model_file=str(other_stack / "gray_logits.keras"),
+        weights_out=str(tmp_path / "v0.npz"), architecture_out=str(tmp_path / "arch.json"),
+        original_out=str(tmp_path / "original.keras")), tmp_path / "import")
+    names = result["weight_names"]
+    rng = np.random.default_rng(3)
+    np.savez(tmp_path / "train.npz", x=rng.integers(0, 256, (24, 32, 32, 1), dtype=np.uint8),
+             y=rng.integers(0, 3, 24))
+    before = _weights(tmp_path / "v0.npz", names)
+
+    def train(out: str, **keys) -> dict:
+        run_job(command, make_job(
+            "train", "gray", classes, [32, 32, 1], architecture=str(tmp_path / "arch.json"),
+            input_scale="0-255", output="logits", weights_in=str(tmp_path / "v0.npz"),
+            weights_out=str(tmp_path / out), train_data=str(tmp_path / "train.npz"),
+            batch_size=8, epochs=1, optimizer="sgd", learning_rate=0.1, **keys),
+            tmp_path / (out + ".job"))
+        after = _weights(tmp_path / out, names)
+        return {name for name in names if not np.array_equal(before[name], after[name])}
+
+    # The head only: the last Dense's kernel and bias, nothing in the nested block.
+    assert train("head.npz", trainable="head") == {n for n in names if "logits" in n}
+    # Frozen BatchNorm inside the nested Sequential: its statistics (and gamma, beta) stay,
+    # the convolutions train.
+    changed = train("frozen.npz", freeze_bn=True)
+    assert not any("block_bn" in n for n in changed)
+    assert any("block_conv" in n for n in changed) and any("logits" in n for n in changed)
+    # Trained BatchNorm moves them (so the test above can fail).
+    assert any("block_bn" in n and "moving" in n for n in train("trained.npz"))
