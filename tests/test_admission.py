@@ -67,10 +67,21 @@ def test_memory_over_budget_takes_the_largest_fitting_candidate():
                          "15% headroom)",)
 
 
-def test_memory_over_budget_with_nothing_fitting_skips():
-    a = admit(policy(size=16, budget_mb=1000), make_profile(), samples=100)
+def test_memory_over_budget_with_no_fitting_candidate_skips():
+    # 1400 MB less 15% = 1190 MB: batch 4 needs 1200, batch 1 (not a candidate) would fit.
+    a = admit(policy(size=16, budget_mb=1400), make_profile(), samples=100)
     assert a.decision == SKIP
     assert a.reason.endswith("and no smaller candidate fits")
+
+
+def test_a_model_over_the_memory_cap_at_batch_1_is_refused_naming_the_cap():
+    # 1000 MB less 15% = 850 MB; batch 1 needs 1050 MB.
+    a = admit(policy(size=16, budget_mb=1000), make_profile(), samples=100)
+    assert a.decision == SKIP
+    assert a.reason == ("densenet40 does not fit the memory cap even at batch 1 (predicted peak "
+                        "1050 MB > 850 MB (1000 MB budget less 15% headroom)): it cannot train "
+                        "here under this policy; raise batch.memory_budget_mb, or bring a "
+                        "smaller model or input size")
 
 
 def test_a_size_that_did_not_run_in_the_profile_is_refused():

@@ -24,7 +24,8 @@ def test_batch_over_memory_budget_is_skipped_with_the_reason(home, tmp_path):
     _set_policy(home, "batch:\n  size: 8", "batch:\n  size: 8\n  memory_budget_mb: 50")
     session = odtctl_json("train-now", "--foreground", home=home)
     assert session["outcome"] == "skipped"
-    assert "MB budget" in session["reason"] and "no smaller candidate fits" in session["reason"]
+    assert "tinycnn does not fit the memory cap even at batch 1" in session["reason"]
+    assert "50 MB budget less 15% headroom" in session["reason"]
     assert odtctl_json("status", home=home)["samples"]["pending"] > 0  # nothing was lost
 
 

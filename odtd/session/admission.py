@@ -159,6 +159,12 @@ def admit(policy: Policy, profile: Optional[ProfileResult], samples: int,
         fitting = [s for s in sizes if s < size and memory_problem(
             predict(profile, precision, s, samples, epochs), batch) is None]
         if not fitting:
+            at_one = memory_problem(predict(profile, precision, 1, samples, epochs), batch)
+            if at_one is not None:
+                return _skip(prediction, f"{profile.model} does not fit the memory cap even at "
+                             f"batch 1 ({at_one}): it cannot train here under this policy; raise "
+                             "batch.memory_budget_mb, or bring a smaller model or input size",
+                             changes)
             return _skip(prediction, f"batch {size}: {problem}, and no smaller candidate fits",
                          changes)
         changes.append(f"batch {size} -> {fitting[-1]}: {problem}")
