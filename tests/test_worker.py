@@ -412,3 +412,41 @@ def test_trainer_package_stays_python36_compatible():
     proc = subprocess.run([vermin, "-t=3.6-", "--no-tips", "--violations", "--eval-annotations",
                            "odtd/trainer"], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _trained_weights(tmp_path, initial, data, name, **keys):
+    out = tmp_path / f"{name}.npz"
+    code, events, stderr = run_worker(write_job(
+        tmp_path, name, weights_in=str(initial[0]), weights_out=str(out), epochs=1,
+        train_data=data["train_data"], batch_size=20, learning_rate=0.05, **keys))
+    assert code == 0, stderr
+    with np.load(out) as arrays:
+        return dict(arrays), events[-1]["weight_names"]
+
+
+def test_recomputation_trains_the_same_and_moves_batchnorm_statistics_once_per_step(
+        tmp_path, initial, data):
+    # The same two steps with and without gradient checkpointing: the same weights and the same
+    # moving statistics. Recomputing a segment runs its BatchNorm a second time; without putting
+    # back what the forward pass left, the statistics would move twice per step.
+    plain, names = _trained_weights(tmp_path, initial, data, "plain")
+    again, _ = _trained_weights(tmp_path, initial, data, "recomputed", recompute=True)
+    with np.load(initial[0]) as arrays:
+        start = dict(arrays)
+    for key, name in zip(sorted(plain), names):
+        np.testing.assert_allclose(again[key], plain[key], rtol=1e-4, atol=1e-5, err_msg=name)
+    moved = [k for k, n in zip(sorted(plain), names)
+             if "moving_mean" in n and not np.allclose(plain[k], start[k])]
+    assert len(moved) == 2  # both BatchNorm layers' statistics moved, and by the same amount
+
+
+def test_micro_batches_take_the_same_step_as_the_whole_batch(tmp_path, initial, data):
+    # Frozen BatchNorm: the gradient of the batch is the sum of its micro-batches' gradients.
+    whole, names = _trained_weights(tmp_path, initial, data, "whole", freeze_bn=True)
+    parts, _ = _trained_weights(tmp_path, initial, data, "micro", freeze_bn=True,
+                                micro_batch_size=6)
+    with np.load(initial[0]) as arrays:
+        start = dict(arrays)
+    assert any(not np.allclose(whole[k], start[k]) for k in whole)
+    for key, name in zip(sorted(whole), names):
+        np.testing.assert_allclose(parts[key], whole[key], rtol=1e-4, atol=1e-5, err_msg=name)

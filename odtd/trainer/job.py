@@ -45,6 +45,8 @@ JOB_KEYS = {
     "augment": ("bool", False),
     "freeze_bn": ("bool", False),
     "recalibrate_bn": ("bool", False),
+    "recompute": ("bool", False),
+    "micro_batch_size": ("positive_int", None),
     "seed": ("int", 0),
     "parent_pid": ("positive_int", None),
     "precision": ("str", "fp32"),

@@ -98,9 +98,14 @@ def augment_batch(tf: Any, images: Any, pad: int) -> Any:
 
 
 def make_train_step(tf: Any, model: Any, optimizer: Any, job: Dict[str, Any]) -> Callable[[Any, Any], Any]:
-    """Return a compiled step ``(uint8 images, int64 labels) -> mean loss`` that updates weights.
+    """Return a step ``(uint8 images, int64 labels) -> mean loss`` that updates the weights once.
 
-    The input signature has a free batch dimension, so a short last batch does not retrace.
+    The compiled parts' input signature has a free batch dimension, so a short last batch does
+    not retrace. With the job's ``recompute`` the model runs checkpointed
+    (``recompute.Checkpointed``). With ``micro_batch_size`` below the batch, the batch runs as
+    micro-batches whose gradients are summed before one update: the same step as the whole
+    batch at the memory of a micro-batch (a BatchNorm that trains normalises each micro-batch
+    by its own statistics).
     """
     from odtd.trainer import networks
 
@@ -111,29 +116,64 @@ def make_train_step(tf: Any, model: Any, optimizer: Any, job: Dict[str, Any]) ->
 
     input_shape, input_scale, output = job["input_shape"], job["input_scale"], job["output"]
     pad = augment_pad_px(input_shape)
+    checkpointed = None
+    if job["recompute"]:
+        from odtd.trainer.recompute import Checkpointed
 
-    @tf.function(input_signature=[tf.TensorSpec([None] + list(input_shape), tf.uint8),
-                                  tf.TensorSpec([None], tf.int64)])
-    def train_step(images: Any, labels: Any) -> Any:
+        checkpointed = Checkpointed(tf, model)
+    forward_model = checkpointed or model
+    signature = [tf.TensorSpec([None] + list(input_shape), tf.uint8), tf.TensorSpec([None], tf.int64),
+                 tf.TensorSpec([], tf.float32)]
+
+    @tf.function(input_signature=signature)
+    def gradients_of(images: Any, labels: Any, total: Any) -> Any:
+        """Gradients of this part's summed loss / ``total`` (the whole batch's size)."""
         if job["augment"]:
             images = augment_batch(tf, images, pad)
         with tf.GradientTape() as tape:
-            logits = networks.forward(model, images, input_scale, output, training=True)
-            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-                labels=labels, logits=logits))
+            logits = networks.forward(forward_model, images, input_scale, output, training=True)
+            loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=labels, logits=logits)) / total
             if legacy_scaling:
                 scaled_loss = optimizer.get_scaled_loss(loss)
             elif keras3_scaling:
                 scaled_loss = optimizer.scale_loss(loss)
             else:
                 scaled_loss = loss
+        saved = checkpointed.save_statistics() if checkpointed is not None else None
         gradients = tape.gradient(scaled_loss, variables)
+        if saved is not None:
+            checkpointed.restore_statistics(saved)
         if legacy_scaling:
             gradients = optimizer.get_unscaled_gradients(gradients)
+        return loss, gradients
+
+    @tf.function(input_signature=signature[:2])
+    def whole_batch(images: Any, labels: Any) -> Any:
+        loss, gradients = gradients_of(images, labels, tf.cast(tf.shape(labels)[0], tf.float32))
         optimizer.apply_gradients(zip(gradients, variables))
         return loss
 
-    return train_step
+    micro = job["micro_batch_size"]
+    if not micro or micro >= job["batch_size"]:
+        return whole_batch
+
+    @tf.function
+    def apply(gradients: Any) -> None:
+        optimizer.apply_gradients(zip(gradients, variables))
+
+    def micro_batches(images: Any, labels: Any) -> Any:
+        total = tf.constant(float(int(labels.shape[0])))
+        loss, summed = 0.0, None
+        for begin in range(0, int(labels.shape[0]), micro):
+            part_loss, gradients = gradients_of(images[begin:begin + micro],
+                                                labels[begin:begin + micro], total)
+            loss += part_loss
+            summed = gradients if summed is None else [a + b for a, b in zip(summed, gradients)]
+        apply(summed)
+        return loss
+
+    return micro_batches
 
 
 def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
@@ -211,8 +251,8 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     if should_stop():
         return fields
     if job["recalibrate_bn"] and not job["freeze_bn"]:  # in profile mode too: its memory counts
-        fields["recalibrate_seconds"] = recalibrate_batchnorm(tf, model, job, x_train, batch_size,
-                                                              should_stop)
+        fields["recalibrate_seconds"] = recalibrate_batchnorm(
+            tf, model, job, x_train, job["micro_batch_size"] or batch_size, should_stop)
         if fields["recalibrate_seconds"] is None:
             return fields
     if validation is not None:
@@ -265,30 +305,52 @@ def set_trainable_scope(model: Any, scope: Any) -> int:
 
 def recalibrate_batchnorm(tf: Any, model: Any, job: Dict[str, Any], x: np.ndarray,
                           batch_size: int, should_stop: Callable[[], bool]) -> Optional[float]:
-    """Recompute every BatchNormalization layer's moving statistics over ``x``, not augmented.
+    """Recompute every trained BatchNormalization layer's moving statistics over ``x``.
 
     A short fine-tuning leaves moving averages that mix the statistics of the weights before and
-    during it. Here each layer's moving mean and variance become the equal-weight average of its
-    batch statistics over ``x`` under the trained weights ("precise BN"); nothing else changes.
+    during it. Here each layer's moving mean and variance become the average of its batch
+    statistics over ``x`` (not augmented; each batch weighted by its size) under the trained
+    weights ("precise BN"); nothing else changes. The batches stream through one compiled
+    forward pass (no gradients kept), so this never needs more memory than a training step; the
+    statistics are accumulated here and assigned once at the end.
 
     Returns:
-        The seconds it took, or None if a stop was requested meanwhile (statistics partial).
+        The seconds it took, or None if a stop was requested meanwhile (statistics unchanged).
     """
     from odtd.trainer import networks
 
     layers = [layer for layer in batchnorm_layers(tf, model) if layer.trainable]
-    momenta = [layer.momentum for layer in layers]
+    if not layers:
+        return 0.0
     started = time.monotonic()
+    kept = [(layer.moving_mean.numpy(), layer.moving_variance.numpy()) for layer in layers]
+    momenta = [layer.momentum for layer in layers]
+    for layer in layers:
+        layer.momentum = 0.0  # after a forward pass, the moving statistics are that batch's
+
+    @tf.function(input_signature=[tf.TensorSpec([None] + list(job["input_shape"]), tf.uint8)])
+    def batch_statistics(images: Any) -> Any:
+        networks.forward(model, images, job["input_scale"], job["output"], training=True)
+        return [(tf.identity(tf.convert_to_tensor(layer.moving_mean)),
+                 tf.identity(tf.convert_to_tensor(layer.moving_variance))) for layer in layers]
+
+    sums = [[np.zeros_like(mean, dtype=np.float64), np.zeros_like(var, dtype=np.float64)]
+            for mean, var in kept]
     try:
-        for count, begin in enumerate(range(0, len(x), batch_size), 1):
+        for begin in range(0, len(x), batch_size):
             if should_stop():
+                for layer, (mean, variance) in zip(layers, kept):
+                    layer.moving_mean.assign(mean)
+                    layer.moving_variance.assign(variance)
                 return None
-            # Momentum (n - 1) / n makes the n-th batch's weight 1 / n: an equal-weight mean.
-            for layer in layers:
-                layer.momentum = (count - 1.0) / count
-            networks.forward(model, tf.constant(x[begin:begin + batch_size]), job["input_scale"],
-                             job["output"], training=True)
+            part = x[begin:begin + batch_size]
+            for total, (mean, variance) in zip(sums, batch_statistics(tf.constant(part))):
+                total[0] += len(part) * mean.numpy()
+                total[1] += len(part) * variance.numpy()
     finally:
         for layer, momentum in zip(layers, momenta):
             layer.momentum = momentum
+    for layer, (mean_sum, variance_sum), (mean, variance) in zip(layers, sums, kept):
+        layer.moving_mean.assign((mean_sum / len(x)).astype(mean.dtype))
+        layer.moving_variance.assign((variance_sum / len(x)).astype(variance.dtype))
     return time.monotonic() - started

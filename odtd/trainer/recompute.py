@@ -1,0 +1,130 @@
+"""Gradient checkpointing for any functional Keras model: keep a few activations, recompute the rest.
+
+A training step keeps every layer's activations for the backward pass; at batch 64 they are most
+of DenseNet40's memory. Here the model is cut into segments at tensors the rest of the graph
+depends on alone (after a dense block's concatenation, a residual addition, a transition), and
+each segment but the first runs under ``tf.recompute_grad``: only the segment boundaries are
+kept, and a segment's activations are recomputed when its gradient is needed. The cost is one
+more forward pass per step.
+
+BatchNormalization in a recomputed segment would update its moving statistics twice per step
+(once in the forward pass, once in the recomputation). ``Checkpointed.restore_statistics``
+puts back what the forward pass left, so they move once per step, as without recomputation.
+
+TensorFlow is passed in. Python 3.6-compatible; tf.keras 2 and Keras 3 alike.
+"""
+
+import math
+from typing import Any, List, Optional, Sequence, Tuple
+
+from odtd.trainer.imported import leaf_layers
+
+
+def _owner(node: Any) -> Any:
+    """The layer that made a node (Keras 3: ``operation``; tf.keras 2: ``layer``)."""
+    return getattr(node, "operation", None) or getattr(node, "layer", None)
+
+
+def valid_cuts(model: Any) -> List[int]:
+    """Indices k of ``model.layers`` whose output is all that layers after k need of layers up to k.
+
+    A cut after layer k is valid when every edge from a layer at or before k to a layer after k
+    starts at layer k itself, and layer k has one output and is called once.
+    """
+    layers = list(model.layers)
+    index = {id(layer): position for position, layer in enumerate(layers)}
+    violated = [0] * (len(layers) + 1)
+    called_once = []
+    for position, layer in enumerate(layers):
+        nodes = [node for node in getattr(layer, "_inbound_nodes", [])
+                 if any(id(_owner(parent)) in index for parent in getattr(node, "parent_nodes", []))]
+        called_once.append(len(nodes) <= 1)
+        for node in nodes:
+            for parent in node.parent_nodes:
+                start = index.get(id(_owner(parent)))
+                if start is None:
+                    continue
+                # This edge spans cuts start..position-1; all but the one at `start` break.
+                if start + 1 <= position - 1:
+                    violated[start + 1] += 1
+                    violated[position] -= 1
+    cuts, running = [], 0
+    for k in range(len(layers) - 1):
+        running += violated[k]
+        single = not isinstance(getattr(layers[k], "output", None), (list, tuple))
+        if k >= 1 and running == 0 and called_once[k] and single:
+            cuts.append(k)
+    return cuts
+
+
+def choose_cuts(cuts: Sequence[int], layer_count: int, segments: Optional[int] = None) -> List[int]:
+    """About ``segments`` (default: the square root of the layer count) evenly spread cuts."""
+    if not cuts:
+        return []
+    wanted = segments or max(2, int(round(math.sqrt(layer_count))))
+    chosen = []
+    for part in range(1, wanted):
+        target = layer_count * part / float(wanted)
+        best = min(cuts, key=lambda k: abs(k - target))
+        if best not in chosen:
+            chosen.append(best)
+    return sorted(chosen)
+
+
+class Checkpointed:
+    """``model`` as segments, all but the first recomputed in the backward pass.
+
+    Call it like the model (``forward(images, training=True)``) inside a GradientTape; after
+    ``tape.gradient`` call ``restore_statistics(saved)`` with what ``save_statistics`` returned
+    right after the forward pass.
+
+    Args:
+        tf: TensorFlow.
+        model: A functional Keras model.
+        segments: How many segments (default: the square root of the layer count).
+
+    Attributes:
+        cuts: The indices of ``model.layers`` after which the model is cut (empty: no valid cut,
+            the model runs whole and nothing is recomputed).
+    """
+
+    def __init__(self, tf: Any, model: Any, segments: Optional[int] = None) -> None:
+        self.tf = tf
+        self.model = model
+        layers = list(model.layers)
+        self.cuts = choose_cuts(valid_cuts(model), len(layers), segments)
+        keras = tf.keras
+        boundaries = [model.inputs[0]] + [layers[k].output for k in self.cuts] + [model.outputs[0]]
+        self.parts = [keras.Model(start, end) for start, end in zip(boundaries, boundaries[1:])]
+        self._recomputed = [tf.recompute_grad(self._runner(part)) for part in self.parts[1:]]
+        self.batchnorm = [layer for part in self.parts[1:] for _, layer in leaf_layers(part)
+                          if isinstance(layer, keras.layers.BatchNormalization)
+                          and layer.trainable]
+
+    @staticmethod
+    def _runner(part: Any) -> Any:
+        def run(tensor: Any) -> Any:
+            return part(tensor, training=True)
+        return run
+
+    def __call__(self, images: Any, training: bool = True) -> Any:
+        """The model's output; with ``training`` False, the plain model (nothing to recompute)."""
+        if not training or not self.cuts:
+            return self.model(images, training=training)
+        hidden = self.parts[0](images, training=True)
+        for run in self._recomputed:
+            hidden = run(hidden)
+        return hidden
+
+    def save_statistics(self) -> List[Tuple[Any, Any]]:
+        """The recomputed BatchNorm layers' moving statistics as the forward pass left them."""
+        tf = self.tf
+        return [(tf.identity(tf.convert_to_tensor(layer.moving_mean)),
+                 tf.identity(tf.convert_to_tensor(layer.moving_variance)))
+                for layer in self.batchnorm]
+
+    def restore_statistics(self, saved: List[Tuple[Any, Any]]) -> None:
+        """Undo the recomputation's second moving-average update."""
+        for layer, (mean, variance) in zip(self.batchnorm, saved):
+            layer.moving_mean.assign(mean)
+            layer.moving_variance.assign(variance)
