@@ -79,7 +79,7 @@ def main() -> int:
     report = {"machine": f"{os.uname().machine}, {os.cpu_count()} CPUs", "python": sys.version.split()[0],
               "idle_vm_rss_mb": round(idle, 1), "after_sessions": after, "vm_hwm_mb": round(hwm, 1),
               "growth_mb": round(after[-1]["vm_rss_mb"] - after[0]["vm_rss_mb"], 1),
-              "target_idle_mb": 60}
+              "target_idle_mb": 40}
     print(json.dumps(report, indent=2) if args.json else
           f"idle {report['idle_vm_rss_mb']} MB; after sessions "
           f"{[a['vm_rss_mb'] for a in after]} MB; peak {report['vm_hwm_mb']} MB")

@@ -3,6 +3,7 @@
 import json
 import socket
 import stat
+import time
 
 import pytest
 
@@ -71,3 +72,32 @@ def test_stale_socket_is_replaced_and_live_one_refused(tmp_path, server):
         assert request(stale, "ping") == "ok"
     finally:
         srv.stop()
+
+
+def test_a_silent_or_slow_client_is_dropped_and_others_are_served(tmp_path):
+    srv = ControlServer(tmp_path / "run" / "odtd.sock", lambda op, args: {"pong": True},
+                        client_timeout_s=0.5)
+    srv.start()
+    try:
+        silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        silent.connect(str(srv.path))
+        silent.settimeout(5)
+        slow = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        slow.connect(str(srv.path))
+        slow.settimeout(5)
+        for _ in range(3):  # a byte every 0.12 s, never a whole line: dropped at 0.5 s all the same
+            slow.sendall(b"{")
+            time.sleep(0.12)
+        assert request(srv.path, "ping") == {"pong": True}  # served meanwhile
+        for client in (silent, slow):
+            reply = client.makefile("rb").readline()
+            assert json.loads(reply)["error"] == "no request within 0.5 s; closing"
+            assert client.recv(1) == b""  # and the server closed the connection
+            client.close()
+    finally:
+        srv.stop()
+
+
+def test_a_request_over_64_kb_is_refused(server):
+    reply = _raw(server.path, b"{" + b" " * (64 * 1024) + b"}\n")
+    assert reply["error"].startswith("malformed request")

@@ -242,3 +242,39 @@ def _alive(pid: int) -> bool:
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
     return [int(x) for x in out.stdout.split()]
+
+
+def _next_session(home):
+    from datetime import datetime
+
+    text = odtctl_json("status", home=home)["daemon"]["next_session_at"]
+    return datetime.fromisoformat(text) if text else None
+
+
+def test_the_policys_schedule_drives_the_daemon_and_reload_applies_it(daemon_home, tmp_path):
+    from datetime import datetime
+
+    # odtd.yaml: 03:00 on 1 January; the policy: none yet, then every minute.
+    (daemon_home / "odtd.yaml").write_text(
+        FAST_CONFIG.replace('cron: "0 2 * * *"', 'cron: "0 3 1 1 *"\n  jitter_s: 0'))
+    proc = start_daemon(daemon_home)
+    try:
+        january = _next_session(daemon_home)
+        assert (january.month, january.day, january.hour) == (1, 1, 3)
+        policy = daemon_home / "policy.yaml"
+        policy.write_text(policy.read_text() + 'schedule:\n  cron: "* * * * *"\n')
+        odtctl("reload", home=daemon_home)
+        soon = _next_session(daemon_home)
+        assert 0 < (soon - datetime.now(soon.tzinfo)).total_seconds() <= 61
+        # The next minute comes, and a scheduled session runs (no samples: it is skipped).
+        ran = wait_for(lambda: [s for s in odtctl_json("history", home=daemon_home)
+                                if s["trigger"] == "schedule"], 75, interval_s=1.0)
+        assert ran and ran[0]["outcome"] == "skipped"
+    finally:
+        assert stop(proc) == 0
+    # At start, the policy's schedule is the one in force (and the one a missed run is owed for).
+    proc = start_daemon(daemon_home)
+    try:
+        assert (_next_session(daemon_home) - datetime.now().astimezone()).total_seconds() <= 61
+    finally:
+        assert stop(proc) == 0

@@ -18,11 +18,14 @@ def test_importing_cli_and_daemon_loads_no_tensorflow():
     assert out.stdout.strip() == "[]"
 
 
-def test_idle_daemon_loads_no_image_decoder():
-    # Pillow is imported when the first image is decoded (2 MB of an idle daemon's memory).
-    code = "import sys, odtd.daemon.service; print('PIL' in sys.modules)"
+def test_the_idle_daemon_imports_no_session_machinery():
+    # What only a session needs (numpy, sqlite-utils, Pillow, telemetry) runs in child processes:
+    # importing them would put 20 MB more into the idle daemon.
+    code = ("import sys, odtd.daemon.service; print(sorted({m.split('.')[0] for m in sys.modules}"
+            " & {'numpy', 'sqlite_utils', 'PIL', 'tensorflow'}), 'odtd.telemetry' in sys.modules,"
+            " 'odtd.store.database' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "[] False False"
 
 
 def _commands():

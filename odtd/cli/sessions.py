@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import signal
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from odtd.cli.output import command, emit, home_of, progress
-from odtd.home.paths import Home
-from odtd.store.records import SessionRecord
 
 
 @command("train-now")
@@ -23,37 +20,12 @@ def cmd_train_now(args: argparse.Namespace) -> int:
             "session started in the daemon; follow it with `odtctl status`"
         emit(args, session, text)
         return 0
-    session = run_foreground_session(home_of(args), trigger="cli", force=args.force).to_dict()
+    from odtd.session.process import run_session_here
+
+    session = run_session_here(home_of(args), trigger="cli", force=args.force,
+                               progress=progress).to_dict()
     emit(args, session, _session_line(session))
     return 0 if session["outcome"] != "failed" else 1
-
-
-def run_foreground_session(home: Home, trigger: str, day: Optional[str] = None,
-                           force: bool = False) -> SessionRecord:
-    """Run one session in this process tree; Ctrl-C or SIGTERM stop it at a step boundary."""
-    from odtd.policy import load_policy
-    from odtd.session.gates import StopRequest
-    from odtd.session.runner import SessionRunner
-    from odtd.telemetry.meter import SessionEnergyMeter, running_sampler
-
-    store = home.open_store()
-    stop = StopRequest()
-
-    def request_stop(signum: int, _frame: object) -> None:
-        stop.request(f"stopped by {signal.Signals(signum).name}")
-
-    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        config = home.load_config()
-        policy = load_policy(home.policy_path(config))
-        with running_sampler(config.telemetry) as sampler:
-            runner = SessionRunner(home, store, config, policy, progress=progress,
-                                   energy_meter=SessionEnergyMeter(sampler))
-            return runner.run(trigger=trigger, day=day, stop=stop, force=force)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        store.close()
 
 
 def _session_line(s: dict[str, Any]) -> str:

@@ -17,6 +17,7 @@ import os
 import socket
 import socketserver
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -28,16 +29,45 @@ logger = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
 OPERATIONS = ("ping", "status", "train-now", "pause", "resume", "reload")
 MAX_REQUEST_BYTES = 64 * 1024
+CLIENT_TIMEOUT_S = 10.0  # a client must send its request line within this long
+REPLY_TIMEOUT_S = 10.0
 NO_DAEMON_HINT = ("run it in this process with `odtctl train-now --foreground`, or start the daemon "
                   "with `systemctl start odtd` (or `odtd run`)")
 
 Handler = Callable[[str, dict[str, Any]], Any]
 
 
-class _RequestHandler(socketserver.StreamRequestHandler):
+class _RequestHandler(socketserver.BaseRequestHandler):
+    def _read_line(self, timeout_s: float) -> Optional[bytes]:
+        """The request line (at most MAX_REQUEST_BYTES), or None if it did not come in time.
+
+        The deadline is for the whole line: a client that trickles bytes is dropped like one
+        that sends nothing, so no client holds a thread of the daemon for long.
+        """
+        deadline = time.monotonic() + timeout_s
+        data = b""
+        while b"\n" not in data and len(data) <= MAX_REQUEST_BYTES:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            self.request.settimeout(remaining)
+            try:
+                chunk = self.request.recv(4096)
+            except socket.timeout:
+                return None
+            if not chunk:
+                break
+            data += chunk
+        line = data.split(b"\n", 1)[0]
+        return line if len(line) <= MAX_REQUEST_BYTES else b""
+
     def handle(self) -> None:
         server: ControlServer = self.server  # type: ignore[assignment]
-        raw = self.rfile.readline(MAX_REQUEST_BYTES)
+        raw = self._read_line(server.client_timeout_s)
+        if raw is None:
+            self._reply({"v": PROTOCOL_VERSION, "ok": False,
+                         "error": f"no request within {server.client_timeout_s:g} s; closing"})
+            return
         try:
             request = json.loads(raw)
             if not isinstance(request, dict):
@@ -66,8 +96,9 @@ class _RequestHandler(socketserver.StreamRequestHandler):
 
     def _reply(self, reply: dict[str, Any]) -> None:
         try:
-            self.wfile.write(json.dumps(reply, default=str).encode() + b"\n")
-        except (BrokenPipeError, ConnectionResetError):
+            self.request.settimeout(REPLY_TIMEOUT_S)
+            self.request.sendall(json.dumps(reply, default=str).encode() + b"\n")
+        except (BrokenPipeError, ConnectionResetError, socket.timeout):
             logger.debug("control client went away before the reply")
 
 
@@ -77,12 +108,16 @@ class ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     Args:
         path: the socket file (``ODTD_HOME/run/odtd.sock``).
         handler: answers an operation; raises ``OdtdError`` for a refused request.
+        client_timeout_s: a client that has not sent its request line within this long gets an
+            error reply and is disconnected (its thread ends).
     """
 
     daemon_threads = True
 
-    def __init__(self, path: Path, handler: Handler) -> None:
+    def __init__(self, path: Path, handler: Handler,
+                 client_timeout_s: float = CLIENT_TIMEOUT_S) -> None:
         self.handler = handler
+        self.client_timeout_s = client_timeout_s
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_socket(self.path)

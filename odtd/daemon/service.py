@@ -1,15 +1,20 @@
 """``odtd run``: the daemon, and the composition root that builds and wires its parts.
 
-The daemon never imports TensorFlow. It owns the store, the schedule, the inbox, telemetry and
-the control socket; all training happens in a worker subprocess that exits after each session.
+The daemon never imports TensorFlow, and stays small when idle: it owns the schedule, the control
+socket, the inbox scan, systemd's notifications and its liveness row (``store.liveness``, the
+standard library's sqlite3). What needs the whole store (a session, an ingest, the recovery at
+start, a ``status`` request) runs in a child process (``odtd.daemon.tasks``), whose failure is
+logged and does not take the daemon down. A session's process starts the trainer worker.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -24,15 +29,10 @@ from odtd.daemon.inbox import InboxWatcher
 from odtd.daemon.scheduler import Scheduler, missed_fire_time
 from odtd.daemon.sdnotify import Notifier
 from odtd.errors import ConfigError, OdtdError, PolicyError, SessionBusy
-from odtd.home.ingest import Ingestor
 from odtd.home.paths import Home
 from odtd.policy import Policy, load_policy
-from odtd.report.metrics import prometheus_text, write_textfile
-from odtd.report.status import status as build_status
-from odtd.session.gates import StopRequest
-from odtd.session.runner import SessionLock, SessionRunner, recover_stale_sessions
-from odtd.store.database import Store, utc_now
-from odtd.telemetry.meter import SessionEnergyMeter, make_sampler
+from odtd.store.liveness import Liveness, utc_now
+from odtd.trainer.launch import NOTIFY_ENV_VARS
 
 logger = logging.getLogger(__name__)
 
@@ -54,46 +54,78 @@ class Daemon:
         self.config: Config = home.load_config()
         self.policy: Policy = load_policy(home.policy_path(self.config))
         self.notifier = notifier or Notifier.from_environ()
-        self.store = home.open_store()
-        shape = self.store.meta("input_shape")
-        self.inbox = InboxWatcher(home.inbox, Ingestor(home, self.store, self.store.meta("classes"),
-                                                       (shape[1], shape[0])))
-        schedule = self.config.schedule
-        self.scheduler = Scheduler(self._scheduled_session, schedule.cron, schedule.jitter_s,
-                                   schedule.misfire_grace_s)
+        self.liveness = Liveness(home.db_path)
+        self.inbox = InboxWatcher(home.inbox)
+        self.scheduler = Scheduler(self._scheduled_session, *self._schedule())
         self.control: Optional[ControlServer] = None
-        self.sampler = make_sampler(self.config.telemetry)
-        self.telemetry_backend = self.sampler.backend
         self.paused = False
         self._shutdown = threading.Event()
         self._reload = threading.Event()
         self._session_guard = threading.Lock()
         self._session_thread: Optional[threading.Thread] = None
-        self._session_stop: Optional[StopRequest] = None
+        self._session_process: Optional[subprocess.Popen] = None
         self._last_session: Optional[dict[str, Any]] = None
+
+    def _schedule(self, config: Optional[Config] = None, policy: Optional[Policy] = None
+                  ) -> tuple[str, int, int]:
+        """(cron, jitter s, misfire grace s): the policy's ``schedule.cron`` where it sets one."""
+        config, policy = config or self.config, policy or self.policy
+        cron = policy.schedule.cron or config.schedule.cron
+        return cron, config.schedule.jitter_s, config.schedule.misfire_grace_s
+
+    # -- child processes ------------------------------------------------------------------------
+
+    def _task_command(self, task: str, *extra: str) -> list[str]:
+        command = [sys.executable, "-m", "odtd.daemon.tasks", task, "--home", str(self.home.root)]
+        if self.home.config_path != self.home.root / "odtd.yaml":
+            command += ["--config", str(self.home.config_path)]
+        return command + list(extra)
+
+    def _spawn(self, task: str, *extra: str) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if k not in NOTIFY_ENV_VARS}
+        return subprocess.Popen(self._task_command(task, *extra), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, env=env, text=True)
+
+    def run_task(self, task: str, *extra: str, stdin: str = "") -> Any:
+        """Run a task in a child process to its end and return its JSON result.
+
+        Raises:
+            OdtdError: the task refused (its message), or its process died without a result.
+        """
+        process = self._spawn(task, *extra)
+        out, _ = process.communicate(stdin)
+        return self._result(task, process.returncode, out)
+
+    @staticmethod
+    def _result(task: str, returncode: int, out: str) -> Any:
+        lines = [line for line in (out or "").splitlines() if line.startswith("{")]
+        result = json.loads(lines[-1]) if lines else None
+        if isinstance(result, dict) and "error" in result and returncode != 0:
+            raise OdtdError(result["error"])
+        if result is None or returncode != 0:
+            raise OdtdError(f"the {task} process exited with status {returncode} without a "
+                            "result; see the daemon's log")
+        return result
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def recover(self) -> list[int]:
         """Mark sessions a crashed daemon left ``running`` as interrupted (samples stay pending)."""
-        with SessionLock(self.home.session_lock):
-            return recover_stale_sessions(self.store)
+        return self.run_task("recover")["recovered"]
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT; return the exit status."""
         self.recover()
-        self.sampler.start()
-        logger.info("telemetry: %s every %.0f ms", self.telemetry_backend.source,
-                    self.sampler.interval_s * 1000)
         self.control = ControlServer(self.home.socket_path, self.handle_request)
         self.control.start()
         self.scheduler.start()
-        self.store.write_daemon(pid=os.getpid(), started_at=utc_now(), heartbeat_at=utc_now(),
-                                next_session_at=self._next_session_at(), paused=0, state="running")
+        self.liveness.write_daemon(pid=os.getpid(), started_at=utc_now(), heartbeat_at=utc_now(),
+                                   next_session_at=self._next_session_at(), paused=0,
+                                   state="running")
         self.notifier.ready()
         self.notifier.status(f"idle; next session {self._next_session_at()}")
-        logger.info("odtd %s running on %s (pid %d); next session %s", __version__, self.home.root,
-                    os.getpid(), self._next_session_at())
+        logger.info("odtd %s running on %s (pid %d); schedule %s; next session %s", __version__,
+                    self.home.root, os.getpid(), self._schedule()[0], self._next_session_at())
         self._catch_up_missed_run()
         last_beat = last_scan = 0.0
         while not self._shutdown.is_set():
@@ -122,23 +154,21 @@ class Daemon:
             self.control.stop()
         thread = self._session_thread
         if thread is not None and thread.is_alive():
-            if self._session_stop is not None:
-                self._session_stop.request("daemon stopping")
             self.notifier.status("stopping: waiting for the session to stop at a step boundary")
             while thread.is_alive():
                 thread.join(timeout=_TICK_S)
                 self.notifier.watchdog()
-        self.sampler.stop()
-        self.telemetry_backend.close()
-        self.store.write_daemon(state="stopped", heartbeat_at=utc_now(), next_session_at=None)
-        self.store.close()
+        self.liveness.write_daemon(state="stopped", heartbeat_at=utc_now(), next_session_at=None)
+        self.liveness.close()
         logger.info("stopped")
         return 0
 
     def request_shutdown(self, reason: str) -> None:
         """Stop the daemon (signal handlers call this); a running session ends interrupted."""
-        if self._session_stop is not None:
-            self._session_stop.request(f"daemon stopping ({reason})")
+        process = self._session_process
+        if process is not None and process.poll() is None:
+            # The session process stops its worker at the next step boundary, saying why.
+            process.send_signal(signal.SIGINT if reason == "SIGINT" else signal.SIGTERM)
         self._shutdown.set()
 
     def request_reload(self) -> None:
@@ -146,27 +176,33 @@ class Daemon:
         self._reload.set()
 
     def reload(self) -> dict[str, Any]:
-        """Re-read ``odtd.yaml`` and the policy; an invalid file is rejected and the old one stays."""
+        """Re-read ``odtd.yaml`` and the policy; an invalid file is rejected and the old one stays.
+
+        A changed schedule (the policy's ``schedule.cron`` where it sets one, else odtd.yaml's)
+        takes effect at once.
+        """
         try:
             config = self.home.load_config()
             policy = load_policy(self.home.policy_path(config))
         except OdtdError as exc:
             logger.error("reload rejected, the previous config and policy stay in force: %s", exc)
-            self.store.log_event("reload_rejected", str(exc))
+            self.liveness.log_event("reload_rejected", str(exc))
             raise
-        if config.schedule != self.config.schedule:
-            self.scheduler.reschedule(config.schedule.cron, config.schedule.jitter_s,
-                                      config.schedule.misfire_grace_s)
+        schedule = self._schedule(config, policy)
+        if schedule != self._schedule():
+            self.scheduler.reschedule(*schedule)
         self.config, self.policy = config, policy
-        self.store.log_event("reloaded", "config and policy reloaded")
-        logger.info("reloaded config and policy; next session %s", self._next_session_at())
+        self.liveness.log_event("reloaded", "config and policy reloaded", schedule=schedule[0])
+        logger.info("reloaded config and policy; schedule %s; next session %s", schedule[0],
+                    self._next_session_at())
         self.heartbeat()
-        return {"reloaded": True, "next_session_at": self._next_session_at()}
+        return {"reloaded": True, "schedule": schedule[0],
+                "next_session_at": self._next_session_at()}
 
     def heartbeat(self) -> None:
         """Update the liveness row ``odtctl status`` reads."""
-        self.store.write_daemon(heartbeat_at=utc_now(), next_session_at=self._next_session_at(),
-                                paused=int(self.paused), state="running", pid=os.getpid())
+        self.liveness.write_daemon(heartbeat_at=utc_now(), next_session_at=self._next_session_at(),
+                                   paused=int(self.paused), state="running", pid=os.getpid())
 
     def _next_session_at(self) -> Optional[str]:
         when = None if self.paused else self.scheduler.next_run_time()
@@ -174,21 +210,20 @@ class Daemon:
 
     def _scan_inbox(self) -> None:
         try:
-            self.inbox.scan()
-        except OSError as exc:
-            logger.error("inbox scan failed: %s", exc)
+            files = self.inbox.stable_files()
+            if files:
+                self.run_task("ingest", stdin=json.dumps([[str(path), label]
+                                                          for path, label in files]))
+        except (OSError, OdtdError) as exc:
+            logger.error("inbox ingest failed: %s", exc)
 
     def _catch_up_missed_run(self) -> None:
-        schedule = self.config.schedule
-        rows = list(self.store.iter_query(
-            "SELECT started_at FROM sessions WHERE trigger = 'schedule' ORDER BY id DESC LIMIT 1"))
+        cron, _, grace_s = self._schedule()
         # A run is owed only for fire times after the last scheduled session, and after the
         # home was created: a new install does not train at once for last night.
-        marks = [rows[0]["started_at"]] if rows else []
-        marks += [self.store.meta("created_at")] if self.store.meta("created_at") else []
+        marks = [m for m in (self.liveness.last_scheduled_start(), self.liveness.created_at()) if m]
         last = max(datetime.fromisoformat(m) for m in marks).astimezone() if marks else None
-        missed = missed_fire_time(schedule.cron, last, datetime.now().astimezone(),
-                                  schedule.misfire_grace_s)
+        missed = missed_fire_time(cron, last, datetime.now().astimezone(), grace_s)
         if missed is not None:
             logger.info("the scheduled session of %s was missed (board off?); running it now", missed)
             self.start_session("schedule")
@@ -204,7 +239,7 @@ class Daemon:
         thread.join()
 
     def start_session(self, trigger: str, force: bool = False) -> threading.Thread:
-        """Start a session in its own thread (one at a time) and return the thread.
+        """Start a session's process (one at a time) and return the thread that waits for it.
 
         Raises:
             SessionBusy: a session is already running.
@@ -214,42 +249,26 @@ class Daemon:
                 raise SessionBusy("a session is already running; wait for it (odtctl status)")
             if self._shutdown.is_set():
                 raise SessionBusy("the daemon is stopping")
-            stop = StopRequest()
-            self._session_stop = stop
             self._last_session = None
-            thread = threading.Thread(target=self._session_body, args=(trigger, force, stop),
+            extra = ["--trigger", trigger] + (["--force"] if force else [])
+            self._session_process = self._spawn("session", *extra)
+            thread = threading.Thread(target=self._session_body, args=(self._session_process,),
                                       name="session", daemon=True)
             self._session_thread = thread
             thread.start()
             return thread
 
-    def _session_body(self, trigger: str, force: bool, stop: threading.Event) -> None:
-        store = Store(self.home.db_path)  # a connection of this thread's own
-        self.notifier.status(f"training ({trigger})")
+    def _session_body(self, process: subprocess.Popen) -> None:
+        self.notifier.status("training")
         try:
-            runner = SessionRunner(self.home, store, self.config, self.policy,
-                                   energy_meter=SessionEnergyMeter(self.sampler),
-                                   heartbeat=self.notifier.watchdog)
-            self._last_session = runner.run(trigger=trigger, stop=stop, force=force).to_dict()
-        except OdtdError as exc:
+            out, _ = process.communicate("")
+            self._last_session = self._result("session", process.returncode, out)
+        except OdtdError as exc:  # a session process that died must not take the daemon down
             logger.error("session not run: %s", exc)
+            self.liveness.log_event("session_process_failed", str(exc), pid=process.pid)
             self._last_session = {"error": str(exc)}
-        except Exception:  # a session must never take the daemon down with it
-            logger.exception("session crashed in the daemon")
-            self._last_session = {"error": "session crashed in the daemon; see its log"}
         finally:
-            self._write_metrics(store)
-            store.close()
             self.notifier.status(f"idle; next session {self._next_session_at()}")
-
-    def _write_metrics(self, store: Store) -> None:
-        path = self.config.metrics.textfile
-        if not path:
-            return
-        try:
-            write_textfile(Path(path), prometheus_text(self.home, store))
-        except OSError as exc:
-            logger.error("cannot write metrics to %s: %s", path, exc)
 
     # -- control socket -------------------------------------------------------------------------
 
@@ -258,16 +277,14 @@ class Daemon:
         if op == "ping":
             return {"pong": True, "pid": os.getpid(), "version": __version__}
         if op == "status":
-            store = Store(self.home.db_path)
-            try:
-                return build_status(self.home, store, limit=int(args.get("limit", 10)))
-            finally:
-                store.close()
+            return self.run_task("status", "--limit", str(int(args.get("limit", 10))))
         if op == "train-now":
             thread = self.start_session("socket", force=bool(args.get("force")))
             if not args.get("wait"):
                 return {"started": True}
             thread.join()
+            if self._last_session and "error" in self._last_session:
+                raise OdtdError(self._last_session["error"])
             return self._last_session
         if op == "pause":
             self.paused = True

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from odtd.config import CONFIG_NAME, Config, load_config
 from odtd.errors import StoreError
-from odtd.store.database import Store
+
+if TYPE_CHECKING:  # the daemon reads paths without loading the store (sqlite-utils, numpy)
+    from odtd.store.database import Store
 
 
 class Home:
@@ -51,6 +53,8 @@ class Home:
 
     def open_store(self) -> Store:
         """Open the database of an initialised home."""
+        from odtd.store.database import Store
+
         self.require()
         return Store(self.db_path)
 

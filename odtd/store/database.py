@@ -12,22 +12,17 @@ import logging
 import sqlite3
 import threading
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 import sqlite_utils
 
 from odtd.errors import StoreError
+from odtd.store.liveness import utc_now
 from odtd.store.records import OUTCOMES, SessionRecord
 from odtd.store.schema import MIGRATIONS
 
 logger = logging.getLogger(__name__)
-
-def utc_now() -> str:
-    """Return the current time as ISO 8601 UTC with seconds, e.g. 2026-11-22T02:00:07+00:00."""
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
 
 class Store:
     """Typed access to ``odtd.db``; the only module that imports sqlite_utils.
