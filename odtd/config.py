@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -14,6 +14,8 @@ from odtd.errors import ConfigError
 
 DEFAULT_HOME = Path("/var/lib/odtd")
 CONFIG_NAME = "odtd.yaml"
+# How an image of another shape reaches the model's input; odtd.home.images implements them.
+ResizeMode = Literal["stretch", "crop", "pad"]
 
 
 class _Strict(BaseModel):
@@ -88,6 +90,36 @@ class TelemetryConfig(_Strict):
         return self
 
 
+class ImagesConfig(_Strict):
+    """How an image file becomes the model's input: ingest, ``init --validation``, ``--replay``.
+
+    The defaults give the pixels ``keras.utils.image_dataset_from_directory`` gives a model with
+    its own defaults, so images from the device's camera look to the model like the ones it
+    was trained on. Set this before ``odtctl init``: the validation set and the replay seed are
+    decoded then, and a later change applies to new samples only.
+
+    Attributes:
+        resize: ``stretch`` resizes to the input's height and width, whatever the aspect ratio
+            (Keras's default); ``crop`` takes the largest centred box of the input's aspect
+            ratio, then resizes (Keras's ``crop_to_aspect_ratio=True``); ``pad`` resizes to fit
+            inside and centres on black (``pad_to_aspect_ratio=True``).
+        antialias: false samples bilinearly between the 4 nearest pixels, as ``tf.image.resize``
+            does for ``image_dataset_from_directory``; true averages over each output pixel's
+            whole footprint (Pillow's bilinear filter), as ``keras.utils.load_img(...,
+            interpolation="bilinear")`` and ``tf.image.resize(antialias=True)`` do.
+    """
+
+    resize: ResizeMode = Field(
+        default="stretch",
+        description="stretch | crop | pad: how an image of another aspect ratio reaches the "
+                    "model's input size (stretch: as Keras's image_dataset_from_directory does "
+                    "by default)")
+    antialias: bool = Field(
+        default=False,
+        description="false: bilinear as tf.image.resize (image_dataset_from_directory); true: "
+                    "Pillow's area-averaging bilinear, as keras.utils.load_img")
+
+
 class MetricsConfig(_Strict):
     """Prometheus textfile export (node_exporter's textfile collector)."""
 
@@ -101,6 +133,7 @@ class Config(_Strict):
     inbox: InboxConfig = InboxConfig()
     trainer: TrainerConfig = TrainerConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    images: ImagesConfig = ImagesConfig()
     metrics: MetricsConfig = MetricsConfig()
     policy: str = "policy.yaml"
     heartbeat_interval_s: float = Field(default=5.0, gt=0)
@@ -200,6 +233,12 @@ telemetry:
   interval_ms: 10
   sampler_nice: 10          # the sampler thread's nice above the daemon's: it reads
                             # in training's gaps instead of preempting a step
+images:                     # set before `odtctl init`: the validation and replay images are read then
+  resize: stretch           # stretch | crop | pad: how an image of another aspect ratio reaches
+                            # the model's input (stretch, crop_to_aspect_ratio, pad_to_aspect_ratio
+                            # of keras.utils.image_dataset_from_directory; stretch is its default)
+  antialias: false          # false: bilinear as image_dataset_from_directory (tf.image.resize);
+                            # true: Pillow's area-averaging bilinear, as keras.utils.load_img
 policy: policy.yaml         # relative to ODTD_HOME, or an absolute path
 heartbeat_interval_s: 5
 """
