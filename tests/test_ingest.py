@@ -80,7 +80,7 @@ def test_oversized_image_is_rejected_without_decoding():
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     with pytest.raises(BadImage, match="oversized"):
-        decode_image(buf.getvalue(), (32, 32))
+        decode_image(buf.getvalue(), (32, 32, 3))
 
 
 def test_missing_path_and_single_file_without_label(tmp_path):

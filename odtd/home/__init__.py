@@ -1,7 +1,8 @@
 """The state directory's files (ODTD_HOME): layout, creation, samples in, model versions.
 
 Modules: ``paths`` (``Home``: every path of a home), ``create`` (``odtctl init``), ``ingest``
-(image files become content-addressed samples or quarantined inputs), ``versions`` (weights and
+(image files become content-addressed samples or quarantined inputs), ``images`` (an image
+file decoded and fitted to the model's input, as Keras prepares its own), ``versions`` (weights and
 manifests under ``models/<name>/``, the atomic ``current`` pointer, rollback, export, prune).
 
 May import: ``errors``, ``config``, ``policy``, ``store`` (the rows that go with the files) and

@@ -13,7 +13,8 @@ import numpy as np
 
 from odtd.config import Config, default_config_text
 from odtd.errors import ConfigError, IngestError, ModelError, TrainerFailed
-from odtd.home.ingest import BadImage, Ingestor, decode_image, discover
+from odtd.home.images import BadImage, decode_image
+from odtd.home.ingest import Ingestor, discover
 from odtd.home.paths import Home
 from odtd.home.spec import (
     ARCHITECTURE_NAME,
@@ -121,7 +122,9 @@ def init_home(
         # Read the validation images before touching the home, so a bad path loses nothing.
         val = validation_arrays
         if validation is not None:
-            val = load_validation_dir(validation, classes, spec.input_shape)
+            val = load_validation_dir(validation, classes, spec.input_shape,
+                                      resize=config.images.resize,
+                                      antialias=config.images.antialias)
         if force:
             wipe_home(home)
         for directory in home.directories():
@@ -157,7 +160,8 @@ def init_home(
         seeded = {"size": 0}
         if replay_files is not None:
             seeded = seed_replay(home, store, replay_files, classes, spec.input_shape,
-                                 load_policy(policy_path))
+                                 load_policy(policy_path), resize=config.images.resize,
+                                 antialias=config.images.antialias)
     finally:
         store.close()
     summary = {
@@ -218,7 +222,8 @@ def stage_version0(config: Config, stage: Path, name: str, classes: list[str],
 
 
 def seed_replay(home: Home, store: Store, files: list[tuple[Path, Optional[str]]],
-                classes: list[str], input_shape: list[int], policy: Any) -> dict[str, Any]:
+                classes: list[str], input_shape: list[int], policy: Any, *,
+                resize: str = "stretch", antialias: bool = False) -> dict[str, Any]:
     """Put the base model's own training images into the replay buffer of a new home.
 
     The buffer rehearses "everything trained so far", and before the first session that is the
@@ -233,8 +238,10 @@ def seed_replay(home: Home, store: Store, files: list[tuple[Path, Optional[str]]
         store: its open database.
         files: (path, label) pairs from ``discover``.
         classes: the model's classes; other labels are quarantined, as by ingest.
-        input_shape: the model's (height, width, channels).
+        input_shape: the model's (height, width, channels): the images' size and channels.
         policy: the home's policy (replay capacity).
+        resize: ``odtd.yaml``'s ``images.resize``.
+        antialias: ``odtd.yaml``'s ``images.antialias``.
 
     Returns:
         The ingest counts and ``size``, the buffer's size afterwards.
@@ -242,7 +249,8 @@ def seed_replay(home: Home, store: Store, files: list[tuple[Path, Optional[str]]
     Raises:
         IngestError: no image could be stored.
     """
-    ingestor = Ingestor(home, store, classes, (input_shape[1], input_shape[0]), holdout_every=0)
+    ingestor = Ingestor(home, store, classes, (input_shape[1], input_shape[0]), holdout_every=0,
+                        channels=input_shape[2], resize=resize, antialias=antialias)
     report = ingestor.ingest(files)
     rows = store.samples("pending")
     if not rows:
@@ -265,9 +273,23 @@ def wipe_home(home: Home) -> None:
 
 
 def load_validation_dir(
-    path: Path, classes: list[str], input_shape: tuple[int, ...]
+    path: Path, classes: list[str], input_shape: tuple[int, ...], resize: str = "stretch",
+    antialias: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Decode a ``<label>/<file>`` directory into the fixed validation arrays.
+
+    Images are prepared as ingest prepares samples (``odtd.home.images``); one that cannot be
+    decoded is skipped with a warning.
+
+    Args:
+        path: the directory.
+        classes: the model's classes, in output order.
+        input_shape: the model's (height, width, channels).
+        resize: ``odtd.yaml``'s ``images.resize``.
+        antialias: ``odtd.yaml``'s ``images.antialias``.
+
+    Returns:
+        x uint8 (n, height, width, channels) and y int64 class indices.
 
     Raises:
         IngestError: the path is unusable, holds a label outside ``classes``, or no images.
@@ -280,7 +302,7 @@ def load_validation_dir(
         if label not in index:
             raise IngestError(f"--validation {file}: label {label!r} is not one of the classes {classes}")
         try:
-            xs.append(decode_image(file.read_bytes(), (input_shape[1], input_shape[0])))
+            xs.append(decode_image(file.read_bytes(), input_shape, resize, antialias))
         except (BadImage, OSError) as exc:
             skipped += 1
             logger.warning("validation image %s skipped: %s", file, exc)

@@ -1,20 +1,19 @@
 """Ingest: image files become validated, content-addressed samples, or quarantined inputs.
 
-Images are decoded with Pillow (no TensorFlow in this process), converted to RGB and to the
-model's input size. A sample is stored twice under ``samples/<aa>/``: the original bytes
-(``<sha256>.<ext>``, never modified) and the decoded pixels (``<sha256>.npy``, uint8 HxWx3) the
-trainer reads. One bad file never stops a batch: it is quarantined with its reason.
+Images are decoded by ``odtd.home.images`` with Pillow (no TensorFlow in this process), to the
+model's channels and input size. A sample is stored twice under ``samples/<aa>/``: the original
+bytes (``<sha256>.<ext>``, never modified) and the decoded pixels (``<sha256>.npy``, uint8
+height x width x channels) the trainer reads. One bad file never stops a batch: it is
+quarantined with its reason.
 """
 
 from __future__ import annotations
 
 import csv
 import hashlib
-import io
 import logging
 import os
 import shutil
-import warnings
 from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
@@ -22,21 +21,18 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
+from odtd.config import Config
 from odtd.errors import IngestError
+from odtd.home.images import BadImage, check_fit, decode_image
 from odtd.home.paths import Home
 from odtd.store.database import Store, utc_now
 
 logger = logging.getLogger(__name__)
 
-MAX_PIXELS = 50_000_000
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".ppm", ".tif", ".tiff"}
 # One sample in this many (chosen by content hash, so it is stable) is held out of training to
 # measure accuracy on the device's own data.
 DEFAULT_HOLDOUT_EVERY = 8
-
-
-class BadImage(Exception):
-    """A single input cannot become a sample; the message is the quarantine reason."""
 
 
 @dataclass
@@ -54,37 +50,6 @@ class IngestReport:
         return {"accepted": self.accepted, "duplicates": self.duplicates,
                 "rejected": self.rejected, "holdout": self.holdout,
                 "rejected_files": self.rejected_files}
-
-
-def decode_image(data: bytes, size: tuple[int, int]) -> np.ndarray:
-    """Decode image bytes into a uint8 (height, width, 3) RGB array of ``size`` (w, h).
-
-    Raises:
-        BadImage: empty, not an image, oversized (> 50 megapixels), corrupt or truncated.
-    """
-    # Imported here: an idle daemon has no image to decode (Pillow is 2 MB of its memory).
-    from PIL import Image, UnidentifiedImageError
-
-    if not data:
-        raise BadImage("empty file (0 bytes)")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
-            width, height = image.size
-            if width * height > MAX_PIXELS:
-                raise BadImage(f"oversized: {width}x{height} is over {MAX_PIXELS // 1_000_000} megapixels")
-            image.load()
-    except UnidentifiedImageError:
-        raise BadImage("not an image Pillow can read") from None
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise BadImage(f"oversized: {exc}") from None
-    except (OSError, SyntaxError, ValueError) as exc:
-        raise BadImage(f"corrupt or truncated image ({exc})") from None
-    image = image.convert("RGB")
-    if image.size != tuple(size):
-        image = image.resize(tuple(size), Image.BILINEAR)
-    return np.asarray(image, dtype=np.uint8)
 
 
 def discover(path: Path, label: Optional[str]) -> list[tuple[Path, Optional[str]]]:
@@ -153,8 +118,16 @@ class Ingestor:
         home: the state directory.
         store: its open database.
         classes: the model's class names (any other label is rejected).
-        input_size: (width, height) the model takes.
+        input_size: (width, height) the model takes, in pixels.
         holdout_every: one in N samples (by hash) is held out for evaluation; 0 disables.
+        channels: the model's channels, 3 (RGB) or 1 (greyscale).
+        resize: ``stretch``, ``crop`` or ``pad``: ``odtd.yaml``'s ``images.resize``.
+        antialias: ``odtd.yaml``'s ``images.antialias``.
+
+    `for_home` builds one from a home's model and ``odtd.yaml``.
+
+    Raises:
+        ValueError: channels other than 1 or 3, or an unknown ``resize``.
     """
 
     def __init__(
@@ -164,13 +137,39 @@ class Ingestor:
         classes: list[str],
         input_size: tuple[int, int],
         holdout_every: int = DEFAULT_HOLDOUT_EVERY,
+        *,
+        channels: int = 3,
+        resize: str = "stretch",
+        antialias: bool = False,
     ) -> None:
         self.home = home
         self.store = store
         self.classes = set(classes)
         self.class_list = list(classes)
         self.input_size = input_size
+        self.input_shape = check_fit((input_size[1], input_size[0], channels), resize)
+        self.resize = resize
+        self.antialias = antialias
         self.holdout_every = holdout_every
+
+    @classmethod
+    def for_home(cls, home: Home, store: Store, config: Optional[Config] = None,
+                 holdout_every: int = DEFAULT_HOLDOUT_EVERY) -> Ingestor:
+        """Return the ingestor of an initialised home.
+
+        Args:
+            home: the state directory.
+            store: its open database, whose meta holds the model's classes and input shape.
+            config: the home's ``odtd.yaml`` (read from the home when None): ``images``.
+            holdout_every: as in `Ingestor`.
+
+        Raises:
+            ConfigError: ``odtd.yaml`` is invalid (only when ``config`` is None).
+        """
+        height, width, channels = store.meta("input_shape")
+        images = (config or home.load_config()).images
+        return cls(home, store, store.meta("classes"), (width, height), holdout_every,
+                   channels=channels, resize=images.resize, antialias=images.antialias)
 
     def ingest(
         self,
@@ -216,7 +215,7 @@ class Ingestor:
                 path.unlink()
             return
         try:
-            pixels = decode_image(data, self.input_size)
+            pixels = decode_image(data, self.input_shape, self.resize, self.antialias)
         except BadImage as exc:
             self._reject(path, str(exc), move, report, data)
             return
