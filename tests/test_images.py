@@ -92,7 +92,7 @@ def test_exif_orientation_is_not_applied():
 def _photo(width: int, height: int, seed: int = 0) -> bytes:
     rng = np.random.default_rng(seed)
     coarse = rng.integers(0, 256, (max(height // 8, 2), max(width // 8, 2), 3), dtype=np.uint8)
-    image = Image.fromarray(coarse).resize((width, height), Image.BICUBIC)
+    image = Image.fromarray(coarse).resize((width, height), getattr(Image, "Resampling", Image).BICUBIC)
     return _encode(image, "PNG")
 
 
