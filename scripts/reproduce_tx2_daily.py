@@ -214,7 +214,7 @@ def run(args) -> dict:
         with running_sampler(TelemetryConfig(backend=args.telemetry)) as sampler:
             runner = SessionRunner(home, store, config, load_policy(home.root / "policy.yaml"),
                                    energy_meter=SessionEnergyMeter(sampler))
-            ingestor = Ingestor(home, store, list(datasets.CLASSES), (32, 32))
+            ingestor = Ingestor.for_home(home, store)
             for day in range(1, args.days + 1):
                 stamp = (start_day + timedelta(days=day - 1)).isoformat()
                 names = [train_files[i][0] for i in draws[day - 1]]

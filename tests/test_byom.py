@@ -191,7 +191,8 @@ def predict_max_diff(model_path: Path, ref: Path, python=None) -> float:
 
 
 @pytest.mark.trains
-@pytest.mark.parametrize("name, suffix", [("cnn_softmax", ".keras"), ("mobilenet", ".keras")])
+@pytest.mark.parametrize("name, suffix", [("cnn_softmax", ".keras"), ("gray_logits", ".h5"),
+                                          ("mobilenet", ".keras")])
 def test_a_session_on_an_imported_model_and_its_export(models, tmp_path, name, suffix):
     home = tmp_path / "home"
     classes = CLASSES[name]

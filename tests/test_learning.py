@@ -56,7 +56,7 @@ def test_guarded_replay_keeps_base_accuracy_while_plain_fine_tuning_forgets(pret
     home = _copy(pretrained, tmp_path)
     store = home.open_store()
     runner = SessionRunner(home, store, Config(), load_policy(home.root / "policy.yaml"))
-    ingestor = Ingestor(home, store, list(datasets.CLASSES), (32, 32))
+    ingestor = Ingestor.for_home(home, store)
     repo = ModelRepo(home.models, "tinycnn")
     plain = tmp_path / "plain.npz"
     shutil.copyfile(repo.weights_path(repo.current()), plain)
@@ -100,7 +100,7 @@ def test_worse_candidate_is_rolled_back_and_current_unchanged(pretrained, tmp_pa
     current, sha = repo.current(), file_sha256(repo.weights_path(repo.current()))
     x, y = datasets.synthetic(64, "device", seed=900)
     datasets.write_image_folder(x, y, datasets.CLASSES, tmp_path / "imgs")
-    Ingestor(home, store, list(datasets.CLASSES), (32, 32)).ingest(discover(tmp_path / "imgs", None))
+    Ingestor.for_home(home, store).ingest(discover(tmp_path / "imgs", None))
     session = SessionRunner(home, store, Config(), load_policy(home.root / "policy.yaml")).run().to_dict()
     assert session["outcome"] == "rolled_back", session["reason"]
     assert session["accuracy_after"] < session["accuracy_before"] - 0.01
@@ -123,7 +123,7 @@ def _policy(home: Home, training: str = "", acceptance: str = "", **replace: str
 def _day(home: Home, store, tmp_path: Path, seed: int, progress=None) -> dict:
     x, y = datasets.synthetic(64, "device", seed=seed)
     datasets.write_image_folder(x, y, datasets.CLASSES, tmp_path / f"imgs{seed}", start_index=seed)
-    Ingestor(home, store, list(datasets.CLASSES), (32, 32)).ingest(discover(tmp_path / f"imgs{seed}", None))
+    Ingestor.for_home(home, store).ingest(discover(tmp_path / f"imgs{seed}", None))
     return SessionRunner(home, store, Config(), load_policy(home.root / "policy.yaml"),
                          progress=progress).run().to_dict()
 

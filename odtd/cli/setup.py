@@ -55,8 +55,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     files = discover(Path(args.path), args.label)
     store = home.open_store()
     try:
-        shape = store.meta("input_shape")
-        ingestor = Ingestor(home, store, store.meta("classes"), (shape[1], shape[0]))
+        ingestor = Ingestor.for_home(home, store)
         show = None if args.json or len(files) < 500 else \
             (lambda done, total: progress(f"ingested {done}/{total}"))
         report = ingestor.ingest(files, day=day, progress=show)

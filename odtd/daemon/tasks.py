@@ -60,9 +60,7 @@ def _ingest(home: Home, args: argparse.Namespace) -> dict[str, Any]:
     files = [(Path(path), label) for path, label in json.load(sys.stdin)]
     store = home.open_store()
     try:
-        shape = store.meta("input_shape")
-        report = Ingestor(home, store, store.meta("classes"), (shape[1], shape[0])).ingest(
-            files, day=args.day, move=True)
+        report = Ingestor.for_home(home, store).ingest(files, day=args.day, move=True)
     finally:
         store.close()
     logger.info("inbox: accepted %d, duplicates %d, rejected %d", report.accepted,

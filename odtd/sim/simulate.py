@@ -137,8 +137,7 @@ def _run_days(home: Home, store: Store, config: Config, source: DataSource,
               progress: Callable[[str], None]) -> list[dict[str, Any]]:
     runner = SessionRunner(home, store, config, load_policy(home.policy_path(config)),
                            energy_meter=SessionEnergyMeter(sampler))
-    shape = store.meta("input_shape")
-    ingestor = Ingestor(home, store, store.meta("classes"), (shape[1], shape[0]))
+    ingestor = Ingestor.for_home(home, store)
     offset = len(store.sessions(done_only=True))
     start = date.fromisoformat(options.start_day) if options.start_day else date.today()
     sessions = []
