@@ -3,6 +3,9 @@
 One writer at a time (the daemon or a foreground ``odtctl`` session), any number of readers:
 WAL lets ``odtctl status`` read while a session writes. The schema version lives in
 ``PRAGMA user_version`` and advances through the ordered ``MIGRATIONS`` (``odtd.store.schema``).
+Rows go in and out through sqlite-utils' table API (``insert``, ``upsert``, ``update``,
+``rows_where``, ``get``); SQL is written by hand only where that API has no verb (aggregates,
+``UPDATE ... WHERE`` over many rows).
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ import sqlite3
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import sqlite_utils
+from sqlite_utils.db import NotFoundError
 
 from odtd.errors import StoreError
 from odtd.store.liveness import utc_now
@@ -23,6 +27,31 @@ from odtd.store.records import OUTCOMES, SessionRecord
 from odtd.store.schema import MIGRATIONS
 
 logger = logging.getLogger(__name__)
+
+
+class _SavepointConnection(sqlite3.Connection):
+    """A connection whose ``with`` block is a savepoint: it never ends an open transaction.
+
+    sqlite-utils 3.x wraps each write (insert, update, delete_where) in ``with db.conn:``, and
+    the stock context manager COMMITs whatever transaction is open: it would end
+    ``Store.transaction()``'s ``BEGIN IMMEDIATE`` at the first write, and a promotion that
+    fails half-way would stay half-written. A savepoint nests inside the open transaction
+    instead (outside one, it is a transaction of its own). sqlite-utils 4 nests its writes in
+    savepoints itself (``Database.atomic``) and never enters the connection.
+    """
+
+    def __enter__(self) -> _SavepointConnection:
+        self.execute("SAVEPOINT odtd_write")
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> bool:
+        if exc_type is None:
+            self.execute("RELEASE odtd_write")
+        elif self.in_transaction:  # an I/O error may have rolled everything back already
+            self.execute("ROLLBACK TO odtd_write")
+            self.execute("RELEASE odtd_write")
+        return False
+
 
 class Store:
     """Typed access to ``odtd.db``; the only module that imports sqlite_utils.
@@ -39,7 +68,7 @@ class Store:
             # explicitly, so a multi-statement write is all-or-nothing.
             conn = sqlite3.connect(
                 str(self.path), timeout=busy_timeout_s, check_same_thread=False,
-                isolation_level=None,
+                isolation_level=None, factory=_SavepointConnection,
             )
             self._depth = 0
             self._lock = threading.RLock()
@@ -71,8 +100,9 @@ class Store:
             statements = [s.strip() for s in script.split(";") if s.strip()]
             with self.transaction():
                 for statement in statements:
-                    self.db.conn.execute(statement)
-                self.db.conn.execute(f"PRAGMA user_version = {number}")
+                    self.db.execute(statement)
+                # PRAGMA takes no bound parameters; number is an int from enumerate.
+                self.db.execute(f"PRAGMA user_version = {number}")
 
     def close(self) -> None:
         """Close the connection (checkpointing the WAL)."""
@@ -95,26 +125,40 @@ class Store:
                 yield
             except BaseException:
                 self._depth = 0
-                self.db.conn.execute("ROLLBACK")
+                if self.db.conn.in_transaction:  # an I/O error may have rolled it back already
+                    self.db.conn.execute("ROLLBACK")
                 raise
             self._depth = 0
             self.db.conn.execute("COMMIT")
 
-    def _insert(self, table: str, row: dict[str, Any], replace: bool = False) -> int:
-        columns = ", ".join(row)
-        marks = ", ".join(f":{key}" for key in row)
-        verb = "INSERT OR REPLACE" if replace else "INSERT"
-        with self.transaction():
-            cursor = self.db.conn.execute(f"{verb} INTO {table} ({columns}) VALUES ({marks})", row)
-        return cursor.lastrowid
+    def _rows(self, table: str, where: Optional[str] = None, where_args: Optional[Sequence[Any]] = None,
+              **options: Any) -> list[dict[str, Any]]:
+        """Return ``rows_where``'s rows as a list, read under the writers' lock.
 
-    def _update(self, table: str, where: dict[str, Any], row: dict[str, Any]) -> None:
-        sets = ", ".join(f"{key} = :set_{key}" for key in row)
-        cond = " AND ".join(f"{key} = :where_{key}" for key in where)
-        params = {f"set_{k}": v for k, v in row.items()}
-        params.update({f"where_{k}": v for k, v in where.items()})
+        sqlite-utils 4 reads inside a savepoint, which opens a transaction on the connection the
+        daemon's threads share: another thread's ``BEGIN IMMEDIATE`` meanwhile would fail
+        ("cannot start a transaction within a transaction").
+        """
+        with self._lock:
+            return list(self.db[table].rows_where(where, where_args, **options))
+
+    def _get(self, table: str, key: Any) -> Optional[dict[str, Any]]:
+        """Return the row with this primary key, or None."""
+        with self._lock:
+            try:
+                return self.db[table].get(key)
+            except NotFoundError:
+                return None
+
+    def _update(self, table: str, key: Any, values: dict[str, Any]) -> None:
         with self.transaction():
-            self.db.conn.execute(f"UPDATE {table} SET {sets} WHERE {cond}", params)
+            try:
+                self.db[table].update(key, values)
+            except NotFoundError:
+                raise StoreError(
+                    f"{self.path}: no {table} row with key {key!r} to update; it was never "
+                    "written or was deleted: write the row first"
+                ) from None
 
     def integrity_check(self) -> str:
         """Return SQLite's ``PRAGMA integrity_check`` verdict ('ok' when sound)."""
@@ -124,76 +168,65 @@ class Store:
 
     def set_meta(self, **values: Any) -> None:
         """Store JSON-encodable settings of this home (model name, classes, ...)."""
+        rows = [{"key": key, "value": json.dumps(value)} for key, value in values.items()]
         with self.transaction():
-            for key, value in values.items():
-                self._insert("meta", {"key": key, "value": json.dumps(value)}, replace=True)
+            self.db["meta"].insert_all(rows, replace=True)
 
     def meta(self, key: str, default: Any = None) -> Any:
         """Return a stored setting, or ``default``."""
-        row = self.db.execute("SELECT value FROM meta WHERE key = ?", [key]).fetchone()
-        return json.loads(row[0]) if row else default
+        row = self._get("meta", key)
+        return json.loads(row["value"]) if row else default
 
     # -- samples --------------------------------------------------------------------------
 
     def has_sample(self, sha256: str) -> bool:
         """Whether a sample with this content hash is already stored."""
-        return self.db.execute("SELECT 1 FROM samples WHERE sha256 = ?", [sha256]).fetchone() is not None
+        with self._lock:
+            return self.db["samples"].count_where("sha256 = ?", [sha256]) > 0
 
     def add_sample(self, row: dict[str, Any]) -> bool:
         """Insert a sample row; return False when its sha256 is already there (a duplicate)."""
-        with self.transaction():
-            cursor = self.db.conn.execute(
-                "INSERT OR IGNORE INTO samples (sha256, label, day, status, original_path,"
-                " stored_path, array_path, width, height, ingested_at)"
-                " VALUES (:sha256, :label, :day, :status, :original_path, :stored_path,"
-                " :array_path, :width, :height, :ingested_at)",
-                row,
-            )
-        return cursor.rowcount == 1
+        with self.transaction():  # BEGIN IMMEDIATE: no other writer between the check and the insert
+            if self.has_sample(row["sha256"]):
+                return False
+            self.db["samples"].insert(row)
+        return True
 
     def add_quarantine(self, original_path: str, stored_path: Optional[str], reason: str) -> None:
         """Record a rejected input."""
-        self._insert(
-            "quarantine",
-            {"at": utc_now(), "original_path": original_path, "stored_path": stored_path,
-             "reason": reason},
-        )
+        with self.transaction():
+            self.db["quarantine"].insert(
+                {"at": utc_now(), "original_path": original_path, "stored_path": stored_path,
+                 "reason": reason})
 
     def samples(self, status: str, limit: Optional[int] = None) -> list[dict[str, Any]]:
         """Return samples in a status, oldest day first."""
-        sql = "SELECT * FROM samples WHERE status = ? ORDER BY day, ingested_at, sha256"
-        params: list[Any] = [status]
-        if limit is not None:
-            sql += " LIMIT ?"
-            params.append(limit)
-        return list(self.db.query(sql, params))
+        return self._rows("samples", "status = ?", [status],
+                          order_by="day, ingested_at, sha256", limit=limit)
 
     def samples_by_sha(self, shas: Iterable[str]) -> list[dict[str, Any]]:
         """Return the sample rows for these hashes (unknown hashes are skipped)."""
-        shas = list(shas)
-        rows: list[dict[str, Any]] = []
-        for start in range(0, len(shas), 500):
-            chunk = shas[start : start + 500]
-            marks = ",".join("?" * len(chunk))
-            rows.extend(self.db.query(f"SELECT * FROM samples WHERE sha256 IN ({marks})", chunk))
-        return rows
+        # One JSON array parameter, not one ``?`` per hash: SQLite caps bound parameters.
+        return self._rows("samples", "sha256 IN (SELECT value FROM json_each(?))",
+                          [json.dumps(list(shas))])
 
     def mark_trained(self, shas: Iterable[str], session_id: int) -> None:
         """Mark pending samples as trained by a session."""
         with self.transaction():
-            self.db.conn.executemany(
-                "UPDATE samples SET status = 'trained', session_id = ? WHERE sha256 = ?"
-                " AND status = 'pending'",
-                [(session_id, sha) for sha in shas],
+            self.db.execute(
+                "UPDATE samples SET status = 'trained', session_id = ? WHERE status = 'pending'"
+                " AND sha256 IN (SELECT value FROM json_each(?))",
+                [session_id, json.dumps(list(shas))],
             )
 
     def sample_counts(self) -> dict[str, int]:
         """Return counts: total, pending, trained, holdout, quarantined."""
         counts = {"total": 0, "pending": 0, "trained": 0, "holdout": 0}
-        for status, count in self.db.execute("SELECT status, count(*) FROM samples GROUP BY status"):
-            counts[status] = count
-            counts["total"] += count
-        counts["quarantined"] = self.db.execute("SELECT count(*) FROM quarantine").fetchone()[0]
+        for row in self._query("SELECT status, count(*) AS n FROM samples GROUP BY status"):
+            counts[row["status"]] = row["n"]
+            counts["total"] += row["n"]
+        with self._lock:
+            counts["quarantined"] = self.db["quarantine"].count
         return counts
 
     # -- sessions -------------------------------------------------------------------------
@@ -201,12 +234,13 @@ class Store:
     def start_session(self, record: SessionRecord) -> int:
         """Insert ``record`` as a ``running`` session row; set and return its id."""
         record.state, record.started_at = "running", utc_now()
-        record.id = self._insert("sessions", record.to_row())
+        with self.transaction():
+            record.id = self.db["sessions"].insert(record.to_row()).last_rowid
         return record.id
 
     def save_session(self, record: SessionRecord) -> None:
         """Write a running session's fields (progress: steps, batch size, the worker's pid)."""
-        self._update("sessions", {"id": record.id}, record.to_row())
+        self._update("sessions", record.id, record.to_row())
 
     def finish_session(self, record: SessionRecord) -> None:
         """Mark a session done with its outcome and write all its fields (one transaction)."""
@@ -214,7 +248,7 @@ class Store:
             raise StoreError(f"session {record.id}: outcome {record.outcome!r} not in {OUTCOMES}")
         record.finished_at = record.finished_at or utc_now()
         record.state = "done"
-        self._update("sessions", {"id": record.id}, record.to_row())
+        self._update("sessions", record.id, record.to_row())
 
     def add_steps(self, session_id: int, steps: list[dict[str, Any]]) -> None:
         """Store a session's step spans (monotonic seconds) in one transaction."""
@@ -225,49 +259,41 @@ class Store:
             for s in steps
         ]
         with self.transaction():
-            for row in rows:
-                self._insert("steps", row, replace=True)
+            self.db["steps"].insert_all(rows, replace=True)
 
     def steps(self, session_id: int) -> list[dict[str, Any]]:
         """Return a session's steps in order."""
-        return list(self.db.query("SELECT * FROM steps WHERE session_id = ? ORDER BY idx", [session_id]))
+        return self._rows("steps", "session_id = ?", [session_id], order_by="idx")
 
     def session(self, session_id: int) -> Optional[SessionRecord]:
         """Return one session, or None."""
-        rows = list(self.db.query("SELECT * FROM sessions WHERE id = ?", [session_id]))
-        return SessionRecord.from_row(rows[0]) if rows else None
+        row = self._get("sessions", session_id)
+        return SessionRecord.from_row(row) if row else None
 
     def sessions(self, limit: Optional[int] = None, done_only: bool = False) -> list[SessionRecord]:
         """Return sessions, most recent first."""
-        sql = "SELECT * FROM sessions"
-        if done_only:
-            sql += " WHERE state = 'done'"
-        sql += " ORDER BY id DESC"
-        params: list[Any] = []
-        if limit is not None:
-            sql += " LIMIT ?"
-            params.append(limit)
-        return [SessionRecord.from_row(row) for row in self.db.query(sql, params)]
+        rows = self._rows("sessions", "state = 'done'" if done_only else None, order_by="id DESC",
+                          limit=limit)
+        return [SessionRecord.from_row(row) for row in rows]
 
     def last_kept_for_resume(self) -> Optional[SessionRecord]:
         """The latest finished session whose refused candidate was kept to resume from, or None."""
-        rows = list(self.db.query(
-            "SELECT * FROM sessions WHERE state = 'done' AND "
-            "json_extract(details, '$.kept_for_resume') ORDER BY id DESC LIMIT 1"))
+        rows = self._rows("sessions", "state = 'done' AND json_extract(details, '$.kept_for_resume')",
+                          order_by="id DESC", limit=1)
         return SessionRecord.from_row(rows[0]) if rows else None
 
     def running_sessions(self) -> list[SessionRecord]:
         """Return sessions still marked running (by a live or a crashed process)."""
-        return [SessionRecord.from_row(row) for row in
-                self.db.query("SELECT * FROM sessions WHERE state = 'running' ORDER BY id")]
+        return [SessionRecord.from_row(row)
+                for row in self._rows("sessions", "state = 'running'", order_by="id")]
 
     def outcome_counts(self) -> dict[str, int]:
         """Return the number of finished sessions per outcome."""
         counts = dict.fromkeys(OUTCOMES, 0)
-        for outcome, count in self.db.execute(
-            "SELECT outcome, count(*) FROM sessions WHERE state = 'done' GROUP BY outcome"
+        for row in self._query(
+            "SELECT outcome, count(*) AS n FROM sessions WHERE state = 'done' GROUP BY outcome"
         ):
-            counts[outcome] = count
+            counts[row["outcome"]] = row["n"]
         return counts
 
     # -- model versions -------------------------------------------------------------------
@@ -276,72 +302,61 @@ class Store:
         """Record a model version (its files are written by ``odtd.home.versions``)."""
         row = dict(row)
         row.setdefault("created_at", utc_now())
-        self._insert("model_versions", row, replace=True)
+        with self.transaction():
+            self.db["model_versions"].insert(row, replace=True)
 
     def model_versions(self, model: str) -> list[dict[str, Any]]:
         """Return the versions of a model, newest first."""
-        return list(
-            self.db.query(
-                "SELECT * FROM model_versions WHERE model = ? ORDER BY version DESC", [model]
-            )
-        )
+        return self._rows("model_versions", "model = ?", [model], order_by="version DESC")
 
     def set_model_version_state(self, model: str, version: int, state: str) -> None:
         """Mark a version kept, pruned, ..."""
-        self._update("model_versions", {"model": model, "version": version}, {"state": state})
+        self._update("model_versions", (model, version), {"state": state})
 
     # -- events and the daemon's heartbeat --------------------------------------------------
 
     def log_event(self, kind: str, message: str, **data: Any) -> None:
         """Append an event (promotions, rollbacks, reloads, recoveries)."""
-        self._insert(
-            "events",
-            {"at": utc_now(), "kind": kind, "message": message,
-             "data": json.dumps(data, sort_keys=True) if data else None},
-        )
+        with self.transaction():
+            self.db["events"].insert(
+                {"at": utc_now(), "kind": kind, "message": message,
+                 "data": json.dumps(data, sort_keys=True) if data else None})
 
     def events(self, limit: int = 20, kind: Optional[str] = None) -> list[dict[str, Any]]:
         """Return recent events, newest first."""
         if kind:
-            rows = self.db.query(
-                "SELECT * FROM events WHERE kind = ? ORDER BY id DESC LIMIT ?", [kind, limit]
-            )
-        else:
-            rows = self.db.query("SELECT * FROM events ORDER BY id DESC LIMIT ?", [limit])
-        return list(rows)
+            return self._rows("events", "kind = ?", [kind], order_by="id DESC", limit=limit)
+        return self._rows("events", order_by="id DESC", limit=limit)
 
     def write_daemon(self, **fields: Any) -> None:
         """Upsert the daemon's liveness row (pid, heartbeat_at, next_session_at, paused)."""
         with self.transaction():
-            self.db.conn.execute("INSERT OR IGNORE INTO daemon (id) VALUES (1)")
-            if fields:
-                self._update("daemon", {"id": 1}, fields)
+            self.db["daemon"].upsert({"id": 1, **fields}, pk="id")
 
     def daemon_row(self) -> Optional[dict[str, Any]]:
         """Return the daemon's liveness row, or None if no daemon ever ran here."""
-        rows = list(self.db.query("SELECT * FROM daemon WHERE id = 1"))
-        return rows[0] if rows else None
+        return self._get("daemon", 1)
 
     # -- replay buffer ----------------------------------------------------------------------
 
     def replay_buffer(self) -> list[dict[str, Any]]:
         """Return the buffer's entries (sha256, label, size_bytes, added_session)."""
-        return list(self.db.query("SELECT * FROM replay_buffer ORDER BY sha256"))
+        return self._rows("replay_buffer", order_by="sha256")
 
     def replay_seen(self) -> dict[str, int]:
         """Return how many trained samples of each label the reservoir has been offered."""
-        return {row["label"]: row["seen"] for row in self.db.query("SELECT * FROM replay_seen")}
+        return {row["label"]: row["seen"] for row in self._rows("replay_seen")}
 
     def update_replay(self, added: list[dict[str, Any]], removed: list[str],
                       seen: dict[str, int]) -> None:
         """Apply one reservoir update (entries in and out, offered counts) in one transaction."""
         with self.transaction():
-            for sha in removed:
-                self.db.conn.execute("DELETE FROM replay_buffer WHERE sha256 = ?", [sha])
-            for row in added:
-                self._insert("replay_buffer", row, replace=True)
-            for label, count in seen.items():
-                self._insert("replay_seen", {"label": label, "seen": count}, replace=True)
+            if removed:
+                self.db["replay_buffer"].delete_where(
+                    "sha256 IN (SELECT value FROM json_each(?))", [json.dumps(removed)])
+            self.db["replay_buffer"].insert_all(added, replace=True)
+            self.db["replay_seen"].insert_all(
+                [{"label": label, "seen": count} for label, count in seen.items()], replace=True)
 
     # -- profiles -------------------------------------------------------------------------
 
@@ -352,9 +367,10 @@ class Store:
                 "samples_per_s", "step_s", "energy_per_sample_j", "energy_per_sample_by_rail_j",
                 "energy_source", "energy_coverage", "mean_power_w", "peak_memory_mb")
         with self.transaction():
-            profile_id = self.db.execute(
-                "SELECT COALESCE(MAX(profile_id), 0) + 1 FROM profiles").fetchone()[0]
+            profile_id = self._query(
+                "SELECT COALESCE(MAX(profile_id), 0) + 1 AS next FROM profiles")[0]["next"]
             created_at = utc_now()
+            records = []
             for row in rows:
                 record = {key: row.get(key) for key in keys}
                 by_rail = record["energy_per_sample_by_rail_j"]
@@ -362,7 +378,8 @@ class Store:
                     json.dumps(by_rail, sort_keys=True) if by_rail is not None else None)
                 record.update(profile_id=profile_id, created_at=created_at, model=model,
                               backend=backend, board=board, steps=steps)
-                self._insert("profiles", record)
+                records.append(record)
+            self.db["profiles"].insert_all(records)
         return profile_id
 
     def latest_profile(self, model: str) -> list[dict[str, Any]]:
@@ -372,14 +389,12 @@ class Store:
         extends that profile) and replace re-measured sizes. Only runs on the board of the newest
         run count. Rows keep their own ``profile_id``; ``[]`` when the model was never profiled.
         """
-        newest = self.db.execute(
-            "SELECT board FROM profiles WHERE model = ? ORDER BY profile_id DESC LIMIT 1",
-            [model]).fetchone()
-        if newest is None:
+        newest = self._rows("profiles", "model = ?", [model], select="board",
+                            order_by="profile_id DESC", limit=1)
+        if not newest:
             return []
-        rows = self.db.query(
-            "SELECT * FROM profiles WHERE model = ? AND board IS ? ORDER BY profile_id DESC",
-            [model, newest[0]])
+        rows = self._rows("profiles", "model = ? AND board IS ?", [model, newest[0]["board"]],
+                          order_by="profile_id DESC")
         latest: dict[tuple[str, int], dict[str, Any]] = {}
         for row in rows:
             key = (row["precision"], row["batch_size"])
@@ -389,6 +404,10 @@ class Store:
                 latest[key] = row
         return [latest[key] for key in sorted(latest)]
 
+    def _query(self, sql: str, params: Optional[Sequence[Any]] = None) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self.db.query(sql, params or []))
+
     def iter_query(self, sql: str, params: Optional[list[Any]] = None) -> Iterator[dict[str, Any]]:
         """Run a read-only query (for reports that need their own SQL)."""
-        return self.db.query(sql, params or [])
+        return iter(self._query(sql, params))

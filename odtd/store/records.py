@@ -24,6 +24,8 @@ SESSION_KEYS = (
 )
 OUTCOMES = ("promoted", "rolled_back", "failed", "interrupted", "skipped")
 
+_ONLY_WHEN_SET = ("attempts", "kept_for_resume")  # details keys left out at their defaults
+
 
 @dataclass
 class SessionDetails:
@@ -73,9 +75,17 @@ class SessionDetails:
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
-        """Return the ``details`` object (``extra``'s keys beside the known ones)."""
+        """Return the ``details`` object (``extra``'s keys beside the known ones).
+
+        ``attempts`` and ``kept_for_resume`` appear only when a session has them (a retry, a
+        kept candidate), as every release wrote them: ``history --json`` of an old session
+        reads the same after an upgrade.
+        """
         data = asdict(self)
         extra = data.pop("extra")
+        for key in _ONLY_WHEN_SET:
+            if not data[key]:
+                del data[key]
         return {**extra, **data}
 
     @classmethod
