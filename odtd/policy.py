@@ -32,6 +32,9 @@ class BatchPolicy(_Strict):
     headroom_pct: float = Field(default=15.0, ge=0, lt=100,
                                 description="kept free below the budget for prediction error")
     on_oom: Literal["halve", "skip"] = "halve"
+    precisions: Optional[List[Literal[PRECISIONS]]] = Field(  # type: ignore[valid-type]
+        default=None, description="precisions admission may choose among, each as profiled "
+        "(`odtctl profile --precisions`); null = training.precision alone")
 
     @field_validator("candidates")
     @classmethod
@@ -98,6 +101,16 @@ class TrainingPolicy(_Strict):
         "one session's guard add up over days; the device keeps serving current); null = "
         "every session starts from current")
     precision: Literal[PRECISIONS] = "fp32"  # type: ignore[valid-type]
+    recompute: Literal["off", "on", "auto"] = Field(
+        default="off", description="gradient checkpointing: recompute activations in the "
+        "backward pass instead of keeping them (less memory, more time); auto = admission "
+        "uses it when it is the cheapest plan that fits the memory budget (profile it with "
+        "`odtctl profile --recompute both`)")
+    micro_batch_size: Union[Literal["off", "auto"], PositiveInt] = Field(
+        default="off", description="run each batch as micro-batches of this many samples and "
+        "sum their gradients: the same update at a micro-batch's memory; auto = admission "
+        "splits a batch that fits no other way into the largest candidate size that fits "
+        "(only with freeze_bn: a BatchNorm that trains would normalise each micro-batch alone)")
     gpu_memory_limit_mb: Optional[int] = Field(
         default=None, ge=64, description="cap on TensorFlow's GPU memory (a TX2 shares 8 GB with "
         "the device's own application); null = grow on demand, never grab it all")

@@ -169,3 +169,86 @@ def test_learned_limit_is_remembered_in_the_store(tmp_path):
     a = admit_session(store, policy(size=64), samples=100)
     assert (a.batch_size, a.decision) == (32, RUN)
     store.close()
+
+
+# -- plans: precision x recomputation x micro-batches at one batch size ----------------------
+
+
+def plans_profile(recompute=True, bf16=False):
+    """Whole batches: 1000 + 50 MB x batch; recomputed: 900 + 20 MB x batch at 3/4 the speed."""
+    rows = list(make_profile().rows)
+    if recompute:
+        rows += [ProfileRow(r.batch_size, "fp32", OK, recompute=True,
+                            samples_per_s=r.samples_per_s * 0.75,
+                            energy_per_sample_j=r.energy_per_sample_j / 0.75,
+                            peak_memory_mb=900.0 + 20.0 * r.batch_size, mean_power_w=7.0)
+                 for r in make_profile().rows]
+    if bf16:
+        rows += [ProfileRow(r.batch_size, "mixed_bfloat16", OK, samples_per_s=r.samples_per_s * 1.5,
+                            energy_per_sample_j=r.energy_per_sample_j / 1.5,
+                            peak_memory_mb=r.peak_memory_mb, mean_power_w=7.0)
+                 for r in make_profile().rows]
+    return ProfileResult(1, "densenet40", "ina3221", "Jetson TX2", 10, tuple(rows))
+
+
+def plan_policy(size=32, budget_mb=2000, objective="energy", **training):
+    return Policy.model_validate({
+        "objective": objective,
+        "batch": {"size": size, "candidates": list(SIZES), "memory_budget_mb": budget_mb,
+                  "headroom_pct": 15, "precisions": training.pop("precisions", None)},
+        "training": training,
+    })
+
+
+def test_recomputation_is_chosen_when_the_whole_batch_does_not_fit():
+    # Batch 32 whole: 2600 MB > 1700 MB (2000 less 15%); recomputed: 1540 MB.
+    a = admit(plan_policy(recompute="auto"), plans_profile(), samples=100)
+    assert (a.decision, a.batch_size, a.recompute, a.micro_batch_size) == (RUN, 32, True, None)
+    assert a.predicted_peak_mb == 1540.0
+    assert a.predicted_time_s == round(300 / (22.0 * 0.75), 2)
+    assert a.changes == ("plan fp32 -> fp32+recompute: predicted peak 2600 MB > 1700 MB "
+                         "(2000 MB budget less 15% headroom)",)
+    assert {"batch_size": 32, "plan": "fp32", "reason": a.changes[0].split(": ", 1)[1]} \
+        in a.rejected
+
+
+def test_the_whole_batch_stays_when_it_fits_and_recomputation_costs_more():
+    a = admit(plan_policy(budget_mb=4000, recompute="auto"), plans_profile(), samples=100)
+    assert (a.batch_size, a.recompute, a.changes) == (32, False, ())
+    [other] = a.rejected
+    assert other["plan"] == "fp32+recompute" and other["reason"].startswith("fits, but costs")
+
+
+def test_without_recomputation_the_batch_shrinks_instead():
+    a = admit(plan_policy(recompute="off"), plans_profile(), samples=100)
+    assert (a.batch_size, a.recompute) == (8, False)  # 16 whole: 1800 MB > 1700 MB
+
+
+def test_an_unprofiled_recomputation_is_named_not_guessed():
+    a = admit(plan_policy(recompute="auto"), plans_profile(recompute=False), samples=100)
+    assert (a.batch_size, a.recompute) == (8, False)
+    assert {"batch_size": 32, "plan": "fp32+recompute",
+            "reason": "not profiled: run `odtctl profile --precisions fp32 --recompute on`"} \
+        in a.rejected
+
+
+def test_micro_batches_carry_a_batch_that_fits_no_other_way_with_frozen_batchnorm():
+    # Micro 16: 1800 MB; micro 8: 1400 MB + 40 MB of summed gradients fits 1700 MB.
+    a = admit(plan_policy(micro_batch_size="auto", freeze_bn=True), plans_profile(), samples=100,
+              accumulator_mb=40.0)
+    assert (a.batch_size, a.micro_batch_size, a.predicted_peak_mb) == (32, 8, 1440.0)
+    assert a.predicted_time_s == round(300 / 15.0, 2)  # steps run at batch 8's throughput
+    # A BatchNorm that trains would see 8 images per normalisation: no micro-batches.
+    b = admit(plan_policy(micro_batch_size="auto", freeze_bn=False), plans_profile(),
+              samples=100)
+    assert (b.batch_size, b.micro_batch_size) == (8, None)
+
+
+def test_the_objective_picks_among_precisions_that_fit():
+    policy = plan_policy(budget_mb=None, objective="time",
+                         precisions=["fp32", "mixed_bfloat16"])
+    a = admit(policy, plans_profile(recompute=False, bf16=True), samples=100)
+    assert (a.batch_size, a.precision) == (32, "mixed_bfloat16")
+    only = admit(plan_policy(budget_mb=None, precisions=["fp32", "mixed_bfloat16"]),
+                 plans_profile(recompute=False), samples=100)
+    assert only.precision == "fp32" and "not profiled" in only.rejected[0]["reason"]

@@ -1,5 +1,6 @@
 """Policies acting on real sessions: memory budget, out-of-memory halving, gates."""
 
+import json
 import sqlite3
 import stat
 import sys
@@ -100,3 +101,41 @@ def test_status_reports_each_configured_gate(home):
     assert gates["window"]["passed"] is False
     assert "battery" in gates
     assert "gates" in odtctl("status", home=home).stdout
+
+
+def test_a_batch_that_fits_only_recomputed_runs_recomputed_and_explain_says_why(home, tmp_path):
+    from odtd.store.database import Store
+
+    _ingest(home, tmp_path)
+    # A profile of this board: whole batches 600 + 40 MB x batch, recomputed 600 + 10 MB x batch.
+    rows = [{"batch_size": size, "precision": "fp32", "recompute": recompute, "status": "ok",
+             "samples_per_s": 100.0 if recompute else 140.0, "peak_memory_mb": 600 + per * size}
+            for size in (2, 4, 8) for recompute, per in ((False, 40.0), (True, 10.0))]
+    store = Store(home / "odtd.db")
+    store.add_profile_rows("tinycnn", "estimate", "test board", 3, rows)
+    store.close()
+    # Batch 8: whole 920 MB, recomputed 680 MB; the cap: 1000 MB less 15% = 850 MB.
+    _set_policy(home, "batch:\n  size: 8", "batch:\n  size: 8\n  memory_budget_mb: 1000")
+    _set_policy(home, "training:\n", "training:\n  recompute: auto\n")
+
+    explained = odtctl_json("policy", "explain", home=home)
+    admission = explained["admission"]
+    assert (admission["batch_size"], admission["recompute"]) == (8, True)
+    assert {"batch_size": 8, "plan": "fp32",
+            "reason": "predicted peak 920 MB > 850 MB (1000 MB budget less 15% headroom)"} \
+        in admission["rejected"]
+    text = odtctl("policy", "explain", home=home).stdout
+    assert "admission: run at batch 8 (fp32+recompute)" in text
+    assert "plans not chosen:" in text and "920 MB > 850 MB" in text
+
+    # The session's worker gets the plan: this interpreter keeps the job and stops there.
+    keeper = tmp_path / "python-keep-job"
+    keeper.write_text(f"#!/bin/sh\ncp \"$3\" {tmp_path}/job.json\nexit 3\n")
+    keeper.chmod(0o755)
+    config = (home / "odtd.yaml").read_text()
+    (home / "odtd.yaml").write_text(config.replace("python: null", f"python: {keeper}"))
+    assert odtctl("train-now", "--foreground", home=home, check=False).returncode == 1
+    [session] = odtctl_json("history", home=home)
+    job = json.loads((tmp_path / "job.json").read_text())
+    assert (job["batch_size"], job["recompute"], job["micro_batch_size"]) == (8, True, None)
+    assert session["outcome"] == "failed" and session["details"]["admission"]["recompute"]

@@ -48,7 +48,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     """Profile batch sizes in worker processes; optionally write a policy from the result."""
     from odtd.home.spec import check_model_name
     from odtd.profiling.policy_writer import write_policy
-    from odtd.profiling.profile import profile_table
+    from odtd.profiling.profile import plan_name, profile_table
     from odtd.profiling.sweep import run_profile
 
     if args.steps < 1:
@@ -68,13 +68,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
             else list(policy.batch.candidates)
         precisions = _precisions(args.precisions) if args.precisions \
             else [policy.training.precision]
+        recompute = {"off": (False,), "on": (True,), "both": (False, True)}[args.recompute]
         result = run_profile(home, store, config, model, sizes, args.steps, precisions,
-                             progress=progress, training=policy.training)
+                             progress=progress, training=policy.training, recompute=recompute)
         data = result.to_dict()
         lines = [f"profile {result.profile_id}: {model} on {result.board}, telemetry "
                  f"{result.backend}, {result.steps} measured steps per size", "",
                  *profile_table(result), ""]
-        lines += [f"memory fit ({p}): {result.memory_fit(p).describe()}" for p in precisions]
+        lines += [f"memory fit ({plan_name(p, r)}): {result.memory_fit(p, r).describe()}"
+                  for p, r in result.plans()]
         if args.write_policy:
             written = write_policy(Path(args.write_policy), policy, result,
                                    args.objective or policy.objective, args.memory_budget_mb)
@@ -201,7 +203,7 @@ def _session_samples(policy: Policy, counts: Dict[str, int], override: Optional[
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from odtd.session.admission import admit, memory_problem, predict
+    from odtd.session.admission import Plan, admit, memory_problem, predict
 
     context = _profile_context(args)
     home = context["home"] if context else home_of(args)
@@ -244,8 +246,13 @@ def _explain(args: argparse.Namespace) -> int:
                          f"{_num(p.energy_j, '>9.1f')} {_num(p.peak_mb, '>8.0f')}  "
                          f"{problem or 'fits'}")
     a = admission
-    lines.append(f"admission: {a.decision} at batch {a.batch_size}, {a.epochs} epochs; "
+    plan = Plan(a.precision, a.recompute, a.micro_batch_size).name
+    lines.append(f"admission: {a.decision} at batch {a.batch_size} ({plan}), {a.epochs} epochs; "
                  f"{a.reason}")
+    if a.rejected:
+        lines.append("plans not chosen:")
+        lines += [f"  batch {r['batch_size']:>4}  {r['plan']:<26} {r['reason']}"
+                  for r in a.rejected]
     lines.append("gates now:" if gates else "gates: none configured")
     lines += [f"  {g.name:<12} {'open' if g.passed else 'CLOSED':<7} {g.reason}" for g in gates]
     emit(args, data, "\n".join(lines))
@@ -279,6 +286,9 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, reader: argparse.Argu
                         f"{DEFAULT_PROFILE_STEPS})")
     p.add_argument("--precisions", help="comma-separated, from " + ", ".join(PRECISIONS) +
                                         " (default: the policy's training.precision)")
+    p.add_argument("--recompute", choices=["off", "on", "both"], default="off",
+                   help="profile without (off, default) and/or with gradient checkpointing, so "
+                        "admission can weigh it (training.recompute: auto)")
     p.add_argument("--write-policy", metavar="FILE",
                    help="write the active policy with the best measured batch size to FILE")
     p.add_argument("--objective", choices=["energy", "time", "balanced"],
@@ -297,12 +307,14 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, reader: argparse.Argu
                     "line per problem and exit 1.")
     v.add_argument("file", help="policy YAML")
     e = actions.add_parser(
-        "explain", parents=[reader], help="predict tonight's session at each batch size, and "
+        "explain", parents=[reader], help="predict tonight's session at each batch size, the "
+                                          "plan admission picks and the plans it rejects, and "
                                           "which gates are open now",
         description="With the latest profile: predicted training time, energy and peak memory "
                     "at the policy's batch size (*) and each candidate, the admission "
-                    "decision, and each gate now. A gate can be forced closed by writing its "
-                    f"name to ODTD_HOME/run/{FORCE_CLOSED_FILE}.")
+                    "decision with its plan (precision, recomputation, micro-batches) and every "
+                    "plan it did not choose and why, and each gate now. A gate can be "
+                    f"forced closed by writing its name to ODTD_HOME/run/{FORCE_CLOSED_FILE}.")
     e.add_argument("file", nargs="?", help="policy YAML (default: the home's active policy)")
     e.add_argument("--samples", type=int,
                    help="samples per epoch to predict for (default: pending + replay)")

@@ -22,11 +22,12 @@ DOES_NOT_FIT = "does_not_fit"
 
 @dataclass(frozen=True)
 class ProfileRow:
-    """One measured (precision, batch size); figures skip the warm-up steps.
+    """One measured (precision, recompute, batch size); figures skip the warm-up steps.
 
     Attributes:
         batch_size: Samples per step.
         precision: As requested (``auto`` stays ``auto``: it is what a policy names).
+        recompute: Measured with gradient checkpointing (``training.recompute``).
         status: ``ok``, or ``does_not_fit`` (OOM error, killed, crashed; see ``reason``).
         reason: Why the size does not fit, None when ok.
         precision_resolved: What the worker ran (``auto`` -> ``mixed_bfloat16`` on this CPU).
@@ -44,6 +45,7 @@ class ProfileRow:
     batch_size: int
     precision: str
     status: str
+    recompute: bool = False
     reason: Optional[str] = None
     precision_resolved: Optional[str] = None
     samples_per_s: Optional[float] = None
@@ -84,22 +86,28 @@ class ProfileResult:
         return cls(newest["profile_id"], model, newest["backend"], newest["board"],
                    newest["steps"], rows)
 
-    def ok_rows(self, precision: str) -> List[ProfileRow]:
-        """Rows that ran at ``precision``, by batch size."""
-        return sorted((r for r in self.rows if r.precision == precision and r.status == OK),
-                      key=lambda r: r.batch_size)
+    def ok_rows(self, precision: str, recompute: bool = False) -> List[ProfileRow]:
+        """Rows that ran at ``precision`` (with or without recomputation), by batch size."""
+        return sorted((r for r in self.rows if r.precision == precision and r.status == OK
+                       and r.recompute == recompute), key=lambda r: r.batch_size)
 
-    def smallest_failure(self, precision: str) -> Optional[ProfileRow]:
+    def smallest_failure(self, precision: str, recompute: bool = False) -> Optional[ProfileRow]:
         """The smallest size that did not fit at ``precision`` (larger ones will not either)."""
-        failed = [r for r in self.rows if r.precision == precision and r.status == DOES_NOT_FIT]
+        failed = [r for r in self.rows if r.precision == precision and r.status == DOES_NOT_FIT
+                  and r.recompute == recompute]
         return min(failed, key=lambda r: r.batch_size) if failed else None
 
-    def memory_fit(self, precision: str) -> MemoryFit:
+    def memory_fit(self, precision: str, recompute: bool = False) -> MemoryFit:
         """Fit peak memory against batch size over the ok rows at ``precision``."""
-        return fit_memory((r.batch_size, r.peak_memory_mb) for r in self.ok_rows(precision)
+        return fit_memory((r.batch_size, r.peak_memory_mb)
+                          for r in self.ok_rows(precision, recompute)
                           if r.peak_memory_mb is not None)
 
-    def estimate_at(self, batch_size: int, precision: str
+    def plans(self) -> List[Tuple[str, bool]]:
+        """The (precision, recompute) pairs this profile measured."""
+        return sorted({(r.precision, r.recompute) for r in self.rows})
+
+    def estimate_at(self, batch_size: int, precision: str, recompute: bool = False
                     ) -> Tuple[Optional[float], Optional[float], str]:
         """Throughput and energy per sample at any size, from the measured ones.
 
@@ -110,7 +118,7 @@ class ProfileResult:
             (samples/s, J/sample or None, basis: ``measured``, ``interpolated``,
             ``nearest measured`` or ``no data``).
         """
-        rows = self.ok_rows(precision)
+        rows = self.ok_rows(precision, recompute)
         if not rows:
             return None, None, "no data"
         for row in rows:
@@ -132,20 +140,26 @@ class ProfileResult:
 
     def to_dict(self) -> Dict[str, Any]:
         """Return the ``odtctl profile --json`` object."""
-        precisions = sorted({r.precision for r in self.rows})
         return {"profile_id": self.profile_id, "model": self.model, "backend": self.backend,
                 "board": self.board, "steps": self.steps,
                 "rows": [r.to_dict() for r in self.rows],
-                "memory_model": {p: self.memory_fit(p).to_dict() for p in precisions}}
+                "memory_model": {plan_name(p, r): self.memory_fit(p, r).to_dict()
+                                 for p, r in self.plans()}}
+
+
+def plan_name(precision: str, recompute: bool) -> str:
+    """``fp32``, or ``fp32+recompute``: a measured plan as profiles and admission name it."""
+    return f"{precision}+recompute" if recompute else precision
 
 
 def profile_table(profile: ProfileResult) -> List[str]:
     """The profile as text lines (``odtctl profile`` and a written policy's comments)."""
     lines = [f"{'batch':>5} {'precision':<22} {'status':<12} {'samples/s':>9} {'step s':>8} "
              f"{'J/sample':>9} {'peak MB':>8}"]
-    for r in sorted(profile.rows, key=lambda r: (r.precision, r.batch_size)):
+    for r in sorted(profile.rows, key=lambda r: (r.precision, r.recompute, r.batch_size)):
         shown = r.precision if r.precision_resolved in (None, r.precision) \
             else f"{r.precision}->{r.precision_resolved}"
+        shown += "+recompute" if r.recompute else ""
 
         def num(value: Optional[float], fmt: str) -> str:
             return "-" if value is None else format(value, fmt)

@@ -24,7 +24,7 @@ from odtd.errors import TelemetryUnavailable, TrainerFailed
 from odtd.home.paths import Home
 from odtd.home.spec import BUILTIN, ModelSpec
 from odtd.policy import TrainingPolicy
-from odtd.profiling.profile import DOES_NOT_FIT, OK, ProfileResult, ProfileRow
+from odtd.profiling.profile import DOES_NOT_FIT, OK, ProfileResult, ProfileRow, plan_name
 from odtd.session.runner import SessionLock
 from odtd.store.database import Store, utc_now
 from odtd.trainer import catalog
@@ -40,8 +40,9 @@ def run_profile(
     steps: int, precisions: Sequence[str] = ("fp32",),
     progress: Optional[Callable[[str], None]] = None,
     training: Optional[TrainingPolicy] = None, root: Path = Path("/"),
+    recompute: Sequence[bool] = (False,),
 ) -> ProfileResult:
-    """Profile ``model`` at each (precision, batch size) and store the rows.
+    """Profile ``model`` at each (precision, recompute, batch size) and store the rows.
 
     Args:
         home: The home (its session lock is held: a profile and a session never overlap).
@@ -54,6 +55,7 @@ def run_profile(
         progress: Called with one-line progress messages.
         training: Optimizer, augmentation and BatchNorm settings (memory depends on them).
         root: Filesystem root for the board description.
+        recompute: Without and/or with gradient checkpointing (admission's plans).
 
     Raises:
         SessionBusy: A session is running.
@@ -70,11 +72,13 @@ def run_profile(
         with SessionLock(home.session_lock):
             stamp = utc_now().replace(":", "").replace("+0000", "Z")
             for precision in precisions:
-                for batch_size in sorted(set(batch_sizes)):
-                    job_dir = home.runs / f"profile-{stamp}-{precision}-b{batch_size}"
-                    rows.append(_profile_one(
-                        home, store, config, sampler, job_dir, say, spec,
-                        training, precision, batch_size, steps))
+                for checkpointed in recompute:
+                    for batch_size in sorted(set(batch_sizes)):
+                        plan = plan_name(precision, checkpointed)
+                        job_dir = home.runs / f"profile-{stamp}-{plan}-b{batch_size}"
+                        rows.append(_profile_one(
+                            home, store, config, sampler, job_dir, say, spec,
+                            training, precision, batch_size, steps, checkpointed))
     finally:
         if sampler is not None:
             sampler.stop()
@@ -105,13 +109,14 @@ def _start_sampler(config: Config, say: Callable[[str], None]) -> Any:
 
 def _profile_one(home: Home, store: Store, config: Config, sampler: Any, job_dir: Path,
                  say: Callable[[str], None], spec: ModelSpec, training: TrainingPolicy,
-                 precision: str, batch_size: int, steps: int) -> ProfileRow:
+                 precision: str, batch_size: int, steps: int, recompute: bool = False
+                 ) -> ProfileRow:
     total_steps = WARMUP_STEPS + steps
     job_dir.mkdir(parents=True, exist_ok=True)
     data_path = job_dir / "train.npz"
     model, classes, input_shape = spec.name, spec.classes, spec.input_shape
     source = _write_data(home, store, data_path, batch_size * total_steps, input_shape, classes)
-    say(f"profile {model} {precision} batch {batch_size}: worker starting "
+    say(f"profile {model} {plan_name(precision, recompute)} batch {batch_size}: worker starting "
         f"({total_steps} steps on {source} data)")
     job = make_job(
         "profile", model, classes, input_shape, train_data=str(data_path),
@@ -120,7 +125,8 @@ def _profile_one(home: Home, store: Store, config: Config, sampler: Any, job_dir
         augment=training.augment, freeze_bn=training.freeze_bn,
         # Recalibration runs the model eagerly and can set a session's peak memory: profile it too.
         recalibrate_bn=training.recalibrate_bn, seed=training.seed, parent_pid=os.getpid(),
-        precision=precision, trainable=training.trainable, **spec.job_keys(home))
+        precision=precision, recompute=recompute, trainable=training.trainable,
+        **spec.job_keys(home))
     seen: Dict[str, Any] = {}
 
     def on_message(message: Dict[str, Any]) -> None:
@@ -139,7 +145,7 @@ def _profile_one(home: Home, store: Store, config: Config, sampler: Any, job_dir
         if seen.get("error", {}).get("kind") == "bad_job":
             raise
         say(f"  batch {batch_size}: does not fit: {exc}")
-        return ProfileRow(batch_size, precision, DOES_NOT_FIT, reason=str(exc),
+        return ProfileRow(batch_size, precision, DOES_NOT_FIT, recompute=recompute, reason=str(exc),
                           precision_resolved=seen.get("start", {}).get("precision"))
     finally:
         data_path.unlink(missing_ok=True)
@@ -150,7 +156,8 @@ def _profile_one(home: Home, store: Store, config: Config, sampler: Any, job_dir
     seconds = sum(s["end"] - s["start"] for s in measured)
     samples = sum(s["batch_size"] for s in measured)
     energy = _energy(sampler, measured[0]["start"], measured[-1]["end"], samples)
-    row = ProfileRow(batch_size, precision, OK, precision_resolved=result.get("precision"),
+    row = ProfileRow(batch_size, precision, OK, recompute=recompute,
+                     precision_resolved=result.get("precision"),
                      samples_per_s=round(samples / seconds, 3),
                      step_s=round(seconds / len(measured), 4),
                      peak_memory_mb=round(peak_mb, 1), **energy)

@@ -233,6 +233,7 @@ class SessionRunner:
             np.savez(train, x=x, y=y)
         record.details.evaluation_set, validation = self._write_evaluation_set(job_dir)
         training = self.policy.training
+        plan = record.details.admission or {}  # the plan admission chose for the batch
         current_weights = str(self.repo.weights_path(current))
         resume = record.details.resumed
         job = make_job(
@@ -245,7 +246,9 @@ class SessionRunner:
             learning_rate=training.learning_rate, lr_schedule=training.lr_schedule,
             momentum=training.momentum, augment=training.augment, freeze_bn=training.freeze_bn,
             recalibrate_bn=training.recalibrate_bn, seed=training.seed, parent_pid=os.getpid(),
-            precision=training.precision, gpu_memory_limit_mb=training.gpu_memory_limit_mb,
+            precision=plan.get("precision", training.precision),
+            recompute=plan.get("recompute", False), micro_batch_size=plan.get("micro_batch_size"),
+            gpu_memory_limit_mb=training.gpu_memory_limit_mb,
             eval_batch_size=training.eval_batch_size, eval_cache=str(self.repo.eval_cache_path),
             # The candidate's results, adopted as the eval cache if it is promoted.
             eval_cache_out=str(job_dir / CANDIDATE_EVAL_CACHE), trainable=training.trainable,

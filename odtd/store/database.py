@@ -362,8 +362,8 @@ class Store:
 
     def add_profile_rows(self, model: str, backend: Optional[str], board: Optional[str],
                          steps: int, rows: list[dict[str, Any]]) -> int:
-        """Store one profile run (a row per precision and batch size); return its profile id."""
-        keys = ("batch_size", "precision", "precision_resolved", "status", "reason",
+        """Store one profile run (a row per precision, recompute and batch size); return its id."""
+        keys = ("batch_size", "precision", "recompute", "precision_resolved", "status", "reason",
                 "samples_per_s", "step_s", "energy_per_sample_j", "energy_per_sample_by_rail_j",
                 "energy_source", "energy_coverage", "mean_power_w", "peak_memory_mb")
         with self.transaction():
@@ -373,6 +373,7 @@ class Store:
             records = []
             for row in rows:
                 record = {key: row.get(key) for key in keys}
+                record["recompute"] = int(bool(record["recompute"]))
                 by_rail = record["energy_per_sample_by_rail_j"]
                 record["energy_per_sample_by_rail_j"] = (
                     json.dumps(by_rail, sort_keys=True) if by_rail is not None else None)
@@ -383,7 +384,7 @@ class Store:
         return profile_id
 
     def latest_profile(self, model: str) -> list[dict[str, Any]]:
-        """Return the newest measurement of each (precision, batch size) profiled for ``model``.
+        """Return the newest measurement of each (precision, recompute, batch size) of ``model``.
 
         Later runs add sizes to earlier ones (``odtctl profile --batch-sizes 32`` after 4,8,16
         extends that profile) and replace re-measured sizes. Only runs on the board of the newest
@@ -395,10 +396,11 @@ class Store:
             return []
         rows = self._rows("profiles", "model = ? AND board IS ?", [model, newest[0]["board"]],
                           order_by="profile_id DESC")
-        latest: dict[tuple[str, int], dict[str, Any]] = {}
+        latest: dict[tuple[str, int, int], dict[str, Any]] = {}
         for row in rows:
-            key = (row["precision"], row["batch_size"])
+            key = (row["precision"], row["recompute"], row["batch_size"])
             if key not in latest:
+                row["recompute"] = bool(row["recompute"])
                 by_rail = row["energy_per_sample_by_rail_j"]
                 row["energy_per_sample_by_rail_j"] = json.loads(by_rail) if by_rail else None
                 latest[key] = row
