@@ -121,7 +121,7 @@ def fit_sps(model_name: str, batch_size: int, warmup_steps: int, steps: int, x, 
         .shuffle(len(y), seed=0)
         .repeat()
         .batch(batch_size)
-        .map(lambda images, labels: (networks.preprocess(images), labels))
+        .map(lambda images, labels: (networks.scale_pixels(images, "0-1"), labels))
         .prefetch(tf.data.AUTOTUNE)
     )
     timer = StepTimer()
