@@ -141,6 +141,11 @@ class AcceptancePolicy(_Strict):
         description="promote only if the candidate's gain minus this many standard errors of "
         "the paired difference (same validation images, both models) is above -tolerance; "
         "0 = compare the two accuracies as measured")
+    reference_tolerance: Optional[float] = Field(
+        default=1.0, ge=0, le=100,
+        description="largest drop, in points, allowed on the reference set (base training "
+        "images `init --replay` held out: the original domain); with confidence_z the drop "
+        "must exceed it by that many standard errors to refuse; null = not checked")
 
 
 class ModelsPolicy(_Strict):

@@ -219,3 +219,44 @@ def test_paired_standard_error_is_that_of_the_per_image_differences():
     differences = np.array([1] * 85 + [-1] * 68 + [0] * 1847)
     expected = differences.std() / np.sqrt(len(differences))
     assert paired_standard_error(85, 68, 2000) == pytest.approx(expected)
+
+
+def test_the_reference_guard_refuses_a_candidate_that_forgets_the_original_domain(pretrained,
+                                                                                  tmp_path):
+    home = _copy(pretrained, tmp_path)
+    # The original domain, held out as `init --replay` holds it out: server images.
+    x, y = datasets.synthetic(200, "server", seed=78)
+    np.savez(home.reference_file(), x=x, y=y)
+    # A recipe that wrecks the model, and a validation gate that lets anything through: only the
+    # reference guard stands between the candidate and the device.
+    _policy(home, acceptance="  reference_tolerance: 5.0\n",
+            **{"optimizer: sgd": "optimizer: adam", "learning_rate: 0.01": "learning_rate: 5.0",
+               "tolerance: 1.0": "tolerance: 100.0"})
+    store = home.open_store()
+    repo = ModelRepo(home.models, "tinycnn")
+    current = repo.current()
+    session = _day(home, store, tmp_path, 930)
+    details = session["details"]
+    assert details["reference_paired"]["samples"] == 200
+    assert details["reference_accuracy_after"] < details["reference_accuracy_before"] - 0.05
+    assert session["outcome"] == "rolled_back"
+    assert session["reason"].startswith("reference (original domain) accuracy")
+    assert repo.current() == current
+    store.close()
+
+
+@pytest.mark.parametrize("lost_points, z, tolerance, refused", [
+    (0.5, 0.0, 1.0, False),  # within the tolerance
+    (2.0, 0.0, 1.0, True),   # beyond it, as measured
+    (1.8, 2.0, 1.0, False),  # beyond it, but not by 2 standard errors (about 0.5 points here)
+    (4.0, 2.0, 1.0, True),   # beyond it by more than 2 standard errors
+])
+def test_reference_refusal_rule(lost_points, z, tolerance, refused):
+    from odtd.session.acceptance import reference_refusal
+
+    samples, changed = 2000, 100  # 100 images change verdict between the two models
+    lost = int((changed + lost_points / 100 * samples) / 2)
+    paired = {"gained": changed - lost, "lost": lost, "samples": samples}
+    before = 0.8
+    after = before - (2 * lost - changed) / samples
+    assert (reference_refusal(before, after, tolerance / 100, z, paired) is not None) == refused

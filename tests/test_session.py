@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from conftest import REPO, odtctl, odtctl_json, write_images
 
@@ -140,12 +141,15 @@ def test_init_replay_seed_is_rehearsed_from_the_first_session(tmp_path):
     assert "Traceback" not in proc.stderr
     assert not (home / "odtd.db").exists()
     summary = odtctl_json("init", "--model", "tinycnn", "--replay", str(tmp_path / "seed"), home=home)
-    assert summary["replay_samples"] == 30
+    # Every 10th image is held out as the reference set (the original domain), the rest seed.
+    assert (summary["replay_samples"], summary["reference_samples"]) == (27, 3)
+    with np.load(home / "validation" / "reference.npz") as reference:
+        assert reference["x"].shape == (3, 32, 32, 3) and reference["x"].dtype == np.uint8
     counts = odtctl_json("status", home=home)["samples"]
-    assert (counts["trained"], counts["pending"], counts["holdout"]) == (30, 0, 0)
+    assert (counts["trained"], counts["pending"], counts["holdout"]) == (27, 0, 0)
     buffer = sqlite3.connect(home / "odtd.db").execute(
         "SELECT count(*), count(DISTINCT label) FROM replay_buffer").fetchone()
-    assert buffer == (30, 10)
+    assert buffer == (27, 10)
     (home / "policy.yaml").write_text((REPO / "policies" / "tinycnn-test.yaml").read_text())
     write_images(tmp_path / "day1", per_class=2, seed=2)
     ingest = odtctl_json("ingest", str(tmp_path / "day1"), home=home)
@@ -153,7 +157,13 @@ def test_init_replay_seed_is_rehearsed_from_the_first_session(tmp_path):
     new = 20 - ingest["holdout"]
     # ratio 1.0: as many rehearsed as new, drawn from the seed (the buffer had nothing else).
     assert session["samples_new"] == new and session["samples_replay"] == new
-    assert session["details"]["replay_buffer"]["size"] == 30 + new
+    assert session["details"]["replay_buffer"]["size"] == 27 + new
+    # Both models were scored on the reference set, and status shows it.
+    details = session["details"]
+    assert details["reference_paired"]["samples"] == 3
+    assert {details["reference_accuracy_before"], details["reference_accuracy_after"]} <= \
+        {0.0, 1 / 3, 2 / 3, 1.0}
+    assert "reference" in odtctl("status", home=home).stdout
 
 
 @pytest.mark.parametrize("failing", ["Store.add_model_version", "ModelRepo.set_current"])

@@ -8,6 +8,7 @@ from typing import Optional
 
 from odtd.cli.output import command, emit, home_of, progress
 from odtd.errors import ConfigError
+from odtd.home.paths import REFERENCE_EVERY
 
 
 @command("init")
@@ -29,7 +30,7 @@ def cmd_init(args: argparse.Namespace) -> int:
         home, args.model, parse_classes(args.classes),
         weights=Path(args.weights) if args.weights else None,
         validation=Path(args.validation) if args.validation else None, force=args.force,
-        replay=Path(args.replay) if args.replay else None,
+        replay=Path(args.replay) if args.replay else None, reference_every=args.reference_every,
         model_file=Path(args.model_file) if args.model_file else None, name=args.name,
         input_scale=args.input_scale, output=args.output, progress=progress,
     )
@@ -41,7 +42,8 @@ def cmd_init(args: argparse.Namespace) -> int:
          f"({summary['param_count']:,} parameters, input {shape} in {summary['input_scale']}, "
          f"output {summary['output']}, weights {summary['weights']}), "
          f"{summary['validation_samples']} validation images, "
-         f"{summary['replay_samples']} replay images")
+         f"{summary['replay_samples']} replay images, "
+         f"{summary['reference_samples']} reference images")
     return 0
 
 
@@ -108,6 +110,10 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     p.add_argument("--validation", help="directory of <label>/<image> files: the fixed validation set")
     p.add_argument("--replay", help="directory of <label>/<image> files the base model was trained on: "
                    "they seed the replay buffer")
+    p.add_argument("--reference-every", type=int, default=REFERENCE_EVERY, metavar="N",
+                   help="hold every Nth --replay image out as the reference set: the original "
+                        "domain, which a candidate must not forget (acceptance.reference_tolerance); "
+                        f"0 = none (default {REFERENCE_EVERY})")
     p.add_argument("--force", action="store_true", help="replace an existing home (deletes its state)")
 
     p = sub.add_parser("ingest", parents=[reader], help="add images as pending samples",

@@ -15,7 +15,7 @@ from odtd.config import Config, default_config_text
 from odtd.errors import ConfigError, IngestError, ModelError, TrainerFailed
 from odtd.home.images import BadImage, decode_image
 from odtd.home.ingest import Ingestor, discover
-from odtd.home.paths import Home
+from odtd.home.paths import REFERENCE_EVERY, Home
 from odtd.home.spec import (
     ARCHITECTURE_NAME,
     BUILTIN,
@@ -57,6 +57,7 @@ def init_home(
     seed: int = 0,
     validation_arrays: Optional[tuple[np.ndarray, np.ndarray]] = None,
     replay: Optional[Path] = None,
+    reference_every: int = REFERENCE_EVERY,
     model_file: Optional[Path] = None,
     name: Optional[str] = None,
     input_scale: Optional[str] = None,
@@ -80,6 +81,9 @@ def init_home(
         validation_arrays: (x uint8 NHWC, y) instead of a ``validation`` directory.
         replay: a ``<label>/<file>`` directory of the base model's own training images: they
             seed the replay buffer (see `seed_replay`).
+        reference_every: every Nth ``replay`` image is held out as the reference set (the
+            original domain, which acceptance checks a candidate has not forgotten) instead of
+            seeding the buffer; 0 = no reference set.
         model_file: the user's Keras model (``.keras`` or ``.h5``), screened and imported.
         name: the imported model's name in the home (default: the file's stem).
         input_scale: the pixels an imported model takes (default ``0-255``).
@@ -109,11 +113,17 @@ def init_home(
             f"{home.root} is already an odtd home; pass --force to replace it "
             "(its samples, sessions and models are deleted)"
         )
-    replay_files = None
+    if reference_every < 0:
+        raise ConfigError(f"--reference-every {reference_every}: give 0 (no reference set) or "
+                          "a positive N")
+    replay_files, reference_files = None, []
     if replay is not None:
         if not replay.is_dir():
             raise IngestError(f"--replay {replay}: not a directory of <label>/<image> files")
         replay_files = list(discover(replay, None))
+        if reference_every:
+            reference_files = replay_files[reference_every - 1::reference_every]
+            replay_files = [f for i, f in enumerate(replay_files) if (i + 1) % reference_every]
     config = home.load_config()
     with tempfile.TemporaryDirectory(prefix="odtd-init-") as staging:
         stage = Path(staging)
@@ -125,6 +135,16 @@ def init_home(
             val = load_validation_dir(validation, classes, spec.input_shape,
                                       resize=config.images.resize,
                                       antialias=config.images.antialias)
+        reference = None
+        # Labels outside the classes are quarantined by the replay seed; here they are left out.
+        reference_files = [(f, label) for f, label in reference_files if label in classes]
+        if reference_files:
+            try:
+                reference = decode_labelled(reference_files, classes, spec.input_shape,
+                                            f"--replay {replay}", config.images.resize,
+                                            config.images.antialias)
+            except IngestError as exc:
+                say(f"no reference set: {exc}")
         if force:
             wipe_home(home)
         for directory in home.directories():
@@ -136,6 +156,8 @@ def init_home(
             policy_path.write_text(default_policy_text(model), encoding="utf-8")
         if val is not None:
             np.savez(home.validation_file(), x=val[0], y=val[1])
+        if reference is not None:
+            np.savez(home.reference_file(), x=reference[0], y=reference[1])
         repo = ModelRepo(home.models, name)
         repo.dir.mkdir(parents=True, exist_ok=True)
         for staged in stage.glob(ORIGINAL_STEM + ".*"):
@@ -169,7 +191,9 @@ def init_home(
         "classes": classes, "input_shape": spec.input_shape, "input_scale": spec.input_scale,
         "output": spec.output, "param_count": manifest["param_count"], "weights": source,
         "validation_samples": int(len(val[1])) if val is not None else 0,
-        "replay_samples": seeded["size"], "notes": [],
+        "replay_samples": seeded["size"],
+        "reference_samples": int(len(reference[1])) if reference is not None else 0,
+        "notes": [],
     }
     if spec.imported and input_scale is None and not result.get("rescales_input"):
         summary["notes"].append(
@@ -296,18 +320,30 @@ def load_validation_dir(
     """
     if not path.is_dir():
         raise IngestError(f"--validation {path}: not a directory of <label>/<image> files")
+    return decode_labelled(list(discover(path, None)), classes, input_shape,
+                           f"--validation {path}", resize, antialias)
+
+
+def decode_labelled(files: list[tuple[Path, Optional[str]]], classes: list[str],
+                    input_shape: tuple[int, ...], what: str, resize: str = "stretch",
+                    antialias: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Decode labelled image files (from ``discover``) into x uint8 NHWC and y class indices.
+
+    An image that cannot be decoded is skipped with a warning; a label outside ``classes`` or
+    no readable image at all is an error naming ``what`` (the option and its directory).
+    """
+    option = what.split()[0]
     index = {name: i for i, name in enumerate(classes)}
-    xs, ys, skipped = [], [], 0
-    for file, label in discover(path, None):
+    xs, ys = [], []
+    for file, label in files:
         if label not in index:
-            raise IngestError(f"--validation {file}: label {label!r} is not one of the classes {classes}")
+            raise IngestError(f"{option} {file}: label {label!r} is not one of the classes {classes}")
         try:
             xs.append(decode_image(file.read_bytes(), input_shape, resize, antialias))
         except (BadImage, OSError) as exc:
-            skipped += 1
-            logger.warning("validation image %s skipped: %s", file, exc)
+            logger.warning("%s image %s skipped: %s", option.lstrip("-"), file, exc)
             continue
         ys.append(index[label])
     if not xs:
-        raise IngestError(f"--validation {path}: no readable images under <label>/ folders")
+        raise IngestError(f"{what}: no readable images under <label>/ folders")
     return np.stack(xs), np.array(ys, dtype=np.int64)

@@ -12,6 +12,9 @@ if TYPE_CHECKING:  # the daemon reads paths without loading the store (sqlite-ut
     from odtd.store.database import Store
 
 
+REFERENCE_EVERY = 10
+"""``odtctl init --replay``: every 10th image is held out as the reference set (default)."""
+
 class Home:
     """Paths of one ODTD_HOME; nothing is created or opened until asked.
 
@@ -70,3 +73,11 @@ class Home:
     def validation_file(self) -> Path:
         """The fixed validation set supplied with the base model (``.npz``: x, y)."""
         return self.validation / "validation.npz"
+
+    def reference_file(self) -> Path:
+        """The reference set: base training images held out of ``--replay`` (``.npz``: x, y).
+
+        Images of the original domain no session trains on: the guard checks that a candidate
+        does not forget what the server taught (``acceptance.reference_tolerance``).
+        """
+        return self.validation / "reference.npz"

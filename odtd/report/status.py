@@ -132,11 +132,13 @@ def sessions_table(sessions: list[dict[str, Any]]) -> list[str]:
     """Render sessions (most recent first) as aligned text lines.
 
     ``acc before/after`` are on the acceptance set (the fixed validation set when there is one),
-    ``holdout`` is the candidate's accuracy on the device's held-out samples, ``forgetting`` the
-    best earlier accuracy of a kept model minus the kept model's now, in points.
+    ``holdout`` is the candidate's accuracy on the device's held-out samples, ``reference``
+    the current model's and the candidate's on the reference set (the original domain),
+    ``forgetting`` the best earlier accuracy of a kept model minus the kept model's now, in
+    points.
     """
     header = ("id", "day", "outcome", "batch", "new", "replay", "acc before", "acc after",
-              "holdout", "forgetting", "energy", "source", "peak MB", "time s")
+              "holdout", "reference", "forgetting", "energy", "source", "peak MB", "time s")
     rows = [header]
     for s in sessions:
         details = s.get("details") or {}
@@ -144,12 +146,20 @@ def sessions_table(sessions: list[dict[str, Any]]) -> list[str]:
             str(s["id"]), s["day"] or "-", s["outcome"] or s.get("state") or "-",
             _num(s["batch_size"]), _num(s["samples_new"]), _num(s["samples_replay"]),
             pct(s["accuracy_before"]), pct(s["accuracy_after"]),
-            pct(details.get("holdout_accuracy_after")), _points(details.get("forgetting")),
+            pct(details.get("holdout_accuracy_after")), _reference(details),
+            _points(details.get("forgetting")),
             energy_text(s), s.get("energy_source") or "-", _num(s["peak_memory_mb"]),
             _num(s["duration_s"], "{:.1f}"),
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def _reference(details: dict[str, Any]) -> str:
+    before, after = details.get("reference_accuracy_before"), details.get("reference_accuracy_after")
+    if before is None:
+        return "-"
+    return f"{pct(before)}->{pct(after)}" if after is not None else pct(before)
 
 
 def render_status(data: dict[str, Any]) -> str:

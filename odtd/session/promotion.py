@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 from odtd.home.paths import Home
 from odtd.home.versions import ModelRepo, prune
 from odtd.policy import Policy
-from odtd.session.acceptance import refusal_reason
+from odtd.session.acceptance import reference_refusal, refusal_reason
 from odtd.session.replay_buffer import update_buffer
 from odtd.store.database import Store
 from odtd.store.records import SessionRecord
@@ -59,6 +59,14 @@ class Promotion:
         if before is not None and after is not None:
             refusal = refusal_reason(before, after, acceptance.tolerance / 100.0,
                                      acceptance.confidence_z, record.details.paired)
+        details = record.details
+        if refusal is None and acceptance.reference_tolerance is not None and \
+                details.reference_accuracy_before is not None and \
+                details.reference_accuracy_after is not None:
+            refusal = reference_refusal(
+                details.reference_accuracy_before, details.reference_accuracy_after,
+                acceptance.reference_tolerance / 100.0, acceptance.confidence_z,
+                details.reference_paired)
         record.details.forgetting = self._forgetting(before, before if refusal else after)
         candidate = job_dir / "candidate.npz"
         if refusal:

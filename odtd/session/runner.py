@@ -38,7 +38,7 @@ from odtd.trainer.launch import WARMUP_STEPS, WorkerEnd, WorkerRun, write_job
 
 logger = logging.getLogger(__name__)
 
-GROUP_VALIDATION, GROUP_HOLDOUT = 0, 1  # evaluation groups (docs/worker-protocol.md)
+GROUP_VALIDATION, GROUP_HOLDOUT, GROUP_REFERENCE = 0, 1, 2  # docs/worker-protocol.md
 _PROGRESS_ROW_S = 2.0
 
 
@@ -256,9 +256,10 @@ class SessionRunner:
         return write_job(job, job_dir)
 
     def _write_evaluation_set(self, job_dir: Path) -> tuple[str, Optional[Path]]:
-        """Write the evaluation ``.npz``: validation set (group 0), then held-out samples (group 1).
+        """Write the evaluation ``.npz``: validation, held-out samples, reference set.
 
-        Acceptance uses group 0 when it exists, else group 1.
+        Groups 0, 1 and 2. Acceptance uses group 0 when it exists, else group 1; group 2 guards
+        the original domain.
         """
         parts = []
         if self.home.validation_file().exists():
@@ -268,6 +269,9 @@ class SessionRunner:
         if holdout:
             hx, hy = load_sample_arrays(self.home, holdout, self.classes)
             parts.append((hx, hy, GROUP_HOLDOUT))
+        if parts and self.home.reference_file().exists():
+            with np.load(self.home.reference_file(), allow_pickle=False) as data:
+                parts.append((data["x"], data["y"], GROUP_REFERENCE))
         if not parts:
             return "none", None
         path = job_dir / "evaluation.npz"
@@ -339,6 +343,9 @@ class SessionRunner:
         details = record.details
         details.holdout_accuracy_before = before.get(str(GROUP_HOLDOUT))
         details.holdout_accuracy_after = after.get(str(GROUP_HOLDOUT))
+        details.reference_accuracy_before = before.get(str(GROUP_REFERENCE))
+        details.reference_accuracy_after = after.get(str(GROUP_REFERENCE))
+        details.reference_paired = (result.get("paired_by_group") or {}).get(str(GROUP_REFERENCE))
         details.paired = (result.get("paired_by_group") or {}).get(primary)
         details.per_class_before = _by_class(self.classes, result.get("per_class_before"))
         details.per_class_after = _by_class(self.classes, result.get("per_class_after"))

@@ -24,7 +24,11 @@ SESSION_KEYS = (
 )
 OUTCOMES = ("promoted", "rolled_back", "failed", "interrupted", "skipped")
 
-_ONLY_WHEN_SET = ("attempts", "kept_for_resume")  # details keys left out at their defaults
+# Details keys left out at their defaults: the release that wrote the oldest rows did not have
+# them, and reads the same.
+_OMITTED_AT_DEFAULT = {"attempts": [], "kept_for_resume": False,
+                       "reference_accuracy_before": None, "reference_accuracy_after": None,
+                       "reference_paired": None}
 
 
 @dataclass
@@ -43,6 +47,10 @@ class SessionDetails:
             gets right, only the current model gets right, and all (McNemar).
         holdout_accuracy_before: The current model on the device's held-out samples (0..1).
         holdout_accuracy_after: The candidate on them.
+        reference_accuracy_before: The current model on the reference set (base training
+            images held out of ``init --replay``: the original domain), None without one.
+        reference_accuracy_after: The candidate on it.
+        reference_paired: ``{gained, lost, samples}`` on the reference set.
         per_class_before: Class name -> accuracy of the current model (None: no samples).
         per_class_after: Class name -> accuracy of the candidate.
         forgetting: Best accuracy any kept model had on the evaluation set minus the kept
@@ -64,6 +72,9 @@ class SessionDetails:
     paired: Optional[Dict[str, int]] = None
     holdout_accuracy_before: Optional[float] = None
     holdout_accuracy_after: Optional[float] = None
+    reference_accuracy_before: Optional[float] = None
+    reference_accuracy_after: Optional[float] = None
+    reference_paired: Optional[Dict[str, int]] = None
     per_class_before: Optional[Dict[str, Optional[float]]] = None
     per_class_after: Optional[Dict[str, Optional[float]]] = None
     forgetting: Optional[float] = None
@@ -77,14 +88,14 @@ class SessionDetails:
     def to_dict(self) -> Dict[str, Any]:
         """Return the ``details`` object (``extra``'s keys beside the known ones).
 
-        ``attempts`` and ``kept_for_resume`` appear only when a session has them (a retry, a
-        kept candidate), as every release wrote them: ``history --json`` of an old session
-        reads the same after an upgrade.
+        ``attempts``, ``kept_for_resume`` and the reference figures appear only when a session
+        has them (a retry, a kept candidate, a home with a reference set), as every release
+        wrote them: ``history --json`` of an old session reads the same after an upgrade.
         """
         data = asdict(self)
         extra = data.pop("extra")
-        for key in _ONLY_WHEN_SET:
-            if not data[key]:
+        for key, default in _OMITTED_AT_DEFAULT.items():
+            if data[key] == default and type(data[key]) is type(default):
                 del data[key]
         return {**extra, **data}
 
