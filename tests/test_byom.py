@@ -137,16 +137,31 @@ def test_a_refused_model_is_one_line_and_leaves_no_home(tmp_path, file, classes,
 
 
 @pytest.mark.trains
-def test_the_other_stacks_files_import_and_export_predicting_the_same(other_stack, tmp_path):
+def test_the_other_stacks_files_import_export_the_same_and_as_given_for_that_keras(other_stack, tmp_path):
     # A model trained on a server running the other Keras: imported, exported by this one,
     # and the export predicts what the original did.
+    exported = []
     for name, suffix in (("cnn_softmax", ".h5"), ("gray_logits", ".keras")):
         home = tmp_path / name
         odtctl("init", "--model-file", str(other_stack / (name + suffix)), "--classes",
                CLASSES[name], home=home)
         out = tmp_path / f"{name}-v0{suffix}"
         odtctl("models", "export", "0", "--out", str(out), home=home)
-        assert predict_max_diff(out, other_stack / (name + ".ref.npz")) < 1e-5
+        exported.append((out, other_stack / (name + ".ref.npz")))
+    assert max(predict_max_diff(exported)) < 1e-5
+
+    # The device's Keras may not be the server's: --as-given writes the fine-tuned weights into
+    # a copy of the user's own file, which the Keras that wrote it opens.
+    home = tmp_path / "cnn_softmax"
+    out = tmp_path / "as-given.h5"
+    odtctl("models", "export", "0", "--out", str(out), "--as-given", home=home)
+    wrong = odtctl("models", "export", "0", "--out", str(tmp_path / "x.keras"), "--as-given",
+                   home=home, check=False)
+    assert wrong.returncode == 1 and "name --out like it (it was .h5)" in wrong.stderr
+    python = other_python()
+    if python is None:
+        pytest.skip("the other Keras stack is not installed here (make test-compat builds it)")
+    assert predict_max_diff([(out, other_stack / "cnn_softmax.ref.npz")], python)[0] < 1e-5
 
 
 def other_python():
@@ -156,38 +171,28 @@ def other_python():
     return other if other.exists() else None
 
 
-@pytest.mark.trains
-def test_as_given_export_opens_in_the_keras_that_wrote_the_file(other_stack, tmp_path):
-    # The device's Keras may not be the server's: --as-given writes the fine-tuned weights into
-    # a copy of the user's own file, which the Keras that wrote it opens.
-    home = tmp_path / "home"
-    odtctl("init", "--model-file", str(other_stack / "cnn_softmax.h5"), "--classes",
-           CLASSES["cnn_softmax"], home=home)
-    out = tmp_path / "as-given.h5"
-    odtctl("models", "export", "0", "--out", str(out), "--as-given", home=home)
-    wrong = odtctl("models", "export", "0", "--out", str(tmp_path / "x.keras"), "--as-given",
-                   home=home, check=False)
-    assert wrong.returncode == 1 and "name --out like it (it was .h5)" in wrong.stderr
-    python = other_python()
-    if python is None:
-        pytest.skip("the other Keras stack is not installed here (make test-compat builds it)")
-    assert predict_max_diff(out, other_stack / "cnn_softmax.ref.npz", python) < 1e-5
-
-
-def predict(model_path: Path, ref: Path, python=None) -> np.ndarray:
-    """Load with plain Keras (no odtd) in a subprocess; its predictions on ``ref``'s images."""
-    code = ("import sys, json, numpy as np, keras; model = keras.models.load_model(sys.argv[1]); "
-            "x = np.load(sys.argv[2])['x'].astype('float32'); "
-            "print(json.dumps(model.predict(x, verbose=0).tolist()))")
-    out = subprocess.run([str(python or sys.executable), "-c", code, str(model_path), str(ref)],
+def predict(pairs, python=None) -> list:
+    """Load each model file with plain Keras (no odtd), in one subprocess: its predictions on
+    the images of the reference file paired with it."""
+    code = ("import sys, json, numpy as np, keras\n"
+            "for path, ref in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+            "    model = keras.models.load_model(path)\n"
+            "    x = np.load(ref)['x'].astype('float32')\n"
+            "    print(json.dumps(model.predict(x, verbose=0).tolist()))")
+    args = [str(item) for pair in pairs for item in pair]
+    out = subprocess.run([str(python or sys.executable), "-c", code, *args],
                          capture_output=True, text=True, check=True).stdout
-    return np.array(json.loads(out.strip().splitlines()[-1]))
+    return [np.array(json.loads(line)) for line in out.strip().splitlines()[-len(pairs):]]
 
 
-def predict_max_diff(model_path: Path, ref: Path, python=None) -> float:
-    """The largest difference between a model file's predictions and ``ref``'s."""
-    with np.load(ref) as arrays:
-        return float(np.abs(predict(model_path, ref, python) - arrays["y"]).max())
+def predict_max_diff(pairs, python=None) -> list:
+    """For each (model file, reference file): the largest difference from the reference's
+    predictions."""
+    diffs = []
+    for (_, ref), out in zip(pairs, predict(pairs, python)):
+        with np.load(ref) as arrays:
+            diffs.append(float(np.abs(out - arrays["y"]).max()))
+    return diffs
 
 
 @pytest.mark.trains
@@ -215,11 +220,12 @@ def test_a_session_on_an_imported_model_and_its_export(models, tmp_path, name, s
     # Version 0 exported predicts exactly what the user's file does; the current one loads too.
     v0 = tmp_path / f"v0{suffix}"
     odtctl("models", "export", "0", "--out", str(v0), home=home)
-    assert predict_max_diff(v0, models / (name + ".ref.npz")) < 1e-5
     current = tmp_path / "current.keras"
     odtctl("models", "export", str(status["model"]["version"]), "--out", str(current), home=home)
     ref = models / (name + ".ref.npz")
-    out, original = predict(current, ref), np.load(ref)["y"]
+    from_v0, out = predict([(v0, ref), (current, ref)])
+    original = np.load(ref)["y"]
+    assert np.abs(from_v0 - original).max() < 1e-5
     assert out.shape == original.shape
     if summary["output"] == "softmax":
         assert np.allclose(out.sum(axis=1), 1.0, atol=1e-4)

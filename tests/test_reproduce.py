@@ -46,7 +46,7 @@ def test_two_days_through_the_real_session_path(tmp_path):
     assert outcomes["promoted"] + outcomes["rolled_back"] == 2 and outcomes["failed"] == 0
     acceptance = summary["acceptance"]
     shipped = load_policy(REPO / "policies" / "densenet40.yaml").acceptance  # the default --policy
-    assert acceptance == {"tolerance": shipped.tolerance, "confidence_z": shipped.confidence_z}
+    assert acceptance == shipped.model_dump()
     for row in rows[1:]:
         assert row["outcome"] in ("promoted", "rolled_back")
         assert row["energy_j"] > 0 and row["peak_memory_mb"] > 100
