@@ -47,6 +47,9 @@ CONTROL = "keras_fit_fp32"
 
 def fit_child(model_name: str, batch_size: int, steps: int, data: str) -> None:
     """In a fresh process: ``model.fit`` over ``steps`` batches; print spans and peak RSS."""
+    from odtd.trainer.worker import without_plotting
+
+    without_plotting()  # as in odtd's worker: matplotlib's import is not training memory
     import tensorflow as tf
 
     from odtd.trainer import networks
@@ -119,16 +122,15 @@ def run_plan(args, plan: str, data: Path, workdir: Path) -> dict:
     return {"spans": spans, "peak_rss_mb": peak_mb}
 
 
-def summarise(arm: str, runs: list, batch_size: int, sampler) -> dict:
+def summarise(arm: str, runs: list, batch_size: int) -> dict:
     """Median over rounds of peak RSS, samples/s (median step) and joules per sample."""
     peaks, rates, joules = [], [], []
     for run in runs:
         spans = run["spans"]
         peaks.append(run["peak_rss_mb"])
         rates.append(batch_size / statistics.median(end - start for start, end in spans))
-        energy = sampler.energy_between(spans[0][0], spans[-1][1]).energy_j
-        if energy is not None:
-            joules.append(energy / (batch_size * len(spans)))
+        if run["energy_j"] is not None:
+            joules.append(run["energy_j"] / (batch_size * len(spans)))
     return {"arm": arm, "peak_rss_mb": round(statistics.median(peaks), 1),
             "samples_per_s": round(statistics.median(rates), 2),
             "energy_per_sample_j": round(statistics.median(joules), 4) if joules else None,
@@ -181,10 +183,13 @@ def main() -> int:
                           flush=True)
                     run = run_fit(args, data, env) if arm == CONTROL else \
                         run_plan(args, arm, data, Path(tmp))
+                    # Now, while the sampler's ring still holds the run's samples.
+                    spans = run["spans"]
+                    sampler.wait_for_sample_after(spans[-1][1], timeout_s=1.0)
+                    run["energy_j"] = sampler.energy_between(spans[0][0], spans[-1][1]).energy_j
                     runs[arm].append(run)
                     print(f"  peak {run['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
-            time.sleep(2 * sampler.interval_s)
-            arms = [summarise(arm, arm_runs, args.batch, sampler) for arm, arm_runs in runs.items()]
+            arms = [summarise(arm, arm_runs, args.batch) for arm, arm_runs in runs.items()]
     finally:
         sampler.stop()
     control = arms[0]
