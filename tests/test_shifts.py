@@ -3,10 +3,13 @@ way its name says (numpy and Pillow only; no TensorFlow worker)."""
 
 import numpy as np
 import pytest
+from conftest import odtctl
+from PIL import Image
 
 from odtd.errors import ConfigError
 from odtd.sim import datasets
 from odtd.sim.shifts import SHIFTS, get_shift
+from odtd.sim.simulate import DataSource, SimulationOptions
 
 IMAGES, _ = datasets.synthetic(40, "server", seed=5)
 RANDOM = {"low_light", "dusk", "rotate"}  # the shifts that draw from the seed
@@ -141,3 +144,56 @@ def test_help_and_an_unknown_name_list_the_shifts_in_one_line():
     message = str(described.value)
     assert "\n" not in message and "dusk (darker, bluer and noisier)" in message
     assert all(f"{shift.name} ({shift.description})" in message for shift in SHIFTS.values())
+
+
+# --- odtctl simulate --shift ------------------------------------------------------------------
+
+def read_folder(root):
+    """Images written by write_image_folder, in the order written (files are numbered)."""
+    paths = sorted(root.glob("*/*.png"), key=lambda path: int(path.stem))
+    return np.stack([np.asarray(Image.open(path)) for path in paths]), [p.parent.name for p in paths]
+
+
+@pytest.mark.parametrize("dataset", ["synthetic", "folder"])
+def test_simulate_shifts_the_days_and_validation_never_the_server_images(dataset, tmp_path):
+    if dataset == "folder":
+        for split, seed in (("train", 1), ("test", 2)):
+            x, y = datasets.synthetic(60, "server", seed=seed)
+            datasets.write_image_folder(x, y, datasets.CLASSES, tmp_path / "set" / split)
+        dataset = str(tmp_path / "set")
+    common = dict(dataset=dataset, per_day=8, pretrain_samples=20, validation_samples=10, seed=4)
+    plain = DataSource(SimulationOptions(**common))
+    shifted = DataSource(SimulationOptions(shift="dusk", **common))
+    for a, b in zip(plain.server(), shifted.server()):
+        assert np.array_equal(a, b)
+    (vx, vy), (sx, sy) = plain.validation(), shifted.validation()
+    assert np.array_equal(vy, sy) and np.array_equal(sx, SHIFTS["dusk"](vx, seed=[4, 0]))
+    # Day 1 after 2 earlier sessions is day number 3: its images, unshifted, in the order drawn.
+    if plain.dataset is None:
+        x, y = datasets.synthetic(8, "device", seed=4 + 1000 + 3)
+    else:
+        x, y = plain.dataset.load_arrays("train", plain._day_indices(3))
+        plain.write_day(1, 2, tmp_path / "plain")  # the original files, extracted
+        assert sorted(path.parent.name for path in (tmp_path / "plain").glob("*/*.png")) == sorted(
+            datasets.CLASSES[label] for label in y)
+    shifted.write_day(1, 2, tmp_path / "shifted")
+    day_x, day_labels = read_folder(tmp_path / "shifted")
+    assert day_labels == [datasets.CLASSES[label] for label in y]
+    assert np.array_equal(day_x, SHIFTS["dusk"](x, seed=[4, 4]))
+
+
+def test_odtctl_simulate_shift_help_is_one_line_and_creates_nothing(tmp_path):
+    proc = odtctl("simulate", "--shift", "help", home=tmp_path / "home", check=False)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith("Error: --shift takes one of: low_light (")
+    proc = odtctl("simulate", "--shift", "Dusk", home=tmp_path / "home", check=False)
+    assert proc.returncode == 1 and "use one of low_light, dusk," in proc.stderr
+    assert not (tmp_path / "home").exists()
+
+
+def test_odtctl_simulate_refuses_a_shift_the_home_was_not_created_with(home):
+    # An `odtctl init` home has an unshifted validation set: a shifted stream would be judged on it.
+    proc = odtctl("simulate", "--shift", "fog", "--days", "1", home=home, check=False)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith(f"Error: --shift fog: {home} was created without a shift, and its "
+                                  "validation set is of that camera; pass the same --shift, or --fresh")
