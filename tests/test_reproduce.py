@@ -1,86 +1,155 @@
 """scripts/reproduce_tx2_daily.py end to end on a sliver of the real CIFAR-10 archive (tinycnn: the
-same path as densenet40, in a tenth of the time)."""
+same path as densenet40, in a tenth of the time): a camera shift and the arms, two days.
+
+Every TensorFlow worker costs 5-7 s here, so the sliver is one run with what it must show: odtd
+(a), its session controls (b, c) and the base model (f); the arms that are one worker job a day,
+plain fine-tuning (d) and BatchNorm re-estimation (e), are tested on their own in test_arms.py.
+The base model is not pre-trained (0 epochs): the test is about the path, not the accuracy.
+"""
 
 import json
 import sqlite3
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import CIFAR, REPO
 
 from odtd.policy import load_policy
 from odtd.session.acceptance import refusal_reason
+from odtd.sim.scoring import joules_per_point
+
+SCRIPT = str(REPO / "scripts" / "reproduce_tx2_daily.py")
+SLIVER = ["--model", "tinycnn", "--days", "2", "--per-day", "10", "--pretrain-images", "60",
+          "--pretrain-max-epochs", "0", "--validation-images", "50", "--test-images", "100",
+          "--daily-test-images", "50"]
+
+
+def sample_arrays(home, where):
+    db = sqlite3.connect(home / "odtd.db")
+    rows = db.execute(f"SELECT array_path, label FROM samples WHERE {where} ORDER BY sha256").fetchall()
+    return [np.load(home / path) for path, _ in rows], sorted(label for _, label in rows)
 
 
 @pytest.mark.trains
 @pytest.mark.skipif(not CIFAR.exists(), reason=f"CIFAR-10 archive not at {CIFAR} (set ODTD_CIFAR10)")
-def test_two_days_through_the_real_session_path(tmp_path):
+def test_two_days_of_the_arms_with_a_camera_shift(tmp_path):
     work, plot = tmp_path / "work", tmp_path / "plot.png"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "reproduce_tx2_daily.py"), "--cifar", str(CIFAR),
-         "--model", "tinycnn", "--days", "2", "--per-day", "10", "--pretrain-images", "60",
-         "--pretrain-max-epochs", "1",
-         "--target", "0", "--validation-images", "50", "--test-images", "100",
-         "--daily-test-images", "50", "--work", str(work), "--plot", str(plot), "--json"],
+        [sys.executable, SCRIPT, "--cifar", str(CIFAR), *SLIVER, "--shift", "dusk",
+         "--arms", "a,b,c,f", "--work", str(work), "--plot", str(plot), "--json"],
         capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
-    assert summary["test_images"] == {"day0_and_final": 100, "daily": 50}
-    rows = summary["rows"]
-    assert [r["day"] for r in rows] == [0, 1, 2]
-    # Both runs start from the same pre-trained weights, scored once.
-    assert rows[0]["odtd_daily_subset"] == rows[0]["plain_test_accuracy"]
-    assert summary["odtd"]["day0"] == summary["plain"]["day0"] == summary["pretrain"]["test_accuracy"]
-    # odtd's every day is its served model on all test images; a version is scored once.
-    assert rows[0]["odtd_test_accuracy"] == summary["odtd"]["day0"]
-    assert rows[-1]["odtd_test_accuracy"] == summary["odtd"]["final"]
-    by_version = {0: (rows[0]["odtd_test_accuracy"], rows[0]["odtd_daily_subset"])}
-    for row in rows[1:]:
-        scores = (row["odtd_test_accuracy"], row["odtd_daily_subset"])
-        assert by_version.setdefault(row["model_version"], scores) == scores
-    for name in ("odtd", "plain"):
-        gain = 100 * (summary[name]["final"] - summary[name]["day0"])
-        assert summary[name]["gain_points"] == pytest.approx(gain)
-    outcomes = summary["odtd"]["outcomes"]
-    assert outcomes["promoted"] + outcomes["rolled_back"] == 2 and outcomes["failed"] == 0
-    acceptance = summary["acceptance"]
+    arms = ["odtd", "replay", "clean", "none"]
+    assert summary["arms"] == arms and summary["shift"] == "dusk" and summary["seeds"] == [0]
+    assert summary["test_images"] == {"all": 100, "daily": 50, "domains": ["shifted", "clean"]}
     shipped = load_policy(REPO / "policies" / "densenet40.yaml").acceptance  # the default --policy
-    assert acceptance == shipped.model_dump()
+    assert summary["acceptance"] == shipped.model_dump()
+    run = summary["runs"][0]
+    rows = run["rows"]
+    assert [r["day"] for r in rows] == [0, 1, 2]
+    base = summary["pretrain"]
+    for arm in arms:  # every arm starts from the same base model, scored once
+        assert rows[0]["arms"][arm]["validation"] == base["validation_accuracy"]
+    assert rows[0]["arms"]["odtd"]["shifted"] == rows[0]["arms"]["none"]["shifted"]
+    energy = {arm: 0.0 for arm in arms}
     for row in rows[1:]:
-        assert row["outcome"] in ("promoted", "rolled_back")
-        assert row["energy_j"] > 0 and row["peak_memory_mb"] > 100
-    # A rolled-back day keeps the model; a promoted one makes the next version.
-    for before, row in zip([0, rows[1]["model_version"]], rows[1:]):
-        assert row["model_version"] == before + (row["outcome"] == "promoted")
-    # The sessions went through a real odtd home: SQLite rows, ingested samples, versions.
-    db = sqlite3.connect(work / "odtd-home" / "odtd.db")
-    assert db.execute("SELECT count(*) FROM sessions").fetchone()[0] == 2
-    # The policy's guard (tolerance, standard errors of the paired difference) decided
-    # each day; the second session went on from the first's candidate unless it was promoted.
+        day = row["arms"]
+        # The base model every day; its scores are the day-0 ones.
+        assert (day["none"]["shifted"], day["none"]["clean"], day["none"]["energy_j"]) == (
+            rows[0]["arms"]["none"]["shifted"], rows[0]["arms"]["none"]["clean"], 0.0)
+        for arm in ("odtd", "replay", "clean"):
+            assert day[arm]["outcome"] in ("promoted", "rolled_back")
+            assert day[arm]["energy_j"] > 0 and day[arm]["peak_memory_mb"] > 100
+            kept = "validation_after" if day[arm]["outcome"] == "promoted" else "validation_before"
+            assert day[arm]["validation"] == day[arm][kept]
+        # odtd holds one in eight out of training; its controls train on as many new images.
+        assert day["odtd"]["ingested"] == 10 and day["odtd"]["samples_new"] <= 10
+        assert day["replay"]["samples_new"] == day["clean"]["samples_new"] == day["odtd"]["samples_new"]
+        for arm in arms:
+            energy[arm] += day[arm]["energy_j"]
+            assert day[arm]["energy_j_total"] == pytest.approx(energy[arm], abs=0.1)
+            gain = day[arm]["validation"] - base["validation_accuracy"]
+            assert day[arm]["joules_per_point"] == joules_per_point(day[arm]["energy_j_total"], gain)
+        # The paired differences are the accuracies' differences, with their standard errors.
+        assert set(row["differences"]) == {f"odtd-{arm}" for arm in arms[1:]}
+        for arm in arms[1:]:
+            for domain in ("shifted", "clean"):
+                difference = row["differences"][f"odtd-{arm}"][domain]
+                assert difference["points"] == pytest.approx(100 * (day["odtd"][domain] - day[arm][domain]))
+                assert difference["se"] >= 0 and difference["seeds"] == 1
+    final = summary["final"]
+    assert set(final["arms"]) == set(arms) and final["seeds"] == [0]
+    assert final["arms"]["none"]["gain_points"] == {"shifted": 0.0, "clean": 0.0}
+    assert final["differences"]["odtd-none"]["shifted"]["points"] == pytest.approx(
+        final["arms"]["odtd"]["gain_points"]["shifted"])
+
+    homes = work / "homes"
+    # The device's validation set is the shifted check set; pre-training's stays clean.
+    with np.load(work / "check.npz") as check, \
+            np.load(homes / "s0-odtd" / "validation" / "validation.npz") as device:
+        assert np.array_equal(check["y"], device["y"]) and device["x"].mean() < 0.7 * check["x"].mean()
+    # (a) learns from the shifted camera, (c) from the same images unshifted, (b) from images
+    # of its replay seed: pre-training images it already had.
+    odtd_x, odtd_labels = sample_arrays(homes / "s0-odtd", "session_id > 0")
+    clean_x, clean_labels = sample_arrays(homes / "s0-clean", "session_id > 0")
+    replay_x, _ = sample_arrays(homes / "s0-replay", "session_id > 0")
+    seed_x, _ = sample_arrays(homes / "s0-replay", "session_id = 0")
+    assert odtd_labels == clean_labels and len(replay_x) == len(odtd_x)
+    assert np.mean(odtd_x) < 0.7 * np.mean(clean_x)
+    seeded = {x.tobytes() for x in seed_x}
+    assert all(x.tobytes() in seeded for x in replay_x)
+    # Never the reference set that init --replay held out of the seed.
+    with np.load(homes / "s0-replay" / "validation" / "reference.npz") as reference:
+        held_out = {x.tobytes() for x in reference["x"]}
+    assert held_out and not held_out & {x.tobytes() for x in replay_x}
+    # The odtd arm's sessions went through a real home: its guard decided each day, and the
+    # second session went on from the first's candidate unless it was promoted.
+    db = sqlite3.connect(homes / "s0-odtd" / "odtd.db")
     sessions = db.execute("SELECT outcome, accuracy_before, accuracy_after, details FROM sessions "
-                          "ORDER BY id").fetchall()
+                          "WHERE id > 0 ORDER BY id").fetchall()
+    assert len(sessions) == 2
+    acceptance = summary["acceptance"]
     for outcome, before, after, details in sessions:
         refusal = refusal_reason(before, after, acceptance["tolerance"] / 100,
                                  acceptance["confidence_z"], json.loads(details)["paired"])
         assert (outcome == "promoted") == (refusal is None)
-    first = json.loads(sessions[0][3])
-    assert json.loads(sessions[1][3])["resumed"] == bool(first.get("kept_for_resume"))
-    # 20 device samples beside the replay seed: the 60 pre-training images, trained by session 0.
+    assert json.loads(sessions[1][3])["resumed"] == bool(json.loads(sessions[0][3]).get("kept_for_resume"))
     assert summary["replay_seed"] == 60
-    assert db.execute("SELECT count(*) FROM samples WHERE session_id = 0").fetchone()[0] == 60
-    assert db.execute("SELECT count(*) FROM samples").fetchone()[0] == 80
+    assert db.execute("SELECT count(*) FROM samples WHERE session_id = 0").fetchone()[0] + len(
+        held_out) == 60
     assert db.execute("SELECT sum(samples_replay) FROM sessions").fetchone()[0] > 0
+
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "day 2 odtd" in subprocess.run(
+    text = subprocess.run(
         [sys.executable, "-c", "import json, sys; sys.path.insert(0, 'scripts');"
-         "import reproduce_tx2_daily as r; print(r.table(json.load(sys.stdin)))"],
+         "import reproduce_tx2_report as r; print(r.table(json.load(sys.stdin)))"],
         input=proc.stdout, capture_output=True, text=True, cwd=REPO, check=True).stdout
+    assert "odtd-replay" in text and "odtd-clean" in text and "after day 2, all 100 test images" in text
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--shift", "sepia"], "Error: --shift 'sepia' is not a camera shift; use one of low_light,"),
+    (["--shift", "help"], "Error: --shift takes one of: low_light (a third of the light, grainy); "),
+    (["--arms", "clean"], "Error: --arms clean: the original domain is the device's without --shift"),
+    (["--arms", "odtd,x"], "Error: --arms: 'x' is not an arm; use names or letters of odtd (a), "),
+    (["--arms", "replay", "--replay-seed", "100"], "Error: --arms replay: replay and clean repeat odtd's"),
+])
+def test_bad_options_are_one_line_before_any_work(tmp_path, options, message):
+    archive = tmp_path / "cifar.tar.gz"
+    archive.write_bytes(b"")  # never read: the options are checked first
+    proc = subprocess.run([sys.executable, SCRIPT, "--cifar", str(archive), "--work", str(tmp_path / "w"),
+                           *options], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1
+    assert not (tmp_path / "w").exists()
 
 
 def test_missing_archive_is_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "reproduce_tx2_daily.py"),
-                           "--cifar", str(tmp_path / "nope.tar.gz")],
+    proc = subprocess.run([sys.executable, SCRIPT, "--cifar", str(tmp_path / "nope.tar.gz")],
                           capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 1
     assert proc.stderr.startswith("Error: --cifar") and proc.stderr.count("\n") == 1
+

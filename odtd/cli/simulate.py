@@ -16,7 +16,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         days=args.days, per_day=args.per_day, model=args.model, dataset=args.dataset,
         pretrain_samples=args.pretrain_samples, pretrain_epochs=args.pretrain_epochs,
         validation_samples=args.validation_samples, fresh=args.fresh, seed=args.seed,
-        policy=args.policy,
+        policy=args.policy, shift=args.shift,
     )
     result = simulate(home_of(args), options, progress=progress)
     emit(args, result, None if args.json else "\n".join(result["table"]))
@@ -42,3 +42,7 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     p.add_argument("--fresh", action="store_true", help="re-create the home first (deletes its state)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data draws")
     p.add_argument("--policy", help="policy file to install when the home is created")
+    p.add_argument("--shift", metavar="NAME",
+                   help="the device's camera differs from the server's: a named camera shift "
+                        "('--shift help' lists them) applied to the daily images and the validation "
+                        "set, never to pre-training; chosen when the home is created")

@@ -2,7 +2,9 @@
 
 Each simulated day writes its new images as files, ingests them stamped with that day (the
 same ``Ingestor`` as ``odtctl ingest``), then runs a session with the same ``SessionRunner``
-as the daemon. Only the source of the images is simulated.
+as the daemon. Only the source of the images is simulated. With ``shift``, the device's camera
+differs from the server's (``odtd.sim.shifts``): the day's images, and so the samples held out
+of them, and the validation set are shifted; the pre-training images never are.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from odtd.policy import load_policy
 from odtd.report.status import energy_text, pct, sessions_table
 from odtd.session.runner import SessionRunner
 from odtd.sim import datasets
+from odtd.sim.shifts import Shift, get_shift
 from odtd.store.database import Store
 from odtd.telemetry.meter import SessionEnergyMeter, running_sampler
 from odtd.trainer.job import make_job
@@ -49,13 +52,19 @@ class SimulationOptions:
     seed: int = 0
     policy: Optional[str] = None
     start_day: Optional[str] = None
+    shift: Optional[str] = None
 
 
 class DataSource:
-    """Server data (pre-training), a validation set and a pool of device images for the days."""
+    """Server data (pre-training), a validation set and a pool of device images for the days.
+
+    Raises:
+        ConfigError: ``options.shift`` is not a camera shift (the message lists them).
+    """
 
     def __init__(self, options: SimulationOptions) -> None:
         self.options = options
+        self.shift: Optional[Shift] = get_shift(options.shift) if options.shift else None
         self.classes = list(datasets.CLASSES)
         synthetic = options.dataset == "synthetic"
         self.dataset = None if synthetic else datasets.open_dataset(Path(options.dataset))
@@ -74,32 +83,46 @@ class DataSource:
         return self.dataset.load_arrays("train", indices)
 
     def validation(self) -> tuple[np.ndarray, np.ndarray]:
-        """The fixed validation set: device-domain images, or the dataset's test split."""
+        """The fixed validation set: device-domain images, or the dataset's test split (shifted)."""
         n = self.options.validation_samples
         if self.dataset is None:
-            return datasets.synthetic(n, "device", seed=self.options.seed + 1)
-        files = self.dataset.files("test")
-        labels = np.array([label for _, label in files])
-        indices = datasets.take_per_class(labels, -(-n // len(self.classes)), seed=self.options.seed)[:n]
-        return self.dataset.load_arrays("test", indices)
+            x, y = datasets.synthetic(n, "device", seed=self.options.seed + 1)
+        else:
+            files = self.dataset.files("test")
+            labels = np.array([label for _, label in files])
+            indices = datasets.take_per_class(labels, -(-n // len(self.classes)),
+                                              seed=self.options.seed)[:n]
+            x, y = self.dataset.load_arrays("test", indices)
+        return (x if self.shift is None else self.shift(x, seed=[self.options.seed, 0])), y
 
     def write_day(self, day_index: int, offset: int, out_dir: Path) -> None:
-        """Write day ``day_index``'s new images under ``out_dir/<class>/``."""
+        """Write day ``day_index``'s new images under ``out_dir/<class>/`` (shifted: as PNG)."""
         k = self.options.per_day
+        day_number = offset + day_index
         if self.dataset is None:
-            x, y = datasets.synthetic(k, "device", seed=self.options.seed + 1000 + offset + day_index)
-            datasets.write_image_folder(x, y, self.classes, out_dir, fmt="png",
-                                        start_index=(offset + day_index) * k)
-            return
+            x, y = datasets.synthetic(k, "device", seed=self.options.seed + 1000 + day_number)
+        else:
+            indices = self._day_indices(day_number)
+            if self.shift is None:  # the original files, as a camera would write them
+                files = self.dataset.files("train")
+                self.dataset.extract("train", [files[i][0] for i in indices], out_dir)
+                return
+            x, y = self.dataset.load_arrays("train", indices)
+        if self.shift is not None:
+            x = self.shift(x, seed=[self.options.seed, 1 + day_number])
+        datasets.write_image_folder(x, y, self.classes, out_dir, fmt="png", start_index=day_number * k)
+
+    def _day_indices(self, day_number: int) -> np.ndarray:
+        """Indices into the dataset's train split of day ``day_number``'s images."""
+        k = self.options.per_day
         files = self.dataset.files("train")
         labels = np.array([label for _, label in files])
         used = set(datasets.take_per_class(
             labels, -(-self.options.pretrain_samples // len(self.classes)), seed=self.options.seed
         )[: self.options.pretrain_samples])
-        draws = datasets.daily_draws(labels, offset + day_index + 1, k, seed=self.options.seed,
+        draws = datasets.daily_draws(labels, day_number + 1, k, seed=self.options.seed,
                                      exclude=sorted(used))
-        names = [files[i][0] for i in draws[offset + day_index]]
-        self.dataset.extract("train", names, out_dir)
+        return draws[day_number]
 
 
 def simulate(home: Home, options: SimulationOptions,
@@ -107,14 +130,22 @@ def simulate(home: Home, options: SimulationOptions,
     """Run the simulation; create (and pre-train) the home first when needed.
 
     Returns:
-        ``{"sessions": [...], "table": [text lines], "pretrain": {...} or None}``.
+        ``{"sessions": [...], "table": [text lines], "pretrain": {...} or None, "shift": name
+        or None}``.
+
+    Raises:
+        ConfigError: a bad count, an unknown shift, or a shift other than the one the home was
+            created with (its validation set is of that camera).
     """
     if options.days < 1 or options.per_day < 1:
         raise ConfigError("--days and --per-day must be at least 1")
     source = DataSource(options)
     pretrain = None
-    if options.fresh or not home.is_initialised():
-        progress(f"creating {home.root} with {options.model} ...")
+    created = options.fresh or not home.is_initialised()
+    if created:
+        progress(f"creating {home.root} with {options.model}"
+                 + (f", the device's camera shifted ({options.shift})" if options.shift else "")
+                 + " ...")
         init_home(home, options.model, source.classes, force=options.fresh, seed=options.seed,
                   validation_arrays=source.validation())
         if options.policy:
@@ -122,13 +153,22 @@ def simulate(home: Home, options: SimulationOptions,
         if options.pretrain_samples > 0:
             pretrain = pretrain_base(home, source, options, progress)
     store = home.open_store()
-    config = home.load_config()
     try:
+        if created:
+            store.set_meta(simulated_shift=options.shift)
+        elif store.meta("simulated_shift") != options.shift:
+            was = store.meta("simulated_shift")
+            raise ConfigError(
+                f"--shift {options.shift or '(none)'}: {home.root} was created "
+                + (f"with --shift {was}" if was else "without a shift")
+                + ", and its validation set is of that camera; pass the same --shift, or --fresh "
+                "to re-create the home")
+        config = home.load_config()
         with running_sampler(config.telemetry) as sampler:
             sessions = _run_days(home, store, config, source, options, sampler, progress)
     finally:
         store.close()
-    return {"sessions": sessions, "pretrain": pretrain,
+    return {"sessions": sessions, "pretrain": pretrain, "shift": options.shift,
             "table": sessions_table(list(reversed(sessions)))}
 
 

@@ -1,0 +1,250 @@
+"""Scoring the reproduction's arms on the same test images, image by image, and comparing them.
+
+`ScoringSets` scores a model's weights on the test images (shifted and clean when a camera shift
+is set; a fixed daily subset or all of them) and, if asked, on the device's validation set, in
+one worker run. The worker reports accuracy per group of a validation file; each test image is
+its own group, so its answer is every image's correctness, which a paired comparison needs. A
+model is scored once per set (by the hash of its weights): a day that keeps its model costs
+nothing.
+
+`paired_difference` compares two arms on the same images; `RunLog` collects one run's days and
+turns them into its report (accuracy per day and arm, the differences of odtd from its controls,
+joules per point gained on validation); `combine_runs` pools the last day of several seeds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from odtd.sim.arms import Trial
+
+VALIDATION_GROUP = -1  # the validation images' group in a scoring file; test images are 0..n-1
+
+
+def file_sha256(path: Path) -> str:
+    """The hex SHA-256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass
+class Scores:
+    """One model's results: per test image correctness by domain, and its validation accuracy.
+
+    Attributes:
+        correct: domain (``shifted``, ``clean``) -> bool per test image of the set scored.
+        full: the set is all the test images (else the daily subset).
+        validation: accuracy on the validation set, or None if not scored.
+    """
+
+    correct: dict[str, np.ndarray]
+    full: bool
+    validation: Optional[float] = None
+
+    def accuracy(self) -> dict[str, float]:
+        """Accuracy per domain."""
+        return {domain: float(np.mean(hits)) for domain, hits in self.correct.items()}
+
+
+class ScoringSets:
+    """The test images every arm is scored on, and the validation set.
+
+    Args:
+        trial: the shared settings (the worker runs the scoring).
+        images: domain -> uint8 test images (``clean``, and ``shifted`` first when a shift is
+            set), the same images and labels in each.
+        y: their labels.
+        daily: indices of the subset scored every day.
+        validation: the device's validation set (x, y).
+        batch_size: the evaluation batch.
+    """
+
+    def __init__(self, trial: Trial, images: dict[str, np.ndarray], y: np.ndarray,
+                 daily: np.ndarray, validation: tuple[np.ndarray, np.ndarray],
+                 batch_size: int = 250) -> None:
+        self.trial, self.images, self.y, self.daily = trial, images, y, np.asarray(daily)
+        self.validation, self.batch_size = validation, batch_size
+        self.domains = list(images)
+        self._cache: dict[tuple[str, bool], Scores] = {}
+        self._files: dict[tuple[bool, bool], Path] = {}
+
+    def _file(self, full: bool, validation: bool) -> Path:
+        """The scoring file: the set in every domain, each image its own group; then validation."""
+        key = (full, validation)
+        if key not in self._files:
+            chosen = slice(None) if full else self.daily
+            x = [self.images[domain][chosen] for domain in self.domains]
+            y = [self.y[chosen]] * len(self.domains)
+            if validation:
+                x.append(self.validation[0])
+                y.append(self.validation[1])
+            count = sum(len(part) for part in y)
+            tests = count - (len(self.validation[1]) if validation else 0)
+            group = np.full(count, VALIDATION_GROUP, np.int64)
+            group[:tests] = np.arange(tests)
+            path = self.trial.work / f"score-{'all' if full else 'daily'}{'-val' if validation else ''}.npz"
+            np.savez(path, x=np.concatenate(x), y=np.concatenate(y), group=group)
+            self._files[key] = path
+        return self._files[key]
+
+    def score(self, weights: Path, full: bool = False, validation: bool = False) -> Scores:
+        """Score ``weights`` on all test images (``full``) or the daily subset; cached by content."""
+        sha = file_sha256(weights)
+        cached = self._cache.get((sha, full)) or (None if full else self._cache.get((sha, True)))
+        if cached is not None and (cached.validation is not None or not validation):
+            if cached.full and not full:
+                return Scores({d: hits[self.daily] for d, hits in cached.correct.items()}, False,
+                              cached.validation)
+            return cached
+        path = self._file(full, validation)
+        size = len(self.y) if full else len(self.daily)
+        self.trial.log(f"  scoring {weights.name} on {size * len(self.domains):,} test images"
+                       + (f" and {len(self.validation[1]):,} validation images" if validation else ""))
+        result, _ = self.trial.run(self.trial.job(
+            "evaluate", weights_in=str(weights), validation_data=str(path), batch_size=self.batch_size,
+            eval_batch_size=self.batch_size))
+        by_group = result["by_group_after"]
+        hits = np.array([by_group[str(g)] > 0.5 for g in range(size * len(self.domains))])
+        scores = Scores({domain: hits[n * size:(n + 1) * size] for n, domain in enumerate(self.domains)},
+                        full, by_group.get(str(VALIDATION_GROUP)))
+        self._cache[(sha, full)] = scores
+        return scores
+
+
+def paired_difference(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
+    """Arm a's accuracy less arm b's, on the same images, in points, with standard errors.
+
+    Args:
+        a: bool correctness per image, (images,) or (seeds, images): one row per run.
+        b: the same for the other arm.
+
+    Returns:
+        ``points`` (the mean difference), ``se`` (its standard error over the test images: the
+        per-image differences, averaged over the runs, as a sample of images), ``seeds``; with
+        two or more runs also ``se_seeds`` (the standard error of the runs' differences).
+    """
+    a, b = np.atleast_2d(a).astype(np.float64), np.atleast_2d(b).astype(np.float64)
+    per_image = (a - b).mean(axis=0)
+    images = per_image.size
+    out = {"points": round(100 * float(per_image.mean()), 3),
+           "se": round(100 * float(per_image.std() / np.sqrt(images)), 3), "seeds": len(a)}
+    if len(a) > 1:
+        per_run = (a - b).mean(axis=1)
+        out["se_seeds"] = round(100 * float(per_run.std(ddof=1) / np.sqrt(len(a))), 3)
+    return out
+
+
+def joules_per_point(energy_j: Optional[float], gain: Optional[float]) -> Optional[float]:
+    """Joules spent per point of validation accuracy gained (None: nothing gained or no energy)."""
+    if energy_j is None or gain is None or gain <= 0:
+        return None
+    return round(energy_j / (100 * gain), 1)
+
+
+@dataclass
+class RunLog:
+    """One run (one seed) of every arm: the days, then its report.
+
+    Attributes:
+        seed: the run's seed.
+        arms: the arms, in order.
+        base: the base model's scores (all test images and validation).
+        daily: indices of the daily subset in the test images.
+        rows: one per day, the day-0 row first (see `day`): accuracy on the daily subset.
+        final: arm -> its scores on all test images after the last day.
+    """
+
+    seed: int
+    arms: list[str]
+    base: Scores
+    daily: np.ndarray
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    final: dict[str, Scores] = field(default_factory=dict)
+    _daily: list[dict[str, Scores]] = field(default_factory=list)
+    _energy: dict[str, Optional[float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._energy = {arm: 0.0 for arm in self.arms}
+        base = self._subset(self.base)
+        self.rows.append({"day": 0, "arms": {
+            arm: {**base.accuracy(), "validation": self.base.validation, "energy_j_total": 0.0}
+            for arm in self.arms}})
+
+    def _subset(self, scores: Scores) -> Scores:
+        """Scores on the daily subset (from scores on all test images if need be)."""
+        if not scores.full:
+            return scores
+        return Scores({d: c[self.daily] for d, c in scores.correct.items()}, False, scores.validation)
+
+    def day(self, number: int, records: dict[str, dict[str, Any]], scores: dict[str, Scores]
+            ) -> dict[str, Any]:
+        """Add a day: each arm's record (``SessionArm.day`` and friends) and its scores.
+
+        Scores on all test images (the last day) are kept as `final` and reported on the subset.
+        """
+        if all(s.full for s in scores.values()):
+            self.final = dict(scores)
+        subset = {arm: self._subset(s) for arm, s in scores.items()}
+        self._daily.append(subset)
+        row: dict[str, Any] = {"day": number, "arms": {}}
+        for arm in self.arms:
+            record = {k: v for k, v in records[arm].items() if k != "weights"}
+            energy = record.get("energy_j")
+            total = self._energy[arm]
+            self._energy[arm] = None if total is None or energy is None else total + energy
+            validation = (record.get("validation") if record.get("validation") is not None
+                          else subset[arm].validation)
+            gain = None if validation is None else validation - self.base.validation
+            row["arms"][arm] = {**subset[arm].accuracy(), **record, "validation": validation,
+                                "energy_j_total": _round(self._energy[arm]),
+                                "joules_per_point": joules_per_point(self._energy[arm], gain)}
+        row["differences"] = self._differences(subset)
+        self.rows.append(row)
+        return row
+
+    def _differences(self, scores: dict[str, Scores]) -> dict[str, dict[str, Any]]:
+        """(a) less each other arm, per domain, on the images both were scored on."""
+        if "odtd" not in scores:
+            return {}
+        mine = scores["odtd"].correct
+        return {f"odtd-{arm}": {d: paired_difference(mine[d], s.correct[d]) for d in mine}
+                for arm, s in scores.items() if arm != "odtd"}
+
+    def report(self) -> dict[str, Any]:
+        """The run's report: rows, and each arm's last day on all test images."""
+        base = self.base.accuracy()
+        final = {arm: {"accuracy": s.accuracy(),
+                       "gain_points": {d: round(100 * (a - base[d]), 3) for d, a in s.accuracy().items()}}
+                 for arm, s in self.final.items()}
+        return {"seed": self.seed, "rows": self.rows, "final": final,
+                "final_differences": self._differences(self.final)}
+
+
+def combine_runs(runs: list[RunLog]) -> dict[str, Any]:
+    """The last day over every run: each arm's mean accuracy, and (a)'s paired differences."""
+    arms = runs[0].arms
+    base = runs[0].base.accuracy()
+    out: dict[str, Any] = {"seeds": [run.seed for run in runs], "arms": {}, "differences": {}}
+    for arm in arms:
+        accuracy = {d: float(np.mean([run.final[arm].accuracy()[d] for run in runs])) for d in base}
+        out["arms"][arm] = {"accuracy": accuracy,
+                            "gain_points": {d: round(100 * (a - base[d]), 3) for d, a in accuracy.items()}}
+    if "odtd" in arms:
+        for arm in arms:
+            if arm != "odtd":
+                out["differences"][f"odtd-{arm}"] = {d: paired_difference(
+                    np.stack([run.final["odtd"].correct[d] for run in runs]),
+                    np.stack([run.final[arm].correct[d] for run in runs])) for d in base}
+    return out
+
+
+def _round(value: Optional[float]) -> Optional[float]:
+    return None if value is None else round(value, 1)
