@@ -14,7 +14,7 @@ from odtd.home.paths import REFERENCE_EVERY
 @command("init")
 def cmd_init(args: argparse.Namespace) -> int:
     """Create an ODTD_HOME."""
-    from odtd.home.create import init_home, parse_classes
+    from odtd.home.create import builtin_input_shape, init_home, parse_classes, parse_input_size
     from odtd.home.spec import check_model_name
 
     home = home_of(args)
@@ -23,8 +23,10 @@ def cmd_init(args: argparse.Namespace) -> int:
                           "--model-file FILE.keras|.h5 (your own Keras classifier), not both")
     if args.model_file is not None and args.weights:
         raise ConfigError("init: --weights goes with --model; a --model-file brings its own")
+    input_size = parse_input_size(args.input_size)
     if args.model is not None:
         check_model_name(args.model)
+        builtin_input_shape(args.model, input_size)  # a refused size before any progress line
     progress(f"initialising {home.root} with {args.model or args.model_file} ...")
     summary = init_home(
         home, args.model, parse_classes(args.classes),
@@ -33,6 +35,7 @@ def cmd_init(args: argparse.Namespace) -> int:
         replay=Path(args.replay) if args.replay else None, reference_every=args.reference_every,
         model_file=Path(args.model_file) if args.model_file else None, name=args.name,
         input_scale=args.input_scale, output=args.output, progress=progress,
+        input_size=input_size,
     )
     for note in summary["notes"]:
         progress(f"note: {note}")
@@ -93,6 +96,10 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
                        "has one (policies/<model>.yaml), else policies/default.yaml; an existing "
                        "policy file is kept.")
     p.add_argument("--model", help="a built-in network (see `odtctl models`)")
+    p.add_argument("--input-size", metavar="HxW",
+                   help="with --model: the network's input, HEIGHTxWIDTH in pixels or N for NxN "
+                        "(default and least: 32x32, xception's 71x71; densenet40 and tinycnn "
+                        "take down to 4x4); images are fitted to it")
     p.add_argument("--model-file", metavar="FILE",
                    help="your own trained Keras image classifier, a .keras archive or an .h5 file")
     p.add_argument("--name", help="with --model-file: the model's name in the home (default: the "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -47,6 +48,33 @@ def parse_classes(text: Optional[str]) -> list[str]:
     return classes
 
 
+def parse_input_size(text: Optional[str]) -> Optional[tuple[int, int]]:
+    """Parse ``--input-size HxW`` (height by width) or ``--input-size N`` (N by N), in pixels."""
+    if text is None:
+        return None
+    match = re.fullmatch(r"\s*(\d+)\s*(?:[xX]\s*(\d+)\s*)?", text)
+    if not match or int(match[1]) < 1 or int(match[2] or 1) < 1:
+        raise ConfigError(f"--input-size {text!r}: give HEIGHTxWIDTH or one size N for NxN, in "
+                          "pixels, e.g. 64x48 or 64")
+    return int(match[1]), int(match[2] or match[1])
+
+
+def builtin_input_shape(model: str, input_size: Optional[tuple[int, int]]) -> list[int]:
+    """A built-in network's input shape: its default, or ``input_size`` (height, width).
+
+    Raises:
+        ConfigError: the size is below the network's minimum (``catalog.sized_input_shape``).
+    """
+    if input_size is None:
+        return list(catalog.get(model).input_shape)
+    try:
+        return list(catalog.sized_input_shape(model, *input_size))
+    except ValueError as exc:
+        least = catalog.get(model).min_input_size
+        raise ConfigError(f"--input-size: {exc}; give at least {least}x{least}, or leave "
+                          "--input-size out for the default") from None
+
+
 def init_home(
     home: Home,
     model: Optional[str],
@@ -63,6 +91,7 @@ def init_home(
     input_scale: Optional[str] = None,
     output: Optional[str] = None,
     progress: Optional[Callable[[str], None]] = None,
+    input_size: Optional[tuple[int, int]] = None,
 ) -> dict[str, Any]:
     """Create an ODTD_HOME and return a summary.
 
@@ -89,6 +118,8 @@ def init_home(
         input_scale: the pixels an imported model takes (default ``0-255``).
         output: ``logits`` or ``softmax``, overriding what is read from the model's last layer.
         progress: called with one-line progress messages.
+        input_size: a built-in network's (height, width) in pixels, at least its
+            ``min_input_size``; None = the catalogue's default. Samples are fitted to it.
 
     Raises:
         ConfigError: the home exists and ``force`` is not set, or an argument is invalid.
@@ -96,9 +127,13 @@ def init_home(
     """
     say = progress or (lambda message: None)
     check_conventions(input_scale, output)
+    shape = None
     if model_file is not None:
         if not model_file.is_file():
             raise ModelError(f"--model-file {model_file}: no such file")
+        if input_size is not None:
+            raise ConfigError("--input-size goes with --model; a --model-file has its own input "
+                              "shape")
         name = imported_name(name or model_file.stem)
     else:
         check_model_name(model)
@@ -106,6 +141,7 @@ def init_home(
             raise ConfigError("--input-scale and --output describe a model given with "
                               "--model-file; a built-in network has its own")
         name = model
+        shape = builtin_input_shape(model, input_size)
     if weights is not None:
         check_weights_file(weights)
     if home.is_initialised() and not force:
@@ -128,7 +164,7 @@ def init_home(
     with tempfile.TemporaryDirectory(prefix="odtd-init-") as staging:
         stage = Path(staging)
         spec, result = stage_version0(config, stage, name, classes, model_file, weights, seed,
-                                      input_scale, output, say)
+                                      input_scale, output, say, input_shape=shape)
         # Read the validation images before touching the home, so a bad path loses nothing.
         val = validation_arrays
         if validation is not None:
@@ -205,14 +241,16 @@ def init_home(
 def stage_version0(config: Config, stage: Path, name: str, classes: list[str],
                    model_file: Optional[Path], weights: Optional[Path], seed: int,
                    input_scale: Optional[str], output: Optional[str],
-                   say: Callable[[str], None]) -> tuple[ModelSpec, dict[str, Any]]:
+                   say: Callable[[str], None], input_shape: Optional[list[int]] = None,
+                   ) -> tuple[ModelSpec, dict[str, Any]]:
     """Have a worker write version 0 into ``stage``; return the model's spec and the result.
 
     ``weights.npz`` always; an imported model adds ``architecture.json`` and its original file.
 
-    A built-in network is built and initialised from ``seed`` or loaded with ``weights`` (which
-    proves they fit it). A model file is screened, built from its configuration and given its
-    own weights; its input shape and output are read from it.
+    A built-in network is built at ``input_shape`` (default: the catalogue's) and initialised
+    from ``seed`` or loaded with ``weights`` (which proves they fit it). A model file is
+    screened, built from its configuration and given its own weights; its input shape and
+    output are read from it.
 
     Raises:
         ModelError: the worker refused the file or the weights (the worker's one-line reason).
@@ -225,7 +263,7 @@ def stage_version0(config: Config, stage: Path, name: str, classes: list[str],
                        original_out=str(stage / (ORIGINAL_STEM + suffix)))
         say(f"reading {model_file} (screened: no code in it is run) ...")
     else:
-        shape = list(catalog.get(name).input_shape)
+        shape = input_shape or list(catalog.get(name).input_shape)
         job = make_job("init", name, classes, shape, seed=seed,
                        weights_out=str(stage / "weights.npz"),
                        weights_in=str(weights.resolve()) if weights else None)

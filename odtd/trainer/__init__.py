@@ -2,7 +2,8 @@
 
 Run only in the worker process (they import TensorFlow): ``worker`` (``python -m
 odtd.trainer.worker JOB.json``, see docs/worker-protocol.md), ``networks`` (the built-in Keras
-models) and ``evaluation``.
+models), ``suite`` (the rest of the paper's CNN suite, which ``networks`` registers) and
+``evaluation``.
 
 Importable anywhere, without TensorFlow: ``job`` (the job file: built by ``make_job``, validated
 by ``load_job``; the protocol version and the precisions), ``launch`` (starting, watching and

@@ -9,11 +9,12 @@ gives them, the default of an imported model that holds its own Rescaling; ``0-1
 and the output becomes float32 logits (a softmax model's probabilities become their logs, which
 the same cross-entropy then reads exactly).
 
-The built-in networks (``BUILDERS``) take ``0-1`` input and end in logits:
+The built-in networks (``BUILDERS``: DenseNet-40 and tinycnn here, the rest of the paper's CNN
+suite in ``odtd.trainer.suite``) take ``0-1`` input and end in logits:
 
 - Output: logits (no softmax in the model). The last Dense layer is float32 even under a mixed
   precision policy, so the loss is computed in float32.
-- Convolutions have no bias and ``he_normal`` initialisation; no weight decay is built in.
+- Here, convolutions have no bias and ``he_normal`` initialisation; no weight decay is built in.
 - Layers carry explicit names, so weight names (the worker's ``weight_names``) are stable across
   processes and TensorFlow versions.
 
@@ -27,7 +28,7 @@ from typing import Optional, Sequence
 
 import tensorflow as tf
 
-from odtd.trainer import catalog
+from odtd.trainer import catalog, suite
 
 layers = tf.keras.layers
 
@@ -140,6 +141,7 @@ def tinycnn(
 
 
 BUILDERS = {"densenet40": densenet40, "tinycnn": tinycnn}
+BUILDERS.update(suite.BUILDERS)
 
 
 def build_model(job: dict) -> tf.keras.Model:
