@@ -41,7 +41,8 @@ def plot(summary, out: Path) -> Path:
         what = f"the {summary['shift']} camera" if domain == "shifted" else "clean images"
         ax.set_ylabel(f"test accuracy (%)\n{what}")
         ax.grid(alpha=0.3)
-    axes[0].set_title(f"{summary['model']}, {summary['per_day']} new images a day, "
+    camera = f", camera shift {summary['shift']}" if summary["shift"] else ""
+    axes[0].set_title(f"{summary['model']}, {summary['per_day']} new images a day{camera}, "
                       f"{summary['test_images']['daily']:,} test images{runs}")
     axes[0].legend(fontsize=7)
     for n, arm in enumerate(summary["arms"]):
