@@ -55,6 +55,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python scripts/bench_trainer.py --json
 	$(BIN)/python scripts/bench_telemetry.py --json
+	$(BIN)/python scripts/bench_memory.py --json
 
 clean:
 	rm -rf $(VENV) $(COMPAT) demo-home .pytest_cache .ruff_cache
