@@ -222,7 +222,7 @@ class RunLog:
         """The run's report: rows, and each arm's last day on all test images."""
         base = self.base.accuracy()
         final = {arm: {"accuracy": s.accuracy(),
-                       "gain_points": {d: round(100 * (a - base[d]), 3) for d, a in s.accuracy().items()}}
+                       "gain_points": {d: _points(a - base[d]) for d, a in s.accuracy().items()}}
                  for arm, s in self.final.items()}
         return {"seed": self.seed, "rows": self.rows, "final": final,
                 "final_differences": self._differences(self.final)}
@@ -236,7 +236,7 @@ def combine_runs(runs: list[RunLog]) -> dict[str, Any]:
     for arm in arms:
         accuracy = {d: float(np.mean([run.final[arm].accuracy()[d] for run in runs])) for d in base}
         out["arms"][arm] = {"accuracy": accuracy,
-                            "gain_points": {d: round(100 * (a - base[d]), 3) for d, a in accuracy.items()}}
+                            "gain_points": {d: _points(a - base[d]) for d, a in accuracy.items()}}
     if "odtd" in arms:
         for arm in arms:
             if arm != "odtd":
@@ -244,6 +244,11 @@ def combine_runs(runs: list[RunLog]) -> dict[str, Any]:
                     np.stack([run.final["odtd"].correct[d] for run in runs]),
                     np.stack([run.final[arm].correct[d] for run in runs])) for d in base}
     return out
+
+
+def _points(fraction: float) -> float:
+    # + 0.0: a mean of equal accuracies can differ from them by a rounding error, never -0.0.
+    return round(100 * fraction, 3) + 0.0
 
 
 def _round(value: Optional[float]) -> Optional[float]:
