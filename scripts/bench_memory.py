@@ -31,11 +31,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
-from bench_trainer import machine
+from bench_trainer import step_timer
+
+from odtd.profiling.sweep import cpu_description
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NUM_CLASSES = 10
@@ -55,19 +56,6 @@ def fit_child(model_name: str, batch_size: int, steps: int, data: str) -> None:
     from odtd.trainer import networks
     from odtd.trainer.worker import peak_rss_mb
 
-    class StepTimer(tf.keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.spans = []
-
-        def on_train_batch_begin(self, batch, logs=None):
-            self.started = time.monotonic()
-
-        def on_train_batch_end(self, batch, logs=None):
-            if logs and "loss" in logs:
-                float(logs["loss"])  # wait for the step, as the worker does for its loss
-            self.spans.append((self.started, time.monotonic()))
-
     arrays = np.load(data)
     tf.keras.utils.set_random_seed(0)
     model = networks.build(model_name, NUM_CLASSES, INPUT_SHAPE)
@@ -77,7 +65,7 @@ def fit_child(model_name: str, batch_size: int, steps: int, data: str) -> None:
                .batch(batch_size)
                .map(lambda images, labels: (networks.scale_pixels(images, "0-1"), labels))
                .prefetch(tf.data.AUTOTUNE))
-    timer = StepTimer()
+    timer = step_timer(tf)
     model.fit(dataset, epochs=1, steps_per_epoch=steps, callbacks=[timer], verbose=0)
     print(json.dumps({"spans": timer.spans, "peak_rss_mb": peak_rss_mb()}))
 
@@ -198,7 +186,7 @@ def main() -> int:
         arm["throughput_vs_fit"] = round(arm["samples_per_s"] / control["samples_per_s"], 3)
     import tensorflow as tf
 
-    report = {"machine": machine(), "tensorflow": tf.__version__, "model": args.model,
+    report = {"machine": cpu_description(), "tensorflow": tf.__version__, "model": args.model,
               "batch_size": args.batch, "bn": args.bn, "telemetry": sampler.backend.name,
               "measured_steps": args.steps, "rounds": args.rounds,
               "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],

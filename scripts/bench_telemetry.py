@@ -22,7 +22,6 @@ sampled step.
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from odtd.config import TelemetryConfig  # noqa: E402
+from odtd.profiling.sweep import cpu_description  # noqa: E402
 from odtd.telemetry import Sampler, open_backend  # noqa: E402
 from odtd.telemetry.estimate import read_cpu_ticks  # noqa: E402
 from odtd.trainer.job import make_job  # noqa: E402
@@ -46,17 +46,6 @@ SAMPLES = 512
 PRECISION = "fp32"
 
 
-def machine() -> str:
-    """Describe the CPU this ran on."""
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        model = platform.machine()  # not Linux: keep platform's answer
-    return f"{platform.machine()}, {model}, {os.cpu_count()} CPUs"
 
 
 def write_job(workdir: Path, model: str, batch_size: int, max_steps: int) -> Path:
@@ -228,7 +217,7 @@ def main() -> int:
     samples = sum(n for n, _ in sampler.intervals)
     start_event = next(e for e in events if e["event"] == "start")
     report = {
-        "machine": machine(),
+        "machine": cpu_description(),
         "tensorflow": start_event.get("tensorflow"),
         "model": args.model, "batch_size": args.batch_size, "precision": PRECISION,
         "warmup_steps": args.warmup_steps, "measured_steps": args.steps,

@@ -21,7 +21,6 @@ CPU meanwhile: the numbers are only comparable on an otherwise idle machine.
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from odtd.profiling.sweep import cpu_description
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NUM_CLASSES = 10
@@ -38,17 +39,6 @@ LEARNING_RATE = 0.01
 MOMENTUM = 0.9
 
 
-def machine() -> str:
-    """Describe the CPU this ran on."""
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass  # not Linux: keep platform's answer
-    return f"{platform.machine()}, {model}, {os.cpu_count()} CPUs"
 
 
 def random_data(seed: int = 0) -> tuple:
@@ -91,11 +81,8 @@ def worker_sps(model: str, batch_size: int, warmup_steps: int, steps: int, workd
     return throughput_sps([(e["start"], e["end"]) for e in measured], batch_size)
 
 
-def fit_sps(model_name: str, batch_size: int, warmup_steps: int, steps: int, x, y) -> float:
-    """Train the same model with ``model.fit``; samples/s over the same measured steps."""
-    import tensorflow as tf
-
-    from odtd.trainer import networks
+def step_timer(tf):
+    """A Keras callback whose ``spans`` are each training step's (start, end), monotonic s."""
 
     class StepTimer(tf.keras.callbacks.Callback):
         def __init__(self):
@@ -109,6 +96,15 @@ def fit_sps(model_name: str, batch_size: int, warmup_steps: int, steps: int, x, 
             if logs and "loss" in logs:
                 float(logs["loss"])  # wait for the step, as the worker does for its loss
             self.spans.append((self.started, time.monotonic()))
+
+    return StepTimer()
+
+
+def fit_sps(model_name: str, batch_size: int, warmup_steps: int, steps: int, x, y) -> float:
+    """Train the same model with ``model.fit``; samples/s over the same measured steps."""
+    import tensorflow as tf
+
+    from odtd.trainer import networks
 
     tf.keras.utils.set_random_seed(0)
     model = networks.build(model_name, NUM_CLASSES, INPUT_SHAPE)
@@ -124,7 +120,7 @@ def fit_sps(model_name: str, batch_size: int, warmup_steps: int, steps: int, x, 
         .map(lambda images, labels: (networks.scale_pixels(images, "0-1"), labels))
         .prefetch(tf.data.AUTOTUNE)
     )
-    timer = StepTimer()
+    timer = step_timer(tf)
     model.fit(dataset, epochs=1, steps_per_epoch=warmup_steps + steps, callbacks=[timer],
               verbose=0, shuffle=False)
     return throughput_sps(timer.spans[warmup_steps:], batch_size)
@@ -161,7 +157,7 @@ def main() -> int:
     import tensorflow as tf
 
     report = {
-        "machine": machine(),
+        "machine": cpu_description(),
         "tensorflow": tf.__version__,
         "model": args.model,
         "measured_steps": args.steps,

@@ -47,6 +47,7 @@ from odtd.errors import OdtdError
 from odtd.home.create import init_home
 from odtd.home.paths import Home
 from odtd.policy import Policy, load_policy
+from odtd.profiling.sweep import cpu_description
 from odtd.sim import datasets
 from odtd.sim.arms import (
     ARMS,
@@ -208,16 +209,6 @@ def run_seed(args, seed: int, arms: list, trial: Trial, data: dict, tests: Scori
     return run
 
 
-def machine() -> str:
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{os.uname().machine}, {model}, {os.cpu_count()} CPUs, no GPU"
 
 
 def run(args) -> dict:
@@ -272,7 +263,7 @@ def run(args) -> dict:
         for seed in seeds:
             runs.append(run_seed(args, seed, arms, trial, data, tests, day0, template))
     summary = {
-        "machine": machine(), "published": PUBLISHED, "days": args.days, "per_day": args.per_day,
+        "machine": cpu_description(), "published": PUBLISHED, "days": args.days, "per_day": args.per_day,
         "model": args.model, "shift": args.shift, "arms": arms, "seeds": seeds,
         "test_images": {"all": len(test_y), "daily": len(daily_idx), "domains": tests.domains},
         "validation_images": len(check_y), "policy": args.policy,

@@ -202,6 +202,19 @@ def _write_data(home: Home, store: Store, path: Path, count: int, input_shape: L
     return "random"
 
 
+def cpu_description(root: Path = Path("/")) -> str:
+    """Describe the CPU, e.g. ``x86_64, AMD EPYC, 2 CPUs``: what benchmark figures ran on."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in (root / "proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        logger.debug("no %s: the CPU model comes from platform", root / "proc/cpuinfo")
+    return f"{platform.machine()}, {model}, {os.cpu_count()} CPUs"
+
+
 def board_description(root: Path = Path("/")) -> str:
     """Describe the board: the device-tree model (or the CPU architecture), plus nvpmodel mode."""
     try:

@@ -258,9 +258,9 @@ def admit(policy: Policy, profile: Optional[ProfileResult], samples: int,
                        "earlier session")
         size = below[-1]
         sizes = [s for s in sizes if s < oom_limit] or [size]
-    own = plans_at(policy, size, sizes)[0]
-    if profile is None or not any(profile.ok_rows(p.precision, p.recompute)
-                                  for p in plans_at(policy, size, sizes)):
+    plans = plans_at(policy, size, sizes)
+    own = plans[0]
+    if profile is None or not any(profile.ok_rows(p.precision, p.recompute) for p in plans):
         what = "no profile" if profile is None else \
             f"no profiled size at precision {policy.training.precision}"
         return Admission(size, epochs, None, None, None, RUN,
@@ -275,7 +275,7 @@ def admit(policy: Policy, profile: Optional[ProfileResult], samples: int,
             rejected += more
             if chosen is not None:
                 first = next(r for r in rejected if r["batch_size"] == size)
-                named = f"{first['plan']}: " if len(plans_at(policy, size, sizes)) > 1 else ""
+                named = f"{first['plan']}: " if len(plans) > 1 else ""
                 changes.append(f"batch {size} -> {smaller}: {named}{first['reason']}")
                 size = smaller
                 break

@@ -95,7 +95,7 @@ class SessionDetails:
         data = asdict(self)
         extra = data.pop("extra")
         for key, default in _OMITTED_AT_DEFAULT.items():
-            if data[key] == default and type(data[key]) is type(default):
+            if data[key] == default:
                 del data[key]
         return {**extra, **data}
 
