@@ -16,8 +16,8 @@ from odtd.sim.scoring import (
     Scores,
     ScoringSets,
     combine_runs,
-    joules_per_point,
     paired_difference,
+    per_validation_point,
 )
 
 
@@ -63,10 +63,10 @@ def test_several_runs_pool_per_image_and_report_the_spread_between_runs():
     assert out["seeds"] == 3
 
 
-def test_joules_per_point_only_for_a_gain():
-    assert joules_per_point(5000.0, 0.025) == 2000.0
-    assert joules_per_point(5000.0, 0.0) is None and joules_per_point(5000.0, -0.01) is None
-    assert joules_per_point(None, 0.02) is None and joules_per_point(100.0, None) is None
+def test_per_validation_point_only_for_a_gain():
+    assert per_validation_point(5000.0, 0.025) == 2000.0
+    assert per_validation_point(5000.0, 0.0) is None and per_validation_point(5000.0, -0.01) is None
+    assert per_validation_point(None, 0.02) is None and per_validation_point(100.0, None) is None
 
 
 def scores(shifted, clean, full=False, validation=None):

@@ -18,7 +18,7 @@ from conftest import CIFAR, REPO
 
 from odtd.policy import load_policy
 from odtd.session.acceptance import refusal_reason
-from odtd.sim.scoring import joules_per_point
+from odtd.sim.scoring import per_validation_point
 
 SCRIPT = str(REPO / "scripts" / "reproduce_tx2_daily.py")
 SLIVER = ["--model", "tinycnn", "--days", "2", "--per-day", "10", "--pretrain-images", "60",
@@ -72,7 +72,7 @@ def test_two_days_of_the_arms_with_a_camera_shift(tmp_path):
             energy[arm] += day[arm]["energy_j"]
             assert day[arm]["energy_j_total"] == pytest.approx(energy[arm], abs=0.1)
             gain = day[arm]["validation"] - base["validation_accuracy"]
-            assert day[arm]["joules_per_point"] == joules_per_point(day[arm]["energy_j_total"], gain)
+            assert day[arm]["joules_per_point"] == per_validation_point(day[arm]["energy_j_total"], gain)
         # The paired differences are the accuracies' differences, with their standard errors.
         assert set(row["differences"]) == {f"odtd-{arm}" for arm in arms[1:]}
         for arm in arms[1:]:

@@ -39,6 +39,13 @@ def test_ingest_train_status(home, tmp_path):
     assert steps[0] == session["steps"] and steps[1] > 0
     history = odtctl_json("history", "--limit", "1", home=home)
     assert [s["id"] for s in history] == [session["id"]]
+    # Joules per point: this session's energy over the promoted model's gain since day 0.
+    cumulative = history[0]["cumulative"]
+    gain = round((session["accuracy_after"] - session["accuracy_before"]) * 100, 2)
+    assert cumulative["energy_j"] == round(session["energy_j"] or 0.0, 1)
+    assert cumulative["gain_points"] == gain
+    assert cumulative["j_per_point"] == (
+        round(cumulative["energy_j"] / gain, 1) if gain > 0 else None)
     text = odtctl("status", home=home).stdout
     assert "promoted" in text and "accuracy trend" in text
     # Without a validation set the held-out samples are the evaluation set: status and history
@@ -53,7 +60,7 @@ def test_ingest_train_status(home, tmp_path):
     assert holdout in row and forgetting in row
     assert per_class.split("  ")[0] in text and "per class" in text
     history_text = odtctl("history", home=home).stdout.splitlines()
-    assert "holdout" in history_text[0] and "forgetting" in history_text[0]
+    assert "holdout" in history_text[0] and "forgetting" in history_text[0] and "J/pt" in history_text[0]
     assert holdout in history_text[1] and forgetting in history_text[1]
 
 

@@ -56,11 +56,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 @command("history")
 def cmd_history(args: argparse.Namespace) -> int:
     """List sessions, most recent first."""
-    from odtd.report.status import sessions_table
+    from odtd.report.status import session_objects, sessions_table
 
     store = home_of(args).open_store()
     try:
-        sessions = [s.to_dict() for s in store.sessions(limit=args.limit)]
+        sessions = session_objects(store, args.limit)
     finally:
         store.close()
     emit(args, sessions, "\n".join(sessions_table(sessions)) if sessions else "no sessions yet")

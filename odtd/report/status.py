@@ -9,6 +9,7 @@ from typing import Any, Optional
 from odtd.errors import OdtdError
 from odtd.home.paths import Home
 from odtd.home.versions import ModelRepo
+from odtd.report.efficiency import with_cumulative
 from odtd.store.database import Store
 
 HEARTBEAT_STALE_S = 30.0
@@ -94,8 +95,14 @@ def status(home: Home, store: Store, limit: int = 10) -> dict[str, Any]:
         "model": model_status(home, store),
         "samples": store.sample_counts(),
         "gates": gates_status(home),
-        "sessions": [s.to_dict() for s in store.sessions(limit=limit)],
+        "sessions": session_objects(store, limit),
     }
+
+
+def session_objects(store: Store, limit: Optional[int] = None) -> list[dict[str, Any]]:
+    """The most recent sessions' objects, each with its ``cumulative`` energy per point."""
+    every = [s.to_dict() for s in store.sessions()]
+    return with_cumulative(every[:limit] if limit is not None else every, every)
 
 
 def pct(value: Optional[float]) -> str:
@@ -135,10 +142,11 @@ def sessions_table(sessions: list[dict[str, Any]]) -> list[str]:
     ``holdout`` is the candidate's accuracy on the device's held-out samples, ``reference``
     the current model's and the candidate's on the reference set (the original domain),
     ``forgetting`` the best earlier accuracy of a kept model minus the kept model's now, in
-    points.
+    points, ``J/pt`` the energy of every session so far per point the kept model gained since
+    day 0 (``report.efficiency``; ``-`` without a gain).
     """
     header = ("id", "day", "outcome", "batch", "new", "replay", "acc before", "acc after",
-              "holdout", "reference", "forgetting", "energy", "source", "peak MB", "time s")
+              "holdout", "reference", "forgetting", "energy", "J/pt", "source", "peak MB", "time s")
     rows = [header]
     for s in sessions:
         details = s.get("details") or {}
@@ -148,7 +156,8 @@ def sessions_table(sessions: list[dict[str, Any]]) -> list[str]:
             pct(s["accuracy_before"]), pct(s["accuracy_after"]),
             pct(details.get("holdout_accuracy_after")), _reference(details),
             _points(details.get("forgetting")),
-            energy_text(s), s.get("energy_source") or "-", _num(s["peak_memory_mb"]),
+            energy_text(s), _num((s.get("cumulative") or {}).get("j_per_point")),
+            s.get("energy_source") or "-", _num(s["peak_memory_mb"]),
             _num(s["duration_s"], "{:.1f}"),
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from odtd.report.efficiency import joules_per_point
 from odtd.sim.arms import Trial
 
 VALIDATION_GROUP = -1  # the validation images' group in a scoring file; test images are 0..n-1
@@ -142,13 +143,6 @@ def paired_difference(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
     return out
 
 
-def joules_per_point(energy_j: Optional[float], gain: Optional[float]) -> Optional[float]:
-    """Joules spent per point of validation accuracy gained (None: nothing gained or no energy)."""
-    if energy_j is None or gain is None or gain <= 0:
-        return None
-    return round(energy_j / (100 * gain), 1)
-
-
 @dataclass
 class RunLog:
     """One run (one seed) of every arm: the days, then its report.
@@ -205,7 +199,7 @@ class RunLog:
             gain = None if validation is None else validation - self.base.validation
             row["arms"][arm] = {**subset[arm].accuracy(), **record, "validation": validation,
                                 "energy_j_total": _round(self._energy[arm]),
-                                "joules_per_point": joules_per_point(self._energy[arm], gain)}
+                                "joules_per_point": per_validation_point(self._energy[arm], gain)}
         row["differences"] = self._differences(subset)
         self.rows.append(row)
         return row
@@ -253,3 +247,11 @@ def _points(fraction: float) -> float:
 
 def _round(value: Optional[float]) -> Optional[float]:
     return None if value is None else round(value, 1)
+
+
+def per_validation_point(energy_j: Optional[float], gain: Optional[float]) -> Optional[float]:
+    """Joules per point of validation accuracy gained (``gain`` 0..1); None without energy or gain."""
+    if energy_j is None or gain is None:
+        return None
+    per_point = joules_per_point(energy_j, 100 * gain)
+    return None if per_point is None else round(per_point, 1)
