@@ -40,7 +40,7 @@ from datetime import date, timedelta
 from pathlib import Path
 
 import numpy as np
-from reproduce_tx2_report import PUBLISHED, plot, table
+from reproduce_tx2_report import PUBLISHED, table
 
 from odtd.config import TelemetryConfig
 from odtd.errors import OdtdError
@@ -48,6 +48,7 @@ from odtd.home.create import init_home
 from odtd.home.paths import Home
 from odtd.policy import Policy, load_policy
 from odtd.profiling.sweep import cpu_description
+from odtd.report.plot import plot_arms
 from odtd.sim import datasets
 from odtd.sim.arms import (
     ARMS,
@@ -265,6 +266,7 @@ def run(args) -> dict:
     summary = {
         "machine": cpu_description(), "published": PUBLISHED, "days": args.days, "per_day": args.per_day,
         "model": args.model, "shift": args.shift, "arms": arms, "seeds": seeds,
+        "arm_descriptions": {arm: ARMS[arm] for arm in arms},
         "test_images": {"all": len(test_y), "daily": len(daily_idx), "domains": tests.domains},
         "validation_images": len(check_y), "policy": args.policy,
         "acceptance": policy.acceptance.model_dump(), "replay_seed": len(seed_idx),
@@ -275,7 +277,7 @@ def run(args) -> dict:
         "wall_s": round(time.monotonic() - started, 1),
     }
     if args.plot:
-        summary["plot"] = str(plot(summary, Path(args.plot)))
+        summary["plot"] = str(plot_arms(summary, Path(args.plot)))
     return summary
 
 
@@ -333,7 +335,9 @@ def main() -> int:
                         help="odtd's policy (the recipe); precision and eval batch come from here")
     parser.add_argument("--precision", default="auto", help="fp32 | mixed_bfloat16 | auto")
     parser.add_argument("--telemetry", default="auto", help="telemetry backend (default auto)")
-    parser.add_argument("--plot", default=str(REPO / "docs" / "reproduce_tx2_daily.png"))
+    parser.add_argument("--plot", metavar="PNG",
+                        help="also draw every arm per day, shifted and clean, into this PNG "
+                             "(as `odtctl plot --arms` does from the --json summary)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the pre-training, validation and test images")
     args = parser.parse_args()

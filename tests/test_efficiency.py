@@ -1,11 +1,12 @@
 """Joules per point: cumulative energy over the kept model's gain since day 0."""
 
-from odtd.report.efficiency import cumulative_efficiency, with_cumulative
+from odtd.report.efficiency import cumulative_efficiency, joules_per_point
+from odtd.store.records import SessionRecord
 
 
 def session(id_, outcome, before, after, energy):
-    return {"id": id_, "outcome": outcome, "accuracy_before": before, "accuracy_after": after,
-            "energy_j": energy}
+    return SessionRecord(day="2026-11-25", trigger="cli", id=id_, outcome=outcome,
+                         accuracy_before=before, accuracy_after=after, energy_j=energy)
 
 
 def test_energy_accumulates_over_every_session_and_divides_the_kept_gain():
@@ -24,8 +25,8 @@ def test_energy_accumulates_over_every_session_and_divides_the_kept_gain():
     assert figures[5] == {"energy_j": 650.0, "gain_points": 5.0, "j_per_point": 130.0}
 
 
-def test_a_loss_has_no_price_per_point_and_the_figures_follow_every_session():
-    every = [session(1, "promoted", 0.60, 0.58, 80.0), session(2, "rolled_back", 0.58, 0.61, 40.0)]
-    shown = with_cumulative(every[1:], every)
-    assert [s["id"] for s in shown] == [2]
-    assert shown[0]["cumulative"] == {"energy_j": 120.0, "gain_points": -2.0, "j_per_point": None}
+def test_a_loss_or_no_figure_has_no_price_per_point():
+    figures = cumulative_efficiency([session(1, "promoted", 0.60, 0.58, 80.0)])
+    assert figures[1] == {"energy_j": 80.0, "gain_points": -2.0, "j_per_point": None}
+    assert joules_per_point(80.0, None) is None and joules_per_point(80.0, 0.0) is None
+    assert joules_per_point(80.0, 4.0) == 20.0

@@ -97,9 +97,15 @@ def _control(args: argparse.Namespace, op: str, text: str) -> int:
 
 @command("plot")
 def cmd_plot(args: argparse.Namespace) -> int:
-    """Write accuracy, energy and peak memory over the sessions to a PNG."""
-    from odtd.report.plot import plot_sessions
+    """Write accuracy, energy and peak memory over the sessions (or a reproduction's arms) to a PNG."""
+    from odtd.report.plot import plot_arms, plot_sessions, read_summary
 
+    if args.arms:
+        summary = read_summary(Path(args.arms))
+        out = plot_arms(summary, Path(args.out))
+        emit(args, {"out": str(out), "arms": summary["arms"]},
+             f"wrote {out} ({len(summary['arms'])} arms, {summary['days']} days)")
+        return 0
     home = home_of(args)
     store = home.open_store()
     try:
@@ -129,10 +135,14 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
 
     p = sub.add_parser("plot", parents=[reader], help="accuracy, energy and memory over days, to PNG",
                        description="Draw accuracy (validation set and device hold-out), energy per "
-                                   "session and peak memory over the sessions into one PNG "
+                                   "session and peak memory over the sessions into one PNG, or "
+                                   "a reproduction's arms with --arms "
                                    "(needs matplotlib: pip install 'odtd[plot]').")
     p.add_argument("--out", required=True, help="the PNG to write")
     p.add_argument("--limit", type=int, default=365, help="most recent sessions to draw (default 365)")
+    p.add_argument("--arms", metavar="SUMMARY.json",
+                   help="instead, draw every arm of a reproduction per day, shifted and clean, "
+                        "from the summary `scripts/reproduce_tx2_daily.py --json` printed")
 
     for name, text in (("pause", "hold scheduled sessions (the daemon keeps running)"),
                        ("resume", "resume scheduled sessions"),

@@ -1,6 +1,7 @@
 """What odtd shows: the status object and its text, session tables, Prometheus metrics, plots.
 
 Modules: ``status`` (``odtctl status``/``history``: the status object, tables, sparkline),
+``efficiency`` (joules per point: each session's cumulative energy over the kept model's gain),
 ``metrics`` (Prometheus text format for node_exporter's textfile collector), ``plot``
 (accuracy, energy and memory over the sessions; matplotlib, imported when drawing).
 

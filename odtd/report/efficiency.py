@@ -12,12 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-
-def kept_accuracy(session: dict[str, Any]) -> Optional[float]:
-    """The accuracy of the model a session left serving (its candidate's if promoted)."""
-    if session.get("outcome") == "promoted":
-        return session.get("accuracy_after")
-    return session.get("accuracy_before")
+from odtd.store.records import SessionRecord
 
 
 def joules_per_point(energy_j: float, gain_points: Optional[float]) -> Optional[float]:
@@ -27,12 +22,11 @@ def joules_per_point(energy_j: float, gain_points: Optional[float]) -> Optional[
     return energy_j / gain_points
 
 
-def cumulative_efficiency(sessions: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+def cumulative_efficiency(sessions: list[SessionRecord]) -> dict[int, dict[str, Any]]:
     """Per session id: ``energy_j`` so far, ``gain_points`` since day 0, ``j_per_point``.
 
     Args:
-        sessions: session objects (``SessionRecord.to_dict()``), every one the home has, in
-            any order; they are taken by id.
+        sessions: every session the home has, in any order; they are taken by id.
 
     ``gain_points`` is the kept model's accuracy after the session minus the accuracy of the
     model the first scored session started from, in points (None until a session is scored;
@@ -40,20 +34,14 @@ def cumulative_efficiency(sessions: list[dict[str, Any]]) -> dict[int, dict[str,
     """
     result: dict[int, dict[str, Any]] = {}
     energy, start, kept = 0.0, None, None
-    for session in sorted(sessions, key=lambda s: s["id"]):
-        energy += session.get("energy_j") or 0.0
+    for session in sorted(sessions, key=lambda s: s.id):
+        energy += session.energy_j or 0.0
         if start is None:
-            start = session.get("accuracy_before")
-        now = kept_accuracy(session)
-        kept = now if now is not None else kept
+            start = session.accuracy_before
+        if session.kept_accuracy is not None:
+            kept = session.kept_accuracy
         gain = None if start is None or kept is None else round((kept - start) * 100, 2)
         per_point = joules_per_point(energy, gain)
-        result[session["id"]] = {"energy_j": round(energy, 1), "gain_points": gain,
-                                 "j_per_point": None if per_point is None else round(per_point, 1)}
+        result[session.id] = {"energy_j": round(energy, 1), "gain_points": gain,
+                              "j_per_point": None if per_point is None else round(per_point, 1)}
     return result
-
-
-def with_cumulative(sessions: list[dict[str, Any]], every: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``sessions`` with each one's ``cumulative`` object, computed over ``every`` session."""
-    figures = cumulative_efficiency(every)
-    return [{**session, "cumulative": figures.get(session["id"])} for session in sessions]

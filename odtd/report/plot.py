@@ -1,14 +1,30 @@
-"""``odtctl plot``: accuracy, energy and peak memory over the days, in one figure (matplotlib)."""
+"""``odtctl plot``: a home's sessions over the days, or a reproduction's arms (matplotlib).
+
+``plot_sessions``: accuracy, energy and peak memory per session. ``plot_arms``: every arm of
+``scripts/reproduce_tx2_daily.py`` per day, shifted and clean, with their cumulative energy.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from odtd.errors import OdtdError
 
 _COLOURS = {"promoted": "#2a9d8f", "rolled_back": "#e9c46a", "failed": "#e76f51",
             "interrupted": "#8d99ae", "skipped": "#d9d9d9"}
+
+
+def _pyplot() -> Any:
+    """Matplotlib's pyplot, drawing to files (no display on a board or in CI)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise OdtdError("odtctl plot needs matplotlib: pip install 'odtd[plot]'") from None
+    return plt
 
 
 def kept_accuracy(session: dict[str, Any], key_before: str, key_after: str) -> Any:
@@ -24,13 +40,7 @@ def plot_sessions(sessions: list[dict[str, Any]], out: Path, title: str) -> Path
     Raises:
         OdtdError: matplotlib is missing (``pip install 'odtd[plot]'``) or nothing to plot.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # no display on a board or in CI
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise OdtdError("odtctl plot needs matplotlib: pip install 'odtd[plot]'") from None
+    plt = _pyplot()
     trained = [s for s in sessions if s["outcome"] != "skipped"]
     if not trained:
         raise OdtdError("no sessions to plot yet; run `odtctl train-now` or `odtctl simulate`")
@@ -82,3 +92,85 @@ def plot_sessions(sessions: list[dict[str, Any]], out: Path, title: str) -> Path
 
 def _percent(value: Any) -> Any:
     return None if value is None else value * 100.0
+
+
+def mean_over_runs(summary: dict[str, Any], arm: str, key: str) -> list[Optional[float]]:
+    """An arm's figure per day, averaged over the runs (None where a run has none)."""
+    import numpy as np
+
+    values = [[row["arms"][arm].get(key) for row in run["rows"]] for run in summary["runs"]]
+    return [None if None in day else float(np.mean(day)) for day in zip(*values)]
+
+
+def read_summary(path: Path) -> dict[str, Any]:
+    """Read a reproduction's summary (``scripts/reproduce_tx2_daily.py --json``).
+
+    Raises:
+        OdtdError: unreadable, not JSON, or no ``arms`` in it.
+    """
+    import json
+
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise OdtdError(f"cannot read a reproduction summary from {path}: {error}") from None
+    if not isinstance(summary, dict) or "arms" not in summary or "runs" not in summary:
+        raise OdtdError(f"{path} is not a reproduction summary (scripts/reproduce_tx2_daily.py "
+                        "--json prints one)")
+    return summary
+
+
+def plot_arms(summary: dict[str, Any], out: Path) -> Path:
+    """Draw a reproduction's arms (``scripts/reproduce_tx2_daily.py --json``) into a PNG.
+
+    One panel per test domain (the shifted camera's images, clean ones): every arm's accuracy
+    per day, averaged over the seeds; below, each arm's cumulative energy.
+
+    Raises:
+        OdtdError: matplotlib is missing, or ``summary`` is not a reproduction's summary.
+    """
+    plt = _pyplot()
+    import matplotlib
+    import numpy as np
+
+    try:
+        domains = summary["test_images"]["domains"]
+        arms, days = summary["arms"], list(range(summary["days"] + 1))
+    except (KeyError, TypeError) as error:
+        raise OdtdError(f"not a reproduction summary (scripts/reproduce_tx2_daily.py --json): "
+                        f"no {error}") from None
+    described = summary.get("arm_descriptions") or {}
+    fig, axes = plt.subplots(len(domains) + 1, 1, figsize=(9, 3.6 * len(domains) + 2.4), sharex=True,
+                             gridspec_kw={"height_ratios": [3] * len(domains) + [1.4]})
+    seeds = summary.get("seeds") or [0]
+    runs = f" (mean of {len(seeds)} seeds)" if len(seeds) > 1 else ""
+    for ax, domain in zip(axes, domains):
+        for n, arm in enumerate(arms):
+            label = f"{arm}: {described[arm]}" if arm in described else arm
+            ax.plot(days, [np.nan if v is None else 100 * v for v in mean_over_runs(summary, arm, domain)],
+                    "os^vDx"[n % 6] + "-", color=f"C{n}", label=label, ms=4)
+        published = summary.get("published")
+        if domain == "clean" and not summary["shift"] and published:
+            ax.plot([0, 17], [published["day0"], published["day17"]], ":", color="grey",
+                    label=f"published TX2 ({published['day0']} -> {published['day17']})")
+        what = f"the {summary['shift']} camera" if domain == "shifted" else "clean images"
+        ax.set_ylabel(f"test accuracy (%)\n{what}")
+        ax.grid(alpha=0.3)
+    camera = f", camera shift {summary['shift']}" if summary["shift"] else ""
+    axes[0].set_title(f"{summary['model']}, {summary['per_day']} new images a day{camera}, "
+                      f"{summary['test_images']['daily']:,} test images{runs}")
+    axes[0].legend(fontsize=7)
+    for n, arm in enumerate(arms):
+        energy = mean_over_runs(summary, arm, "energy_j_total")
+        if any(energy):
+            axes[-1].plot(days, [e / 1000 if e is not None else np.nan for e in energy], "-", color=f"C{n}")
+    sources = {v.get("energy_source") for run in summary["runs"] for row in run["rows"]
+               for v in row["arms"].values()} - {None}
+    axes[-1].set_ylabel("energy, cumulative (kJ)\n" + ", ".join(sorted(sources)))
+    axes[-1].set_xlabel("day")
+    axes[-1].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -9,7 +9,7 @@ from typing import Any, Optional
 from odtd.errors import OdtdError
 from odtd.home.paths import Home
 from odtd.home.versions import ModelRepo
-from odtd.report.efficiency import with_cumulative
+from odtd.report.efficiency import cumulative_efficiency
 from odtd.store.database import Store
 
 HEARTBEAT_STALE_S = 30.0
@@ -101,8 +101,9 @@ def status(home: Home, store: Store, limit: int = 10) -> dict[str, Any]:
 
 def session_objects(store: Store, limit: Optional[int] = None) -> list[dict[str, Any]]:
     """The most recent sessions' objects, each with its ``cumulative`` energy per point."""
-    every = [s.to_dict() for s in store.sessions()]
-    return with_cumulative(every[:limit] if limit is not None else every, every)
+    every = store.sessions()
+    figures = cumulative_efficiency(every)
+    return [{**s.to_dict(), "cumulative": figures[s.id]} for s in every[:limit]]
 
 
 def pct(value: Optional[float]) -> str:
