@@ -90,6 +90,12 @@ class TrainingPolicy(_Strict):
     recalibrate_bn: bool = Field(
         default=False, description="after training, recompute BatchNorm's moving statistics over the "
         "session's images under the trained weights (ignored with freeze_bn)")
+    bn_device_weight: Optional[float] = Field(
+        default=None, ge=0, le=1, description="adapt BatchNorm's statistics to the device's "
+        "camera, label-free: before and after training, every BatchNorm layer (frozen ones "
+        "too) takes the statistics of a mixture, this share from the device's images (the "
+        "day's and up to 512 earlier ones) and the rest from the rehearsed images of the "
+        "original domain; replaces recalibrate_bn; 1 = the device's alone (AdaBN); null = off")
     trainable: Union[Literal["all", "head"], PositiveInt] = Field(
         default="all", description="what trains: all, head (the last layer that holds weights), "
         "or the last N layers that hold weights; the rest stays as loaded (BatchNorm included)")

@@ -6,6 +6,7 @@ import stat
 import sys
 import time
 
+import numpy as np
 from conftest import odtctl, odtctl_json, write_images
 
 
@@ -129,13 +130,62 @@ def test_a_batch_that_fits_only_recomputed_runs_recomputed_and_explain_says_why(
     assert "plans not chosen:" in text and "920 MB > 850 MB" in text
 
     # The session's worker gets the plan: this interpreter keeps the job and stops there.
-    keeper = tmp_path / "python-keep-job"
-    keeper.write_text(f"#!/bin/sh\ncp \"$3\" {tmp_path}/job.json\nexit 3\n")
-    keeper.chmod(0o755)
-    config = (home / "odtd.yaml").read_text()
-    (home / "odtd.yaml").write_text(config.replace("python: null", f"python: {keeper}"))
+    _keep_job(home, tmp_path)
     assert odtctl("train-now", "--foreground", home=home, check=False).returncode == 1
     [session] = odtctl_json("history", home=home)
     job = json.loads((tmp_path / "job.json").read_text())
     assert (job["batch_size"], job["recompute"], job["micro_batch_size"]) == (8, True, None)
     assert session["outcome"] == "failed" and session["details"]["admission"]["recompute"]
+
+
+def _keep_job(home, tmp_path):
+    """Make the session's worker an interpreter that keeps the job and its train file, exits 3."""
+    keeper = tmp_path / "python-keep-job"
+    keeper.write_text(f"#!/bin/sh\ncp \"$3\" {tmp_path}/job.json\n"
+                      f"cp \"$(dirname \"$3\")/train.npz\" {tmp_path}/train.npz\nexit 3\n")
+    keeper.chmod(0o755)
+    config = (home / "odtd.yaml").read_text()
+    (home / "odtd.yaml").write_text(config.replace("python: null", f"python: {keeper}"))
+
+
+def test_the_train_file_marks_the_device_images_for_batchnorm_adaptation(home, tmp_path):
+    import hashlib
+
+    from odtd.home.ingest import load_sample_arrays
+    from odtd.home.paths import Home
+    from odtd.policy import load_policy
+    from odtd.session.replay_buffer import update_buffer
+    from odtd.store.database import Store
+
+    _ingest(home, tmp_path)
+    # Of the pending samples, 20 become the replay seed (the server's, session 0) and 20 an
+    # earlier session's (the device's); the rest are today's.
+    store = Store(home / "odtd.db")
+    pending = store.samples("pending")
+    seed, earlier = pending[:20], pending[20:40]
+    replay = load_policy(home / "policy.yaml").replay
+    for session_id, rows in ((0, seed), (1, earlier)):
+        store.mark_trained([row["sha256"] for row in rows], session_id=session_id)
+        update_buffer(store, replay, store.samples_by_sha(row["sha256"] for row in rows),
+                      session_id, home)
+    store.close()
+    _set_policy(home, "  freeze_bn: true", "  freeze_bn: true\n  bn_device_weight: 0.5")
+    _keep_job(home, tmp_path)
+    assert odtctl("train-now", "--foreground", home=home, check=False).returncode == 1
+    [session] = odtctl_json("history", home=home)
+    job = json.loads((tmp_path / "job.json").read_text())
+    assert job["bn_device_weight"] == 0.5
+
+    def digests(x):
+        return [hashlib.sha256(image.tobytes()).hexdigest() for image in x]
+
+    classes = job["classes"]
+    seed_x = set(digests(load_sample_arrays(Home(home), seed, classes)[0]))
+    device_x = set(digests(load_sample_arrays(Home(home), earlier, classes)[0]))
+    with np.load(tmp_path / "train.npz") as train:
+        x, mask, extra = train["x"], train["device"], train["device_x"]
+    new = session["samples_new"]
+    assert len(x) == new + session["samples_replay"] and session["samples_replay"] > 0
+    assert mask[:new].all()
+    assert set(digests(x[new:][~mask[new:]])) <= seed_x and (~mask).sum() > 0
+    assert set(digests(x[new:][mask[new:]])) | set(digests(extra)) == device_x

@@ -451,3 +451,63 @@ def test_micro_batches_take_the_same_step_as_the_whole_batch(tmp_path, initial, 
     assert any(not np.allclose(whole[k], start[k]) for k in whole)
     for key, name in zip(sorted(whole), names):
         np.testing.assert_allclose(parts[key], whole[key], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def _adapted(tmp_path, initial, name, x, device, device_x=None, weight=1.0, **keys):
+    """BatchNorm statistics after a 0-epoch job adapting them (frozen BN) to the device's images."""
+    train = tmp_path / f"{name}-train.npz"
+    extra = {} if device_x is None else {"device_x": device_x}
+    np.savez(train, x=x, y=np.zeros(len(x), dtype=np.int64), device=np.asarray(device), **extra)
+    out = tmp_path / f"{name}.npz"
+    code, events, stderr = run_worker(write_job(
+        tmp_path, name, weights_in=str(initial[0]), weights_out=str(out), epochs=0, batch_size=64,
+        freeze_bn=True, train_data=str(train), bn_device_weight=weight, **keys))
+    assert code == 0, stderr
+    assert events[-1]["adapt_seconds"] > 0
+    names = events[-1]["weight_names"]
+    return bn_statistics(out, names), names, out
+
+
+def test_batchnorm_adapts_to_a_mixture_of_device_and_rehearsed_images(tmp_path, initial):
+    # Device images are dark, rehearsed ones bright. Weight 1 measures the device's images
+    # alone, wherever they come from (marked in x or in device_x); weight 0 the rehearsed ones;
+    # 0.5 their mixture's moments. Frozen BatchNorm is adapted too; nothing else changes.
+    rng = np.random.default_rng(3)
+    dark = rng.integers(0, 60, (20, *SHAPE), dtype=np.uint8)
+    bright = rng.integers(150, 256, (20, *SHAPE), dtype=np.uint8)
+    x = np.concatenate([dark, bright])
+    mask = np.arange(40) < 20
+    device, names, out = _adapted(tmp_path, initial, "device", x, mask)
+    rehearsal, _, _ = _adapted(tmp_path, initial, "rehearsal", x, mask, weight=0.0)
+    half, _, _ = _adapted(tmp_path, initial, "half", x, mask, weight=0.5)
+    # The same device images, half of them in device_x and not trained on.
+    split = np.concatenate([dark[:10], bright])
+    moved, _, _ = _adapted(tmp_path, initial, "moved", split, np.arange(30) < 10, dark[10:])
+    before = bn_statistics(initial[0], names)
+    assert len(device) == 4
+    means = [name for name in device if "moving_mean" in name]
+    for mean in means:
+        variance = mean.replace("moving_mean", "moving_variance")
+        assert not np.allclose(device[mean], before[mean]), mean
+        assert not np.allclose(device[mean], rehearsal[mean]), mean
+        np.testing.assert_allclose(moved[mean], device[mean], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(moved[variance], device[variance], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(half[mean], (device[mean] + rehearsal[mean]) / 2,
+                                   rtol=1e-4, atol=1e-5)
+        gap = np.square(device[mean] - rehearsal[mean]) / 4
+        np.testing.assert_allclose(half[variance],
+                                   (device[variance] + rehearsal[variance]) / 2 + gap,
+                                   rtol=1e-4, atol=1e-5)
+    with np.load(out) as adapted, np.load(initial[0]) as start:
+        for i, name in enumerate(names):
+            if "moving_" not in name:
+                np.testing.assert_array_equal(adapted[f"w{i:04d}"], start[f"w{i:04d}"], name)
+
+
+def test_device_mask_of_the_wrong_length_is_a_bad_job(tmp_path, data):
+    train = tmp_path / "masked.npz"
+    x = np.zeros((4, *SHAPE), dtype=np.uint8)
+    np.savez(train, x=x, y=np.zeros(4, dtype=np.int64), device=np.ones(3, dtype=bool))
+    code, events, _ = run_worker(write_job(tmp_path, train_data=str(train), bn_device_weight=0.5))
+    assert code == 2 and events[-1]["kind"] == "bad_job"
+    assert "device in" in events[-1]["message"] and "4 booleans" in events[-1]["message"]

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 GROUP_VALIDATION, GROUP_HOLDOUT, GROUP_REFERENCE = 0, 1, 2  # docs/worker-protocol.md
 _PROGRESS_ROW_S = 2.0
+DEVICE_IMAGES = 512  # the most device images BatchNorm adaptation measures (bn_device_weight)
 
 
 class SessionLock:
@@ -230,7 +231,7 @@ class SessionRunner:
         train = job_dir / "train.npz"
         if not train.exists():
             x, y = load_sample_arrays(self.home, rows, self.classes)
-            np.savez(train, x=x, y=y)
+            np.savez(train, x=x, y=y, **self._device_images(rows, record.samples_new))
         record.details.evaluation_set, validation = self._write_evaluation_set(job_dir)
         training = self.policy.training
         plan = record.details.admission or {}  # the plan admission chose for the batch
@@ -245,7 +246,8 @@ class SessionRunner:
             batch_size=record.batch_size, epochs=record.epochs, optimizer=training.optimizer,
             learning_rate=training.learning_rate, lr_schedule=training.lr_schedule,
             momentum=training.momentum, augment=training.augment, freeze_bn=training.freeze_bn,
-            recalibrate_bn=training.recalibrate_bn, seed=training.seed, parent_pid=os.getpid(),
+            recalibrate_bn=training.recalibrate_bn, bn_device_weight=training.bn_device_weight,
+            seed=training.seed, parent_pid=os.getpid(),
             precision=plan.get("precision", training.precision),
             recompute=plan.get("recompute", False), micro_batch_size=plan.get("micro_batch_size"),
             gpu_memory_limit_mb=training.gpu_memory_limit_mb,
@@ -254,6 +256,27 @@ class SessionRunner:
             eval_cache_out=str(job_dir / CANDIDATE_EVAL_CACHE), trainable=training.trainable,
             **self.spec.job_keys(self.home))
         return write_job(job, job_dir)
+
+    def _device_images(self, rows: list[dict[str, Any]], new_count: int) -> dict[str, np.ndarray]:
+        """The train file's ``device`` mask and ``device_x`` (``training.bn_device_weight``).
+
+        The device's images are the day's (the first ``new_count`` rows), rehearsed ones a
+        session trained on before (not the replay seed's) and, in ``device_x``, earlier days'
+        images not drawn this time, the newest first, up to ``DEVICE_IMAGES`` in all.
+        """
+        if self.policy.training.bn_device_weight is None:
+            return {}
+        mask = np.array([i < new_count or bool(row.get("session_id")) for i, row in enumerate(rows)],
+                        dtype=bool)
+        drawn = {row["sha256"] for row in rows}
+        room = max(0, DEVICE_IMAGES - int(mask.sum()))
+        earlier = [row for row in self.store.device_samples(room + len(drawn))
+                   if row["sha256"] not in drawn][:room]
+        if earlier:
+            extra = load_sample_arrays(self.home, earlier, self.classes)[0]
+        else:
+            extra = np.zeros((0,) + tuple(self.input_shape), dtype=np.uint8)
+        return {"device": mask, "device_x": extra}
 
     def _write_evaluation_set(self, job_dir: Path) -> tuple[str, Optional[Path]]:
         """Write the evaluation ``.npz``: validation, held-out samples, reference set.

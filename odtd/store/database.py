@@ -210,6 +210,11 @@ class Store:
         return self._rows("samples", "sha256 IN (SELECT value FROM json_each(?))",
                           [json.dumps(list(shas))])
 
+    def device_samples(self, limit: int) -> list[dict[str, Any]]:
+        """Return samples sessions trained on (not the replay seed's), the newest first."""
+        return self._rows("samples", "status = 'trained' AND session_id > 0", [],
+                          order_by="day DESC, ingested_at DESC, sha256", limit=limit)
+
     def mark_trained(self, shas: Iterable[str], session_id: int) -> None:
         """Mark pending samples as trained by a session."""
         with self.transaction():

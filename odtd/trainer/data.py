@@ -54,3 +54,27 @@ def load_groups(path: str, count: int) -> Optional[np.ndarray]:
         raise BadJob("validation_data: group in {} must be {} integers, got {} {}".format(
             path, count, groups.dtype, groups.shape))
     return groups
+
+
+def load_device_split(path: str, x: np.ndarray) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+    """Split a train ``.npz`` into the device's images and the rehearsed ones (``bn_device_weight``).
+
+    The file's optional ``device`` array marks which of ``x`` the device saw (booleans, one per
+    sample); its optional ``device_x`` holds more of the device's images that are not trained
+    on this time (earlier days'), uint8 like ``x``.
+
+    Returns:
+        ``(device images, rehearsed images)``, or None when the file marks no device images.
+    """
+    with np.load(path, allow_pickle=False) as arrays:
+        if "device" not in arrays.files:
+            return None
+        mask = arrays["device"]
+        extra = arrays["device_x"] if "device_x" in arrays.files else x[:0]
+    if mask.shape != (len(x),) or mask.dtype != np.bool_:
+        raise BadJob("train_data: device in {} must be {} booleans, got {} {}".format(
+            path, len(x), mask.dtype, mask.shape))
+    if extra.dtype != np.uint8 or extra.shape[1:] != x.shape[1:]:
+        raise BadJob("train_data: device_x in {} must be uint8 (N, {}), got {} {}".format(
+            path, ", ".join(map(str, x.shape[1:])), extra.dtype, extra.shape))
+    return np.concatenate([x[mask], extra]), x[~mask]

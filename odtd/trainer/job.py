@@ -45,6 +45,7 @@ JOB_KEYS = {
     "augment": ("bool", False),
     "freeze_bn": ("bool", False),
     "recalibrate_bn": ("bool", False),
+    "bn_device_weight": ("share", None),
     "recompute": ("bool", False),
     "micro_batch_size": ("positive_int", None),
     "seed": ("int", 0),
@@ -109,6 +110,7 @@ _KINDS = {
     "count": ("a non-negative integer", lambda v: _is_int(v) and v >= 0),
     "float": ("a non-negative number", lambda v: _is_number(v) and v >= 0),
     "positive_float": ("a positive number", lambda v: _is_number(v) and v > 0),
+    "share": ("a number from 0 to 1", lambda v: _is_number(v) and 0 <= v <= 1),
     "bool": ("true or false", lambda v: isinstance(v, bool)),
     "str": ("a string", lambda v: isinstance(v, str)),
     "path": ("a file path", lambda v: isinstance(v, str) and v != ""),
@@ -127,7 +129,7 @@ def _check_value(key: str, kind: str, value: Any) -> Any:
     wanted, check = _KINDS[kind]
     if not check(value):
         raise BadJob("{} must be {}, got {!r}".format(key, wanted, value))
-    return float(value) if kind.endswith("float") else value
+    return float(value) if kind.endswith("float") or kind == "share" else value
 
 
 def load_job(path: str) -> Dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from odtd.trainer import evalcache
+from odtd.trainer.batchnorm import adapt_batchnorm, batchnorm_layers, recalibrate_batchnorm
 from odtd.trainer.data import load_groups
 from odtd.trainer.evaluation import evaluate, make_eval_step, open_eval_cache, paired_counts
 from odtd.trainer.imported import leaf_layers
@@ -228,6 +229,13 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         fields["by_group_before"] = before["by_group"]
 
     x_train, y_train = data["train_data"]
+    device_split = data.get("device_split") if job["bn_device_weight"] is not None else None
+    adapt_batch_size = job["micro_batch_size"] or batch_size
+    if device_split is not None:  # the steps see the device's statistics
+        fields["adapt_seconds"] = adapt_batchnorm(tf, model, job, device_split[0], device_split[1],
+                                                  adapt_batch_size, should_stop)
+        if fields["adapt_seconds"] is None:
+            return fields
     images, labels = tf.constant(x_train), tf.constant(y_train)
     # Finite either way (profile mode requires max_steps); the count sizes the schedule.
     batches = list(iterate_batches(len(y_train), batch_size, None if profiling else job["epochs"],
@@ -250,9 +258,15 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     fields.update(steps=steps, samples=samples, train_seconds=time.monotonic() - train_started)
     if should_stop():
         return fields
-    if job["recalibrate_bn"] and not job["freeze_bn"]:  # in profile mode too: its memory counts
+    if device_split is not None:  # again, under the trained weights; it replaces recalibration
+        seconds = adapt_batchnorm(tf, model, job, device_split[0], device_split[1],
+                                  adapt_batch_size, should_stop)
+        if seconds is None:
+            return fields
+        fields["adapt_seconds"] += seconds
+    elif job["recalibrate_bn"] and not job["freeze_bn"]:  # in profile mode too: its memory counts
         fields["recalibrate_seconds"] = recalibrate_batchnorm(
-            tf, model, job, x_train, job["micro_batch_size"] or batch_size, should_stop)
+            tf, model, job, x_train, adapt_batch_size, should_stop)
         if fields["recalibrate_seconds"] is None:
             return fields
     if validation is not None:
@@ -271,12 +285,6 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         fields["by_group_after"] = after["by_group"]
     fields["status"] = "ok"
     return fields
-
-
-def batchnorm_layers(tf: Any, model: Any) -> List[Any]:
-    """The model's BatchNormalization layers, in nested models too (freeze_bn, recalibrate_bn)."""
-    return [layer for _, layer in leaf_layers(model)
-            if isinstance(layer, tf.keras.layers.BatchNormalization)]
 
 
 TRAINABLE_SCOPES = ("all", "head")
@@ -301,56 +309,3 @@ def set_trainable_scope(model: Any, scope: Any) -> int:
     for layer in layers[:max(0, len(layers) - keep)]:
         layer.trainable = False
     return min(keep, len(layers))
-
-
-def recalibrate_batchnorm(tf: Any, model: Any, job: Dict[str, Any], x: np.ndarray,
-                          batch_size: int, should_stop: Callable[[], bool]) -> Optional[float]:
-    """Recompute every trained BatchNormalization layer's moving statistics over ``x``.
-
-    A short fine-tuning leaves moving averages that mix the statistics of the weights before and
-    during it. Here each layer's moving mean and variance become the average of its batch
-    statistics over ``x`` (not augmented; each batch weighted by its size) under the trained
-    weights ("precise BN"); nothing else changes. The batches stream through one compiled
-    forward pass (no gradients kept), so this never needs more memory than a training step; the
-    statistics are accumulated here and assigned once at the end.
-
-    Returns:
-        The seconds it took, or None if a stop was requested meanwhile (statistics unchanged).
-    """
-    from odtd.trainer import networks
-
-    layers = [layer for layer in batchnorm_layers(tf, model) if layer.trainable]
-    if not layers:
-        return 0.0
-    started = time.monotonic()
-    kept = [(layer.moving_mean.numpy(), layer.moving_variance.numpy()) for layer in layers]
-    momenta = [layer.momentum for layer in layers]
-    for layer in layers:
-        layer.momentum = 0.0  # after a forward pass, the moving statistics are that batch's
-
-    @tf.function(input_signature=[tf.TensorSpec([None] + list(job["input_shape"]), tf.uint8)])
-    def batch_statistics(images: Any) -> Any:
-        networks.forward(model, images, job["input_scale"], job["output"], training=True)
-        return [(tf.identity(tf.convert_to_tensor(layer.moving_mean)),
-                 tf.identity(tf.convert_to_tensor(layer.moving_variance))) for layer in layers]
-
-    sums = [[np.zeros_like(mean, dtype=np.float64), np.zeros_like(var, dtype=np.float64)]
-            for mean, var in kept]
-    try:
-        for begin in range(0, len(x), batch_size):
-            if should_stop():
-                for layer, (mean, variance) in zip(layers, kept):
-                    layer.moving_mean.assign(mean)
-                    layer.moving_variance.assign(variance)
-                return None
-            part = x[begin:begin + batch_size]
-            for total, (mean, variance) in zip(sums, batch_statistics(tf.constant(part))):
-                total[0] += len(part) * mean.numpy()
-                total[1] += len(part) * variance.numpy()
-    finally:
-        for layer, momentum in zip(layers, momenta):
-            layer.momentum = momentum
-    for layer, (mean_sum, variance_sum), (mean, variance) in zip(layers, sums, kept):
-        layer.moving_mean.assign((mean_sum / len(x)).astype(mean.dtype))
-        layer.moving_variance.assign((variance_sum / len(x)).astype(variance.dtype))
-    return time.monotonic() - started

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from odtd.trainer import evalcache
-from odtd.trainer.data import load_dataset, load_groups
+from odtd.trainer.data import load_dataset, load_device_split, load_groups
 from odtd.trainer.evaluation import evaluate, make_eval_step
 from odtd.trainer.job import BadJob, load_job
 from odtd.trainer.training import train_and_evaluate
@@ -382,6 +382,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 if job[key] is not None:
                     data[key] = load_dataset(key, job[key], job["input_shape"],
                                              len(job["classes"]))
+            if job["bn_device_weight"] is not None and job["train_data"] is not None:
+                split = load_device_split(job["train_data"], data["train_data"][0])
+                if split is not None:
+                    data["device_split"] = split
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         run(job, data, stop_requested.is_set)
     except BadJob as error:
