@@ -511,3 +511,16 @@ def test_device_mask_of_the_wrong_length_is_a_bad_job(tmp_path, data):
     code, events, _ = run_worker(write_job(tmp_path, train_data=str(train), bn_device_weight=0.5))
     assert code == 2 and events[-1]["kind"] == "bad_job"
     assert "device in" in events[-1]["message"] and "4 booleans" in events[-1]["message"]
+
+
+def test_device_split_measures_at_most_1024_rehearsed_images_spread_over_the_draw(tmp_path):
+    from odtd.trainer.data import REHEARSAL_IMAGES, load_device_split
+
+    x = np.zeros((3000, 2, 2, 1), dtype=np.uint8)
+    x[:, 0, 0, 0] = np.arange(3000) % 10  # the replay draw's round-robin over 10 classes
+    mask = np.arange(3000) < 40
+    path = tmp_path / "train.npz"
+    np.savez(path, x=x, y=np.zeros(3000, dtype=np.int64), device=mask)
+    device, rehearsed = load_device_split(str(path), x)
+    assert len(device) == 40 and len(rehearsed) == REHEARSAL_IMAGES == 1024
+    assert np.bincount(rehearsed[:, 0, 0, 0]).min() >= 100  # every class, not the first few

@@ -10,6 +10,8 @@ import numpy as np
 
 from odtd.trainer.job import BadJob
 
+REHEARSAL_IMAGES = 1024  # the most rehearsed images BatchNorm adaptation measures
+
 
 def load_dataset(key: str, path: str, input_shape: List[int], num_classes: int
                  ) -> Tuple[np.ndarray, np.ndarray]:
@@ -65,6 +67,8 @@ def load_device_split(path: str, x: np.ndarray) -> Optional[Tuple[np.ndarray, np
 
     Returns:
         ``(device images, rehearsed images)``, or None when the file marks no device images.
+        At most ``REHEARSAL_IMAGES`` rehearsed images, evenly spaced through the file's order
+        (the replay draw is class-balanced, round-robin): enough for their statistics.
     """
     with np.load(path, allow_pickle=False) as arrays:
         if "device" not in arrays.files:
@@ -77,4 +81,7 @@ def load_device_split(path: str, x: np.ndarray) -> Optional[Tuple[np.ndarray, np
     if extra.dtype != np.uint8 or extra.shape[1:] != x.shape[1:]:
         raise BadJob("train_data: device_x in {} must be uint8 (N, {}), got {} {}".format(
             path, ", ".join(map(str, x.shape[1:])), extra.dtype, extra.shape))
-    return np.concatenate([x[mask], extra]), x[~mask]
+    rehearsed = np.flatnonzero(~mask)
+    if len(rehearsed) > REHEARSAL_IMAGES:
+        rehearsed = rehearsed[np.linspace(0, len(rehearsed) - 1, REHEARSAL_IMAGES).astype(np.int64)]
+    return np.concatenate([x[mask], extra]), x[rehearsed]
