@@ -117,6 +117,16 @@ class TrainingPolicy(_Strict):
         "sum their gradients: the same update at a micro-batch's memory; auto = admission "
         "splits a batch that fits no other way into the largest candidate size that fits "
         "(only with freeze_bn: a BatchNorm that trains would normalise each micro-batch alone)")
+    @field_validator("recompute", "micro_batch_size", mode="before")
+    @classmethod
+    def _yaml_switch(cls, value: object) -> object:
+        """YAML reads a bare ``on`` / ``off`` as true / false: take them as the words meant."""
+        if value is True:
+            return "on"
+        if value is False:
+            return "off"
+        return value
+
     gpu_memory_limit_mb: Optional[int] = Field(
         default=None, ge=64, description="cap on TensorFlow's GPU memory (a TX2 shares 8 GB with "
         "the device's own application); null = grow on demand, never grab it all")

@@ -50,3 +50,16 @@ def test_policy_errors_name_key_and_value(tmp_path):
     path.write_text("batch:\n  size: -4\n")
     with pytest.raises(PolicyError, match=r"p.yaml: batch.size=-4: Input should be greater than or equal"):
         load_policy(path)
+
+
+def test_bare_on_and_off_mean_the_words_for_the_plan_switches(tmp_path):
+    # YAML 1.1 reads on/off as booleans; the policy takes them as the words they are.
+    path = tmp_path / "p.yaml"
+    path.write_text("training:\n  recompute: on\n  micro_batch_size: off\n")
+    training = load_policy(path).training
+    assert (training.recompute, training.micro_batch_size) == ("on", "off")
+    path.write_text("training:\n  recompute: off\n  micro_batch_size: 8\n")
+    training = load_policy(path).training
+    assert (training.recompute, training.micro_batch_size) == ("off", 8)
+    path.write_text("training:\n  freeze_bn: on\n")  # a real boolean stays one
+    assert load_policy(path).training.freeze_bn is True
