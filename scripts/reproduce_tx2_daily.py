@@ -46,6 +46,8 @@ from odtd.config import TelemetryConfig
 from odtd.errors import OdtdError
 from odtd.home.create import init_home
 from odtd.home.paths import Home
+from odtd.home.spec import ModelSpec
+from odtd.home.versions import ModelRepo
 from odtd.policy import Policy, load_policy
 from odtd.profiling.sweep import cpu_description
 from odtd.report.plot import plot_arms
@@ -159,10 +161,29 @@ def make_template(args, trial: Trial, ds, seed_names: list, validation, base_wei
     ds.extract("train", seed_names, seed_dir)
     log(f"odtd home: base model, {len(validation[1])} validation images, {len(seed_names)} replay "
         "seed images")
-    init_home(home, trial.model, list(datasets.CLASSES), weights=base_weights, force=True,
-              validation_arrays=validation, replay=seed_dir if seed_names else None)
+    if args.import_model:  # as a user's Keras file, given to `odtctl init --model-file`
+        model_file = trial.work / "base.keras"
+        trial.run(trial.job("export", weights_in=str(base_weights), export_to=str(model_file)))
+        log(f"base model exported to {model_file}, imported by init --model-file")
+        init_home(home, None, list(datasets.CLASSES), model_file=model_file, force=True,
+                  validation_arrays=validation, replay=seed_dir if seed_names else None)
+    else:
+        init_home(home, trial.model, list(datasets.CLASSES), weights=base_weights, force=True,
+                  validation_arrays=validation, replay=seed_dir if seed_names else None)
     shutil.rmtree(seed_dir)
     return home.root
+
+
+def run_imported(trial: Trial, template: Path) -> Path:
+    """Make every arm run the template's imported model; return its version 0 weights."""
+    home = Home(template)
+    store = home.open_store()
+    try:
+        spec = ModelSpec.from_store(store)
+    finally:
+        store.close()
+    trial.model, trial.model_keys = spec.name, spec.job_keys(home)
+    return ModelRepo(home.models, spec.name).weights_path(0)
 
 
 def run_seed(args, seed: int, arms: list, trial: Trial, data: dict, tests: ScoringSets, base: RunLog,
@@ -250,13 +271,15 @@ def run(args) -> dict:
             "used": np.concatenate([pretrain_idx, check_idx]), "base_weights": Path(base["weights"]),
             "batch_size": policy.batch.size}
     template = None
-    if set(arms) & set(SESSION_ARMS):
+    if set(arms) & set(SESSION_ARMS) or args.import_model:
         template = make_template(args, trial, ds, [train_files[i][0] for i in seed_idx], validation,
                                  Path(base["weights"]), policy)
         buffered = buffered_images(Home(template))
         data["buffered_idx"] = np.array([i for i in seed_idx
                                          if train_files[i][0].split("/", 1)[1] in buffered], np.int64)
-    day0 = RunLog(args.seed, arms, tests.score(Path(base["weights"]), full=True, validation=True),
+    if args.import_model:
+        data["base_weights"] = run_imported(trial, template)
+    day0 = RunLog(args.seed, arms, tests.score(data["base_weights"], full=True, validation=True),
                   tests.daily)
     runs = []
     with running_sampler(TelemetryConfig(backend=args.telemetry)) as sampler:
@@ -265,7 +288,7 @@ def run(args) -> dict:
             runs.append(run_seed(args, seed, arms, trial, data, tests, day0, template))
     summary = {
         "machine": cpu_description(), "published": PUBLISHED, "days": args.days, "per_day": args.per_day,
-        "model": args.model, "shift": args.shift, "arms": arms, "seeds": seeds,
+        "model": args.model, "imported": args.import_model, "shift": args.shift, "arms": arms, "seeds": seeds,
         "arm_descriptions": {arm: ARMS[arm] for arm in arms},
         "test_images": {"all": len(test_y), "daily": len(daily_idx), "domains": tests.domains},
         "validation_images": len(check_y), "policy": args.policy,
@@ -331,6 +354,10 @@ def main() -> int:
     parser.add_argument("--model", default="densenet40",
                         help="built-in network (default densenet40, the published one; tinycnn: a "
                              "quick trial of the whole path)")
+    parser.add_argument("--import-model", action="store_true",
+                        help="give odtd the pre-trained model as a user would: exported to a "
+                             ".keras file and imported with init --model-file; every arm, "
+                             "the controls and the scoring then run that imported model")
     parser.add_argument("--policy", default=str(REPO / "policies" / "densenet40.yaml"),
                         help="odtd's policy (the recipe); precision and eval batch come from here")
     parser.add_argument("--precision", default="auto", help="fp32 | mixed_bfloat16 | auto")

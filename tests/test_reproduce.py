@@ -34,16 +34,19 @@ def sample_arrays(home, where):
 
 @pytest.mark.trains
 @pytest.mark.skipif(not CIFAR.exists(), reason=f"CIFAR-10 archive not at {CIFAR} (set ODTD_CIFAR10)")
-def test_two_days_of_the_arms_with_a_camera_shift(tmp_path):
+def test_two_days_of_the_arms_with_a_camera_shift_on_an_imported_model(tmp_path):
     work, plot = tmp_path / "work", tmp_path / "plot.png"
     proc = subprocess.run(
         [sys.executable, SCRIPT, "--cifar", str(CIFAR), *SLIVER, "--shift", "dusk",
-         "--arms", "a,b,c,f", "--work", str(work), "--plot", str(plot), "--json"],
+         "--arms", "a,b,c,f", "--work", str(work), "--plot", str(plot), "--json", "--import-model"],
         capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
     arms = ["odtd", "replay", "clean", "none"]
     assert summary["arms"] == arms and summary["shift"] == "dusk" and summary["seeds"] == [0]
+    # The base model reached odtd as a user's Keras file: every home serves the imported model.
+    assert summary["imported"] and (work / "base.keras").is_file()
+    assert list((work / "homes" / "s0-odtd" / "models").glob("*/architecture.json"))
     assert summary["test_images"] == {"all": 100, "daily": 50, "domains": ["shifted", "clean"]}
     shipped = load_policy(REPO / "policies" / "densenet40.yaml").acceptance  # the default --policy
     assert summary["acceptance"] == shipped.model_dump()

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -94,13 +94,15 @@ class Trial:
     """What every arm shares: the network, the machine's settings, where files go.
 
     Attributes:
-        model: the built-in network.
+        model: the network: built in, or the name of the model a home imported.
         classes: its class names.
         input_shape: (height, width, channels).
         precision: the worker's precision (``auto``, ``fp32``, ...).
         work: a directory for temporary files.
         meter: measures a worker run's energy (``SessionEnergyMeter``), or None.
         log: progress lines.
+        model_keys: the job keys of an imported model (``ModelSpec.job_keys``: its
+            architecture, input scale and output); empty for a built-in network.
     """
 
     model: str
@@ -110,11 +112,12 @@ class Trial:
     work: Path
     meter: Any = None
     log: Callable[[str], None] = lambda message: None
+    model_keys: dict[str, Any] = field(default_factory=dict)
 
     def job(self, mode: str, **keys: Any) -> dict[str, Any]:
         """A worker job for this trial's network (``make_job``) at its precision."""
         return make_job(mode, self.model, self.classes, self.input_shape,
-                        **{"precision": self.precision, **keys})
+                        **{"precision": self.precision, **self.model_keys, **keys})
 
     def run(self, job: dict[str, Any], metered: bool = False,
             on_message: Optional[Callable[[dict[str, Any]], None]] = None
