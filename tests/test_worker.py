@@ -470,19 +470,17 @@ def _adapted(tmp_path, initial, name, x, device, device_x=None, weight=1.0, **ke
 
 def test_batchnorm_adapts_to_a_mixture_of_device_and_rehearsed_images(tmp_path, initial):
     # Device images are dark, rehearsed ones bright. Weight 1 measures the device's images
-    # alone, wherever they come from (marked in x or in device_x); weight 0 the rehearsed ones;
-    # 0.5 their mixture's moments. Frozen BatchNorm is adapted too; nothing else changes.
+    # alone (here half of them in device_x, not trained on); weight 0 the rehearsed ones; 0.5
+    # their mixture's moments. Frozen BatchNorm is adapted too; nothing else changes.
     rng = np.random.default_rng(3)
     dark = rng.integers(0, 60, (20, *SHAPE), dtype=np.uint8)
     bright = rng.integers(150, 256, (20, *SHAPE), dtype=np.uint8)
     x = np.concatenate([dark, bright])
     mask = np.arange(40) < 20
-    device, names, out = _adapted(tmp_path, initial, "device", x, mask)
+    split = np.concatenate([dark[:10], bright])
+    device, names, out = _adapted(tmp_path, initial, "device", split, np.arange(30) < 10, dark[10:])
     rehearsal, _, _ = _adapted(tmp_path, initial, "rehearsal", x, mask, weight=0.0)
     half, _, _ = _adapted(tmp_path, initial, "half", x, mask, weight=0.5)
-    # The same device images, half of them in device_x and not trained on.
-    split = np.concatenate([dark[:10], bright])
-    moved, _, _ = _adapted(tmp_path, initial, "moved", split, np.arange(30) < 10, dark[10:])
     before = bn_statistics(initial[0], names)
     assert len(device) == 4
     means = [name for name in device if "moving_mean" in name]
@@ -490,8 +488,6 @@ def test_batchnorm_adapts_to_a_mixture_of_device_and_rehearsed_images(tmp_path, 
         variance = mean.replace("moving_mean", "moving_variance")
         assert not np.allclose(device[mean], before[mean]), mean
         assert not np.allclose(device[mean], rehearsal[mean]), mean
-        np.testing.assert_allclose(moved[mean], device[mean], rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(moved[variance], device[variance], rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(half[mean], (device[mean] + rehearsal[mean]) / 2,
                                    rtol=1e-4, atol=1e-5)
         gap = np.square(device[mean] - rehearsal[mean]) / 4
