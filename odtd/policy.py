@@ -90,12 +90,15 @@ class TrainingPolicy(_Strict):
     recalibrate_bn: bool = Field(
         default=False, description="after training, recompute BatchNorm's moving statistics over the "
         "session's images under the trained weights (ignored with freeze_bn)")
-    bn_device_weight: Optional[float] = Field(
-        default=None, ge=0, le=1, description="adapt BatchNorm's statistics to the device's "
+    bn_device_weight: Optional[Union[Literal["auto"], float]] = Field(
+        default=None, description="adapt BatchNorm's statistics to the device's "
         "camera, label-free: before and after training, every BatchNorm layer (frozen ones "
         "too) takes the statistics of a mixture, this share from the device's images (the "
         "day's and up to 512 earlier ones) and the rest from the rehearsed images of the "
-        "original domain; replaces recalibrate_bn; 1 = the device's alone (AdaBN); null = off")
+        "original domain; replaces recalibrate_bn; 1 = the device's alone (AdaBN); auto = "
+        "after training, try 0, 0.25, 0.5, 0.75 and 1 on the evaluation set and keep the best "
+        "on validation that loses at most acceptance.reference_tolerance on the reference set "
+        "(0.5 while training); null = off")
     trainable: Union[Literal["all", "head"], PositiveInt] = Field(
         default="all", description="what trains: all, head (the last layer that holds weights), "
         "or the last N layers that hold weights; the rest stays as loaded (BatchNorm included)")
@@ -117,6 +120,15 @@ class TrainingPolicy(_Strict):
         "sum their gradients: the same update at a micro-batch's memory; auto = admission "
         "splits a batch that fits no other way into the largest candidate size that fits "
         "(only with freeze_bn: a BatchNorm that trains would normalise each micro-batch alone)")
+    @field_validator("bn_device_weight", mode="before")
+    @classmethod
+    def _share_or_auto(cls, value: object) -> object:
+        if value is None or value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise ValueError("must be a number from 0 to 1, auto or null")
+        return float(value)
+
     @field_validator("recompute", "micro_batch_size", mode="before")
     @classmethod
     def _yaml_switch(cls, value: object) -> object:

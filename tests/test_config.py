@@ -63,3 +63,14 @@ def test_bare_on_and_off_mean_the_words_for_the_plan_switches(tmp_path):
     assert (training.recompute, training.micro_batch_size) == ("off", 8)
     path.write_text("training:\n  freeze_bn: on\n")  # a real boolean stays one
     assert load_policy(path).training.freeze_bn is True
+
+
+def test_bn_device_weight_is_a_share_auto_or_null(tmp_path):
+    path = tmp_path / "p.yaml"
+    for text, value in (("auto", "auto"), ("0.5", 0.5), ("1", 1.0), ("null", None)):
+        path.write_text(f"training:\n  bn_device_weight: {text}\n")
+        assert load_policy(path).training.bn_device_weight == value
+    for text in ("1.5", "-0.25", "device"):
+        path.write_text(f"training:\n  bn_device_weight: {text}\n")
+        with pytest.raises(PolicyError, match=r"training.bn_device_weight"):
+            load_policy(path)

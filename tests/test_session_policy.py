@@ -175,6 +175,7 @@ def test_the_train_file_marks_the_device_images_for_batchnorm_adaptation(home, t
     [session] = odtctl_json("history", home=home)
     job = json.loads((tmp_path / "job.json").read_text())
     assert job["bn_device_weight"] == 0.5
+    assert job["reference_tolerance"] == 0.01  # acceptance.reference_tolerance: 1 point
 
     def digests(x):
         return [hashlib.sha256(image.tobytes()).hexdigest() for image in x]

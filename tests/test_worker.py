@@ -500,6 +500,53 @@ def test_batchnorm_adapts_to_a_mixture_of_device_and_rehearsed_images(tmp_path, 
                 np.testing.assert_array_equal(adapted[f"w{i:04d}"], start[f"w{i:04d}"], name)
 
 
+def test_auto_batchnorm_mixture_keeps_the_best_weight_that_spares_the_reference(tmp_path, initial):
+    # bn_device_weight auto: after training, each of AUTO_WEIGHTS is scored on the evaluation
+    # set (group 0: the device's validation images, dark; group 2: the reference, bright) and
+    # the rule of choose_weight keeps one; the weights written carry that mixture, as a
+    # separate evaluate run of them confirms.
+    from odtd.trainer.batchnorm import AUTO_WEIGHTS, choose_weight
+
+    rng = np.random.default_rng(5)
+    dark = rng.integers(0, 60, (30, *SHAPE), dtype=np.uint8)
+    bright = rng.integers(150, 256, (30, *SHAPE), dtype=np.uint8)
+    train = tmp_path / "auto-train.npz"
+    np.savez(train, x=np.concatenate([dark[:10], bright[:10]]),
+             y=rng.integers(0, 3, 20).astype(np.int64), device=np.arange(20) < 10)
+    validation = tmp_path / "auto-val.npz"
+    np.savez(validation, x=np.concatenate([dark[10:], bright[10:]]),
+             y=rng.integers(0, 3, 40).astype(np.int64),
+             group=np.repeat(np.array([0, 2], dtype=np.int64), 20))
+    out = tmp_path / "auto.npz"
+    code, events, stderr = run_worker(write_job(
+        tmp_path, "auto", weights_in=str(initial[0]), weights_out=str(out), epochs=1,
+        batch_size=8, learning_rate=0.01, freeze_bn=True, train_data=str(train),
+        validation_data=str(validation), bn_device_weight="auto", reference_tolerance=0.05))
+    assert code == 0, stderr
+    result = events[-1]
+    tried = {float(w): groups for w, groups in result["bn_weights_tried"].items()}
+    assert sorted(tried) == list(AUTO_WEIGHTS)
+    assert result["bn_device_weight"] == choose_weight(
+        tried, result["by_group_before"]["2"], 0.05, "0", "2")
+    assert result["by_group_after"] == tried[result["bn_device_weight"]]
+    code, events, stderr = run_worker(write_job(
+        tmp_path, "auto-check", mode="evaluate", weights_in=str(out),
+        validation_data=str(validation)))
+    assert code == 0, stderr
+    assert events[-1]["by_group_after"] == tried[result["bn_device_weight"]]
+
+
+def test_choose_weight_prefers_the_device_within_the_reference_tolerance():
+    from odtd.trainer.batchnorm import choose_weight
+
+    scores = {0.0: {"0": 0.20, "2": 0.39}, 0.5: {"0": 0.30, "2": 0.385},
+              1.0: {"0": 0.41, "2": 0.30}}
+    assert choose_weight(scores, 0.39, 0.01, "0", "2") == 0.5  # 1.0 forgets 9 points
+    assert choose_weight(scores, 0.39, None, "0", "2") == 1.0  # no reference guard
+    assert choose_weight(scores, 0.50, 0.01, "0", "2") == 0.0  # none spares it: the least loss
+    assert choose_weight({0.0: {"all": 0.5}, 1.0: {"all": 0.5}}, None, None, None, "2") == 0.0
+
+
 def test_device_mask_of_the_wrong_length_is_a_bad_job(tmp_path, data):
     train = tmp_path / "masked.npz"
     x = np.zeros((4, *SHAPE), dtype=np.uint8)

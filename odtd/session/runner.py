@@ -247,6 +247,8 @@ class SessionRunner:
             learning_rate=training.learning_rate, lr_schedule=training.lr_schedule,
             momentum=training.momentum, augment=training.augment, freeze_bn=training.freeze_bn,
             recalibrate_bn=training.recalibrate_bn, bn_device_weight=training.bn_device_weight,
+            reference_tolerance=None if self.policy.acceptance.reference_tolerance is None
+            else self.policy.acceptance.reference_tolerance / 100.0,
             seed=training.seed, parent_pid=os.getpid(),
             precision=plan.get("precision", training.precision),
             recompute=plan.get("recompute", False), micro_batch_size=plan.get("micro_batch_size"),
@@ -369,6 +371,7 @@ class SessionRunner:
         details.reference_accuracy_before = before.get(str(GROUP_REFERENCE))
         details.reference_accuracy_after = after.get(str(GROUP_REFERENCE))
         details.reference_paired = (result.get("paired_by_group") or {}).get(str(GROUP_REFERENCE))
+        details.bn_device_weight = result.get("bn_device_weight")
         details.paired = (result.get("paired_by_group") or {}).get(primary)
         details.per_class_before = _by_class(self.classes, result.get("per_class_before"))
         details.per_class_after = _by_class(self.classes, result.get("per_class_after"))

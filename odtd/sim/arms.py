@@ -251,7 +251,8 @@ class SessionArm:
                 "samples_replay": record.samples_replay, "peak_memory_mb": record.peak_memory_mb,
                 "session_s": record.duration_s, "energy_source": record.energy_source,
                 "reference_before": record.details.reference_accuracy_before,
-                "reference_after": record.details.reference_accuracy_after}
+                "reference_after": record.details.reference_accuracy_after,
+                "bn_device_weight": record.details.bn_device_weight}
 
     def _write(self, day: Day, folder: Path) -> list[Path]:
         """Write this arm's files of the day; return their paths."""

@@ -28,7 +28,7 @@ OUTCOMES = ("promoted", "rolled_back", "failed", "interrupted", "skipped")
 # them, and reads the same.
 _OMITTED_AT_DEFAULT = {"attempts": [], "kept_for_resume": False,
                        "reference_accuracy_before": None, "reference_accuracy_after": None,
-                       "reference_paired": None}
+                       "reference_paired": None, "bn_device_weight": None}
 
 
 @dataclass
@@ -51,6 +51,8 @@ class SessionDetails:
             images held out of ``init --replay``: the original domain), None without one.
         reference_accuracy_after: The candidate on it.
         reference_paired: ``{gained, lost, samples}`` on the reference set.
+        bn_device_weight: The device's share of the candidate's BatchNorm statistics that
+            ``training.bn_device_weight: auto`` chose (None otherwise).
         per_class_before: Class name -> accuracy of the current model (None: no samples).
         per_class_after: Class name -> accuracy of the candidate.
         forgetting: Best accuracy any kept model had on the evaluation set minus the kept
@@ -75,6 +77,7 @@ class SessionDetails:
     reference_accuracy_before: Optional[float] = None
     reference_accuracy_after: Optional[float] = None
     reference_paired: Optional[Dict[str, int]] = None
+    bn_device_weight: Optional[float] = None
     per_class_before: Optional[Dict[str, Optional[float]]] = None
     per_class_after: Optional[Dict[str, Optional[float]]] = None
     forgetting: Optional[float] = None
@@ -88,8 +91,9 @@ class SessionDetails:
     def to_dict(self) -> Dict[str, Any]:
         """Return the ``details`` object (``extra``'s keys beside the known ones).
 
-        ``attempts``, ``kept_for_resume`` and the reference figures appear only when a session
-        has them (a retry, a kept candidate, a home with a reference set), as every release
+        ``attempts``, ``kept_for_resume``, the reference figures and ``bn_device_weight`` appear
+        only when a session has them (a retry, a kept candidate, a home with a reference set,
+        ``bn_device_weight: auto``), as every release
         wrote them: ``history --json`` of an old session reads the same after an upgrade.
         """
         data = asdict(self)

@@ -10,13 +10,16 @@ kept, so never more memory than a training step) and assigning once at the end:
   (``1 - w``): label-free adaptation to the device's camera (AdaBN, Li et al. 2016, at ``w`` 1)
   that keeps part of the original domain's statistics. A session adapts before training (so
   the steps see the device's statistics) and again after it (under the trained weights).
+  ``bn_device_weight: auto`` measures both domains once after training and tries each of
+  ``AUTO_WEIGHTS`` on the evaluation set; ``choose_weight`` keeps the best on the device's
+  validation images of those that do not forget the reference set (the original domain).
 
 TensorFlow is passed in (``tf``), never imported here. Python 3.6-compatible; tf.keras 2 and
 Keras 3 alike.
 """
 
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -118,23 +121,27 @@ def mix_moments(device: Moments, rehearsal: Optional[Moments], weight: float) ->
     return mixed
 
 
-def adapt_batchnorm(tf: Any, model: Any, job: Any, device_x: np.ndarray,
-                    rehearsal_x: Optional[np.ndarray], batch_size: int,
-                    should_stop: Callable[[], bool]) -> Optional[float]:
-    """Set every BatchNormalization layer's statistics to the device / rehearsal mixture.
+AUTO = "auto"
+AUTO_WEIGHTS = (0.0, 0.25, 0.5, 0.75, 1.0)  # the mixtures ``bn_device_weight: auto`` tries
+AUTO_WEIGHT_BEFORE = 0.5  # ``auto``'s mixture while training, before the choice is made
+
+
+def domain_moments(tf: Any, model: Any, job: Any, device_x: np.ndarray,
+                   rehearsal_x: Optional[np.ndarray], batch_size: int,
+                   should_stop: Callable[[], bool], weight: Any
+                   ) -> Optional[Tuple[List[Any], Moments, Optional[Moments]]]:
+    """Every BatchNorm layer's moments over the device's images and over the rehearsed ones.
 
     Every layer, frozen or not: frozen layers (``freeze_bn``, a ``trainable`` scope) are made
     trainable for the forward passes only, so they measure batch statistics, and then frozen
-    again. Gamma and beta never change here. The mixture's weight is the job's
-    ``bn_device_weight``; without rehearsal images the device's statistics are used alone.
+    again. The rehearsed images are measured only if ``weight`` needs them (below 1, or
+    ``auto``).
 
     Returns:
-        The seconds it took, or None if a stop was requested meanwhile (statistics unchanged).
+        ``(layers, device, rehearsal)``, ``rehearsal`` None without rehearsed images; None if
+        a stop was requested meanwhile.
     """
     layers = batchnorm_layers(tf, model)
-    if not layers or len(device_x) == 0:
-        return 0.0
-    started = time.monotonic()
     frozen = [layer for layer in layers if not layer.trainable]
     for layer in frozen:
         layer.trainable = True
@@ -142,14 +149,101 @@ def adapt_batchnorm(tf: Any, model: Any, job: Any, device_x: np.ndarray,
         device = batch_moments(tf, model, job, layers, device_x, batch_size, should_stop)
         rehearsal = None
         if device is not None and rehearsal_x is not None and len(rehearsal_x) \
-                and job["bn_device_weight"] < 1.0:
+                and (weight == AUTO or weight < 1.0):
             rehearsal = batch_moments(tf, model, job, layers, rehearsal_x, batch_size, should_stop)
             if rehearsal is None:
-                device = None
+                return None
     finally:
         for layer in frozen:
             layer.trainable = False
-    if device is None:
+    return None if device is None else (layers, device, rehearsal)
+
+
+def adapt_batchnorm(tf: Any, model: Any, job: Any, device_x: np.ndarray,
+                    rehearsal_x: Optional[np.ndarray], batch_size: int,
+                    should_stop: Callable[[], bool], weight: float) -> Optional[float]:
+    """Set every BatchNormalization layer's statistics to the device / rehearsal mixture.
+
+    ``weight`` is the device's share (the job's ``bn_device_weight``, or ``AUTO_WEIGHT_BEFORE``
+    under ``auto``); without rehearsal images the device's statistics are used alone. Gamma and
+    beta never change here.
+
+    Returns:
+        The seconds it took, or None if a stop was requested meanwhile (statistics unchanged).
+    """
+    if not batchnorm_layers(tf, model) or len(device_x) == 0:
+        return 0.0
+    started = time.monotonic()
+    measured = domain_moments(tf, model, job, device_x, rehearsal_x, batch_size, should_stop,
+                              weight)
+    if measured is None:
         return None
-    assign_moments(layers, mix_moments(device, rehearsal, job["bn_device_weight"]))
+    layers, device, rehearsal = measured
+    assign_moments(layers, mix_moments(device, rehearsal, weight))
     return time.monotonic() - started
+
+
+REFERENCE_GROUP = "2"  # the evaluation set's groups: docs/worker-protocol.md, validation_data
+
+
+def adapt_batchnorm_auto(tf: Any, model: Any, job: Any, device_x: np.ndarray,
+                         rehearsal_x: Optional[np.ndarray], batch_size: int,
+                         should_stop: Callable[[], bool], reference_before: Optional[float],
+                         score: Callable[[], Optional[Dict[str, Any]]]
+                         ) -> Optional[Tuple[float, float, Dict[str, Any], Dict[str, Any]]]:
+    """``bn_device_weight: auto`` after training: try each of ``AUTO_WEIGHTS``, keep the best.
+
+    Both domains are measured once under the trained weights; each mixture is assigned and
+    scored by ``score`` (``evaluate`` over the evaluation set, None on a stop) and
+    ``choose_weight`` picks one (the job's ``reference_tolerance``; ``reference_before`` is
+    the served model's accuracy on the reference group).
+
+    Returns:
+        ``(seconds, weight, its evaluation, {weight: accuracy by group})`` with that mixture
+        assigned, or None if a stop was requested meanwhile.
+    """
+    started = time.monotonic()
+    measured = domain_moments(tf, model, job, device_x, rehearsal_x, batch_size, should_stop,
+                              AUTO)
+    if measured is None:
+        return None
+    layers, device, rehearsal = measured
+    weights = AUTO_WEIGHTS if rehearsal is not None else (1.0,)
+    evaluations = {}
+    for weight in weights:
+        assign_moments(layers, mix_moments(device, rehearsal, weight))
+        evaluations[weight] = score()
+        if evaluations[weight] is None:
+            return None
+    tried = {w: evaluations[w]["by_group"] or {"all": evaluations[w]["accuracy"]}
+             for w in weights}
+    groups = tried[weights[0]]
+    acceptance_group = next((g for g in ("0", "1") if g in groups), None)
+    chosen = choose_weight(tried, reference_before, job["reference_tolerance"],
+                           acceptance_group, REFERENCE_GROUP)
+    assign_moments(layers, mix_moments(device, rehearsal, chosen))
+    return time.monotonic() - started, chosen, evaluations[chosen], tried
+
+
+def choose_weight(scores: Dict[float, Dict[str, float]], reference_before: Optional[float],
+                  reference_tolerance: Optional[float], acceptance_group: Optional[str],
+                  reference_group: str) -> float:
+    """The mixture ``auto`` keeps, from each tried weight's accuracy per evaluation group.
+
+    ``scores[w]`` is ``evaluate``'s ``by_group`` (or ``{"all": accuracy}``) with the statistics
+    mixed at ``w``. With a reference set (the original domain), a tolerance and the served
+    model's accuracy on it: the weights that lose at most the tolerance there are eligible, and
+    of those the best on the acceptance group wins (ties: the smaller weight, nearer the
+    original domain); if none is eligible, the best on the reference. Otherwise simply the best
+    on the acceptance group.
+    """
+    group = acceptance_group or "all"
+    weights = sorted(scores)
+    if reference_before is not None and reference_tolerance is not None \
+            and all(reference_group in scores[w] for w in weights):
+        eligible = [w for w in weights
+                    if scores[w][reference_group] >= reference_before - reference_tolerance - 1e-12]
+        if not eligible:
+            return max(weights, key=lambda w: (scores[w][reference_group], -w))
+        weights = eligible
+    return max(weights, key=lambda w: (scores[w].get(group, 0.0), -w))

@@ -45,7 +45,8 @@ JOB_KEYS = {
     "augment": ("bool", False),
     "freeze_bn": ("bool", False),
     "recalibrate_bn": ("bool", False),
-    "bn_device_weight": ("share", None),
+    "bn_device_weight": ("share_or_auto", None),
+    "reference_tolerance": ("share", None),
     "recompute": ("bool", False),
     "micro_batch_size": ("positive_int", None),
     "seed": ("int", 0),
@@ -111,6 +112,8 @@ _KINDS = {
     "float": ("a non-negative number", lambda v: _is_number(v) and v >= 0),
     "positive_float": ("a positive number", lambda v: _is_number(v) and v > 0),
     "share": ("a number from 0 to 1", lambda v: _is_number(v) and 0 <= v <= 1),
+    "share_or_auto": ("a number from 0 to 1 or auto",
+                      lambda v: v == "auto" or (_is_number(v) and 0 <= v <= 1)),
     "bool": ("true or false", lambda v: isinstance(v, bool)),
     "str": ("a string", lambda v: isinstance(v, str)),
     "path": ("a file path", lambda v: isinstance(v, str) and v != ""),
@@ -129,7 +132,9 @@ def _check_value(key: str, kind: str, value: Any) -> Any:
     wanted, check = _KINDS[kind]
     if not check(value):
         raise BadJob("{} must be {}, got {!r}".format(key, wanted, value))
-    return float(value) if kind.endswith("float") or kind == "share" else value
+    if kind.endswith("float") or kind.startswith("share"):
+        return value if value == "auto" else float(value)
+    return value
 
 
 def load_job(path: str) -> Dict[str, Any]:

@@ -14,7 +14,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from odtd.trainer import evalcache
-from odtd.trainer.batchnorm import adapt_batchnorm, batchnorm_layers, recalibrate_batchnorm
+from odtd.trainer.batchnorm import (
+    AUTO,
+    AUTO_WEIGHT_BEFORE,
+    REFERENCE_GROUP,
+    adapt_batchnorm,
+    adapt_batchnorm_auto,
+    batchnorm_layers,
+    recalibrate_batchnorm,
+)
 from odtd.trainer.data import load_groups
 from odtd.trainer.evaluation import evaluate, make_eval_step, open_eval_cache, paired_counts
 from odtd.trainer.imported import leaf_layers
@@ -231,9 +239,11 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     x_train, y_train = data["train_data"]
     device_split = data.get("device_split") if job["bn_device_weight"] is not None else None
     adapt_batch_size = job["micro_batch_size"] or batch_size
+    auto = job["bn_device_weight"] == AUTO
     if device_split is not None:  # the steps see the device's statistics
-        fields["adapt_seconds"] = adapt_batchnorm(tf, model, job, device_split[0], device_split[1],
-                                                  adapt_batch_size, should_stop)
+        fields["adapt_seconds"] = adapt_batchnorm(
+            tf, model, job, device_split[0], device_split[1], adapt_batch_size, should_stop,
+            AUTO_WEIGHT_BEFORE if auto else job["bn_device_weight"])
         if fields["adapt_seconds"] is None:
             return fields
     images, labels = tf.constant(x_train), tf.constant(y_train)
@@ -258,9 +268,21 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     fields.update(steps=steps, samples=samples, train_seconds=time.monotonic() - train_started)
     if should_stop():
         return fields
-    if device_split is not None:  # again, under the trained weights; it replaces recalibration
+    after = None
+    if device_split is not None and auto and validation is not None:  # try mixtures, keep one
+        chosen = adapt_batchnorm_auto(
+            tf, model, job, device_split[0], device_split[1], adapt_batch_size, should_stop,
+            fields["by_group_before"].get(REFERENCE_GROUP),
+            lambda: evaluate(eval_step, validation[0], validation[1], num_classes,
+                             eval_batch_size, should_stop, groups))
+        if chosen is None:
+            return fields
+        fields["adapt_seconds"] += chosen[0]
+        fields["bn_device_weight"], after, fields["bn_weights_tried"] = chosen[1:]
+    elif device_split is not None:  # again, under the trained weights; it replaces recalibration
         seconds = adapt_batchnorm(tf, model, job, device_split[0], device_split[1],
-                                  adapt_batch_size, should_stop)
+                                  adapt_batch_size, should_stop,
+                                  AUTO_WEIGHT_BEFORE if auto else job["bn_device_weight"])
         if seconds is None:
             return fields
         fields["adapt_seconds"] += seconds
@@ -270,8 +292,9 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         if fields["recalibrate_seconds"] is None:
             return fields
     if validation is not None:
-        after = evaluate(eval_step, validation[0], validation[1], num_classes, eval_batch_size,
-                         should_stop, groups)
+        if after is None:
+            after = evaluate(eval_step, validation[0], validation[1], num_classes,
+                             eval_batch_size, should_stop, groups)
         if after is None:
             return fields
         correct_after, losses_after = after.pop("correct"), after.pop("losses")
