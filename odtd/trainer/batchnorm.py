@@ -190,7 +190,7 @@ def adapt_batchnorm_auto(tf: Any, model: Any, job: Any, device_x: np.ndarray,
                          rehearsal_x: Optional[np.ndarray], batch_size: int,
                          should_stop: Callable[[], bool], reference_before: Optional[float],
                          score: Callable[[], Optional[Dict[str, Any]]]
-                         ) -> Optional[Tuple[float, float, Dict[str, Any], Dict[str, Any]]]:
+                         ) -> Optional[Tuple[float, Optional[float], Any, Dict[Any, Any]]]:
     """``bn_device_weight: auto`` after training: try each of ``AUTO_WEIGHTS``, keep the best.
 
     Both domains are measured once under the trained weights; each mixture is assigned and
@@ -200,8 +200,11 @@ def adapt_batchnorm_auto(tf: Any, model: Any, job: Any, device_x: np.ndarray,
 
     Returns:
         ``(seconds, weight, its evaluation, {weight: accuracy by group})`` with that mixture
-        assigned, or None if a stop was requested meanwhile.
+        assigned (``(0.0, None, None, {})`` for a model without BatchNorm or no device images:
+        nothing to choose), or None if a stop was requested meanwhile.
     """
+    if not batchnorm_layers(tf, model) or len(device_x) == 0:
+        return 0.0, None, None, {}
     started = time.monotonic()
     measured = domain_moments(tf, model, job, device_x, rehearsal_x, batch_size, should_stop,
                               AUTO)
