@@ -372,6 +372,7 @@ class SessionRunner:
         details.reference_accuracy_after = after.get(str(GROUP_REFERENCE))
         details.reference_paired = (result.get("paired_by_group") or {}).get(str(GROUP_REFERENCE))
         details.bn_device_weight = result.get("bn_device_weight")
+        details.bn_weights_tried = result.get("bn_weights_tried") or None
         details.paired = (result.get("paired_by_group") or {}).get(primary)
         details.per_class_before = _by_class(self.classes, result.get("per_class_before"))
         details.per_class_after = _by_class(self.classes, result.get("per_class_after"))

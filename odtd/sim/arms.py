@@ -252,7 +252,8 @@ class SessionArm:
                 "session_s": record.duration_s, "energy_source": record.energy_source,
                 "reference_before": record.details.reference_accuracy_before,
                 "reference_after": record.details.reference_accuracy_after,
-                "bn_device_weight": record.details.bn_device_weight}
+                "bn_device_weight": record.details.bn_device_weight,
+                "bn_weights_tried": record.details.bn_weights_tried}
 
     def _write(self, day: Day, folder: Path) -> list[Path]:
         """Write this arm's files of the day; return their paths."""

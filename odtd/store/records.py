@@ -28,7 +28,8 @@ OUTCOMES = ("promoted", "rolled_back", "failed", "interrupted", "skipped")
 # them, and reads the same.
 _OMITTED_AT_DEFAULT = {"attempts": [], "kept_for_resume": False,
                        "reference_accuracy_before": None, "reference_accuracy_after": None,
-                       "reference_paired": None, "bn_device_weight": None}
+                       "reference_paired": None, "bn_device_weight": None,
+                       "bn_weights_tried": None}
 
 
 @dataclass
@@ -53,6 +54,8 @@ class SessionDetails:
         reference_paired: ``{gained, lost, samples}`` on the reference set.
         bn_device_weight: The device's share of the candidate's BatchNorm statistics that
             ``training.bn_device_weight: auto`` chose (None otherwise).
+        bn_weights_tried: ``auto``'s candidates: weight (a string) -> accuracy by evaluation
+            group (``"0"`` validation, ``"1"`` held-out, ``"2"`` reference).
         per_class_before: Class name -> accuracy of the current model (None: no samples).
         per_class_after: Class name -> accuracy of the candidate.
         forgetting: Best accuracy any kept model had on the evaluation set minus the kept
@@ -78,6 +81,7 @@ class SessionDetails:
     reference_accuracy_after: Optional[float] = None
     reference_paired: Optional[Dict[str, int]] = None
     bn_device_weight: Optional[float] = None
+    bn_weights_tried: Optional[Dict[str, Dict[str, float]]] = None
     per_class_before: Optional[Dict[str, Optional[float]]] = None
     per_class_after: Optional[Dict[str, Optional[float]]] = None
     forgetting: Optional[float] = None
