@@ -91,7 +91,7 @@ class TrainingPolicy(_Strict):
         default=False, description="after training, recompute BatchNorm's moving statistics over the "
         "session's images under the trained weights (ignored with freeze_bn)")
     bn_device_weight: Optional[Union[Literal["auto"], float]] = Field(
-        default=None, description="adapt BatchNorm's statistics to the device's "
+        default="auto", description="adapt BatchNorm's statistics to the device's "
         "camera, label-free: before and after training, every BatchNorm layer (frozen ones "
         "too) takes the statistics of a mixture, this share from the device's images (the "
         "day's and up to 512 earlier ones) and the rest from the rehearsed images of the "
