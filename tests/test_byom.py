@@ -274,3 +274,47 @@ def test_trainable_scope_and_frozen_batchnorm_reach_nested_layers(other_stack, t
     assert any("block_conv" in n for n in changed) and any("logits" in n for n in changed)
     # Trained BatchNorm moves them (so the test above can fail).
     assert any("block_bn" in n and "moving" in n for n in train("trained.npz"))
+
+
+def test_recomputation_cuts_inside_the_network_of_an_exported_model(tmp_path):
+    # odtd exports a built-in network as a chain around it (pixels, rescaling, the network as a
+    # nested model, softmax); imported again, as reproduce_tx2_daily.py --import-model does,
+    # recomputation cuts inside the nested network and two steps leave the same weights and
+    # BatchNorm statistics as without it (the nested model's output is not a tensor of the
+    # outer graph: cutting there failed the session).
+    from odtd.config import Config
+    from odtd.trainer.job import make_job
+    from odtd.trainer.launch import run_job
+
+    command = Config().trainer.command()
+    classes = ["red", "green", "blue"]
+    run_job(command, make_job("init", "tinycnn", classes, [32, 32, 3], seed=3,
+                              weights_out=str(tmp_path / "init.npz")), tmp_path / "init")
+    run_job(command, make_job("export", "tinycnn", classes, [32, 32, 3],
+                              weights_in=str(tmp_path / "init.npz"),
+                              export_to=str(tmp_path / "tiny.keras")), tmp_path / "export")
+    result, _, _ = run_job(command, make_job(
+        "import", "tiny", classes, None, model_file=str(tmp_path / "tiny.keras"),
+        weights_out=str(tmp_path / "v0.npz"), architecture_out=str(tmp_path / "arch.json"),
+        original_out=str(tmp_path / "original.keras")), tmp_path / "import")
+    names = result["weight_names"]
+    rng = np.random.default_rng(4)
+    np.savez(tmp_path / "train.npz", x=rng.integers(0, 256, (16, 32, 32, 3), dtype=np.uint8),
+             y=rng.integers(0, 3, 16))
+
+    def train(out: str, **keys) -> dict:
+        result, _, _ = run_job(command, make_job(
+            "train", "tiny", classes, [32, 32, 3], architecture=str(tmp_path / "arch.json"),
+            input_scale="0-255", output="softmax", weights_in=str(tmp_path / "v0.npz"),
+            weights_out=str(tmp_path / out), train_data=str(tmp_path / "train.npz"),
+            batch_size=8, epochs=1, optimizer="sgd", learning_rate=0.1, **keys),
+            tmp_path / (out + ".job"))
+        assert result["status"] == "ok", result
+        return _weights(tmp_path / out, names)
+
+    plain, recomputed = train("plain.npz"), train("recomputed.npz", recompute=True)
+    before = _weights(tmp_path / "v0.npz", names)
+    assert any("moving_mean" in n and not np.allclose(plain[n], before[n]) for n in names)
+    for name in names:
+        np.testing.assert_allclose(recomputed[name], plain[name], rtol=1e-4, atol=1e-5,
+                                   err_msg=name)

@@ -85,15 +85,30 @@ class Checkpointed:
 
     Attributes:
         cuts: The indices of ``model.layers`` after which the model is cut (empty: no valid cut,
-            the model runs whole and nothing is recomputed).
+            the model runs whole and nothing is recomputed); for a chain around nested models,
+            the nested models' cuts.
     """
 
     def __init__(self, tf: Any, model: Any, segments: Optional[int] = None) -> None:
         self.tf = tf
         self.model = model
-        layers = list(model.layers)
-        self.cuts = choose_cuts(valid_cuts(model), len(layers), segments)
         keras = tf.keras
+        layers = list(model.layers)
+        cuts = valid_cuts(model)
+        self.chain = None  # type: Optional[List[Any]]
+        if any(isinstance(layer, keras.Model) for layer in layers) \
+                and cuts == list(range(1, len(layers) - 1)):
+            # A chain of layers around nested models (an exported model's rescaling and
+            # softmax around its network, a backbone in a wrapper): a nested model's output
+            # is not a tensor of this graph, so run the chain layer by layer and checkpoint
+            # each nested model inside itself.
+            self.chain = [Checkpointed(tf, layer, segments) if isinstance(layer, keras.Model)
+                          else layer for layer in layers[1:]]
+            nested = [part for part in self.chain if isinstance(part, Checkpointed)]
+            self.cuts = [cut for part in nested for cut in part.cuts]
+            self.batchnorm = [layer for part in nested for layer in part.batchnorm]
+            return
+        self.cuts = choose_cuts(cuts, len(layers), segments)
         boundaries = [model.inputs[0]] + [layers[k].output for k in self.cuts] + [model.outputs[0]]
         self.parts = [keras.Model(start, end) for start, end in zip(boundaries, boundaries[1:])]
         self._recomputed = [tf.recompute_grad(self._runner(part)) for part in self.parts[1:]]
@@ -111,6 +126,11 @@ class Checkpointed:
         """The model's output; with ``training`` False, the plain model (nothing to recompute)."""
         if not training or not self.cuts:
             return self.model(images, training=training)
+        if self.chain is not None:
+            hidden = images
+            for part in self.chain:
+                hidden = part(hidden, training=True)
+            return hidden
         hidden = self.parts[0](images, training=True)
         for run in self._recomputed:
             hidden = run(hidden)
