@@ -528,7 +528,6 @@ def test_auto_batchnorm_mixture_keeps_the_best_weight_that_spares_the_reference(
     assert sorted(tried) == list(AUTO_WEIGHTS)
     assert result["bn_device_weight"] == choose_weight(
         tried, result["by_group_before"]["2"], 0.05, "0", "2")
-    assert result["by_group_after"] == tried[result["bn_device_weight"]]
     code, events, stderr = run_worker(write_job(
         tmp_path, "auto-check", mode="evaluate", weights_in=str(out),
         validation_data=str(validation)))

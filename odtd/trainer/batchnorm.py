@@ -159,73 +159,54 @@ def domain_moments(tf: Any, model: Any, job: Any, device_x: np.ndarray,
     return None if device is None else (layers, device, rehearsal)
 
 
+REFERENCE_GROUP = "2"  # the evaluation set's groups: docs/worker-protocol.md, validation_data
+
+Adapted = Tuple[float, Optional[float], Optional[Dict[str, Any]], Dict[float, Dict[str, float]]]
+
+
 def adapt_batchnorm(tf: Any, model: Any, job: Any, device_x: np.ndarray,
                     rehearsal_x: Optional[np.ndarray], batch_size: int,
-                    should_stop: Callable[[], bool], weight: float) -> Optional[float]:
+                    should_stop: Callable[[], bool], weight: Any,
+                    score: Optional[Callable[[], Optional[Dict[str, Any]]]] = None,
+                    reference_before: Optional[float] = None) -> Optional[Adapted]:
     """Set every BatchNormalization layer's statistics to the device / rehearsal mixture.
 
-    ``weight`` is the device's share (the job's ``bn_device_weight``, or ``AUTO_WEIGHT_BEFORE``
-    under ``auto``); without rehearsal images the device's statistics are used alone. Gamma and
-    beta never change here.
+    ``weight`` is the device's share; without rehearsal images the device's statistics are used
+    alone. Gamma and beta never change here. ``AUTO`` (``bn_device_weight: auto`` after
+    training) needs ``score``: both domains are measured once, each of ``AUTO_WEIGHTS`` is
+    assigned and scored (``evaluate`` over the evaluation set, None on a stop), and
+    ``choose_weight`` keeps one (the job's ``reference_tolerance``; ``reference_before`` is the
+    served model's accuracy on the reference group).
 
     Returns:
-        The seconds it took, or None if a stop was requested meanwhile (statistics unchanged).
+        ``(seconds, weight assigned, its evaluation, {weight: accuracy by group})``, the last two
+        only under ``AUTO`` (else None and ``{}``); the weight None when there was nothing to
+        adapt (no BatchNorm, no device images). None if a stop was requested meanwhile
+        (statistics unchanged).
     """
     if not batchnorm_layers(tf, model) or len(device_x) == 0:
-        return 0.0
+        return 0.0, None, None, {}
     started = time.monotonic()
     measured = domain_moments(tf, model, job, device_x, rehearsal_x, batch_size, should_stop,
                               weight)
     if measured is None:
         return None
     layers, device, rehearsal = measured
+    evaluations, tried = {}, {}  # type: Dict[float, Dict[str, Any]], Dict[float, Dict[str, float]]
+    if weight == AUTO:
+        for candidate in AUTO_WEIGHTS if rehearsal is not None else (1.0,):
+            assign_moments(layers, mix_moments(device, rehearsal, candidate))
+            evaluation = score()
+            if evaluation is None:
+                return None
+            evaluations[candidate] = evaluation
+            tried[candidate] = evaluation["by_group"] or {"all": evaluation["accuracy"]}
+        groups = next(iter(tried.values()))
+        weight = choose_weight(tried, reference_before, job["reference_tolerance"],
+                               next((g for g in ("0", "1") if g in groups), None),
+                               REFERENCE_GROUP)
     assign_moments(layers, mix_moments(device, rehearsal, weight))
-    return time.monotonic() - started
-
-
-REFERENCE_GROUP = "2"  # the evaluation set's groups: docs/worker-protocol.md, validation_data
-
-
-def adapt_batchnorm_auto(tf: Any, model: Any, job: Any, device_x: np.ndarray,
-                         rehearsal_x: Optional[np.ndarray], batch_size: int,
-                         should_stop: Callable[[], bool], reference_before: Optional[float],
-                         score: Callable[[], Optional[Dict[str, Any]]]
-                         ) -> Optional[Tuple[float, Optional[float], Any, Dict[Any, Any]]]:
-    """``bn_device_weight: auto`` after training: try each of ``AUTO_WEIGHTS``, keep the best.
-
-    Both domains are measured once under the trained weights; each mixture is assigned and
-    scored by ``score`` (``evaluate`` over the evaluation set, None on a stop) and
-    ``choose_weight`` picks one (the job's ``reference_tolerance``; ``reference_before`` is
-    the served model's accuracy on the reference group).
-
-    Returns:
-        ``(seconds, weight, its evaluation, {weight: accuracy by group})`` with that mixture
-        assigned (``(0.0, None, None, {})`` for a model without BatchNorm or no device images:
-        nothing to choose), or None if a stop was requested meanwhile.
-    """
-    if not batchnorm_layers(tf, model) or len(device_x) == 0:
-        return 0.0, None, None, {}
-    started = time.monotonic()
-    measured = domain_moments(tf, model, job, device_x, rehearsal_x, batch_size, should_stop,
-                              AUTO)
-    if measured is None:
-        return None
-    layers, device, rehearsal = measured
-    weights = AUTO_WEIGHTS if rehearsal is not None else (1.0,)
-    evaluations = {}
-    for weight in weights:
-        assign_moments(layers, mix_moments(device, rehearsal, weight))
-        evaluations[weight] = score()
-        if evaluations[weight] is None:
-            return None
-    tried = {w: evaluations[w]["by_group"] or {"all": evaluations[w]["accuracy"]}
-             for w in weights}
-    groups = tried[weights[0]]
-    acceptance_group = next((g for g in ("0", "1") if g in groups), None)
-    chosen = choose_weight(tried, reference_before, job["reference_tolerance"],
-                           acceptance_group, REFERENCE_GROUP)
-    assign_moments(layers, mix_moments(device, rehearsal, chosen))
-    return time.monotonic() - started, chosen, evaluations[chosen], tried
+    return time.monotonic() - started, weight, evaluations.get(weight), tried
 
 
 def choose_weight(scores: Dict[float, Dict[str, float]], reference_before: Optional[float],

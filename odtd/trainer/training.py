@@ -19,7 +19,6 @@ from odtd.trainer.batchnorm import (
     AUTO_WEIGHT_BEFORE,
     REFERENCE_GROUP,
     adapt_batchnorm,
-    adapt_batchnorm_auto,
     batchnorm_layers,
     recalibrate_batchnorm,
 )
@@ -239,13 +238,14 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     x_train, y_train = data["train_data"]
     device_split = data.get("device_split") if job["bn_device_weight"] is not None else None
     adapt_batch_size = job["micro_batch_size"] or batch_size
-    auto = job["bn_device_weight"] == AUTO
+    weight = job["bn_device_weight"]
     if device_split is not None:  # the steps see the device's statistics
-        fields["adapt_seconds"] = adapt_batchnorm(
-            tf, model, job, device_split[0], device_split[1], adapt_batch_size, should_stop,
-            AUTO_WEIGHT_BEFORE if auto else job["bn_device_weight"])
-        if fields["adapt_seconds"] is None:
+        adapted = adapt_batchnorm(tf, model, job, device_split[0], device_split[1],
+                                  adapt_batch_size, should_stop,
+                                  AUTO_WEIGHT_BEFORE if weight == AUTO else weight)
+        if adapted is None:
             return fields
+        fields["adapt_seconds"] = adapted[0]
     images, labels = tf.constant(x_train), tf.constant(y_train)
     # Finite either way (profile mode requires max_steps); the count sizes the schedule.
     batches = list(iterate_batches(len(y_train), batch_size, None if profiling else job["epochs"],
@@ -269,23 +269,22 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     if should_stop():
         return fields
     after = None
-    if device_split is not None and auto and validation is not None:  # try mixtures, keep one
-        chosen = adapt_batchnorm_auto(
-            tf, model, job, device_split[0], device_split[1], adapt_batch_size, should_stop,
-            fields["by_group_before"].get(REFERENCE_GROUP),
-            lambda: evaluate(eval_step, validation[0], validation[1], num_classes,
-                             eval_batch_size, should_stop, groups))
-        if chosen is None:
+    if device_split is not None:  # again, under the trained weights; it replaces recalibration
+        score, reference_before = None, None
+        if validation is not None:  # what auto chooses by
+            def score() -> Optional[Dict[str, Any]]:
+                return evaluate(eval_step, validation[0], validation[1], num_classes,
+                                eval_batch_size, should_stop, groups)
+            reference_before = fields["by_group_before"].get(REFERENCE_GROUP)
+        elif weight == AUTO:
+            weight = AUTO_WEIGHT_BEFORE  # nothing to choose by
+        adapted = adapt_batchnorm(tf, model, job, device_split[0], device_split[1],
+                                  adapt_batch_size, should_stop, weight, score, reference_before)
+        if adapted is None:
             return fields
-        fields["adapt_seconds"] += chosen[0]
-        fields["bn_device_weight"], after, fields["bn_weights_tried"] = chosen[1:]
-    elif device_split is not None:  # again, under the trained weights; it replaces recalibration
-        seconds = adapt_batchnorm(tf, model, job, device_split[0], device_split[1],
-                                  adapt_batch_size, should_stop,
-                                  AUTO_WEIGHT_BEFORE if auto else job["bn_device_weight"])
-        if seconds is None:
-            return fields
-        fields["adapt_seconds"] += seconds
+        fields["adapt_seconds"] += adapted[0]
+        if adapted[3]:  # auto: the mixture kept, already scored
+            fields["bn_device_weight"], after, fields["bn_weights_tried"] = adapted[1:]
     elif job["recalibrate_bn"] and not job["freeze_bn"]:  # in profile mode too: its memory counts
         fields["recalibrate_seconds"] = recalibrate_batchnorm(
             tf, model, job, x_train, adapt_batch_size, should_stop)
