@@ -237,32 +237,49 @@ def _weights(path: Path, names) -> dict:
         return {name: arrays[f"w{i:04d}"] for i, name in enumerate(names)}
 
 
+class _Imported:
+    """A model file imported by the real worker into ``tmp_path``, trained by ``train`` jobs."""
+
+    def __init__(self, tmp_path: Path, model_file: Path, classes, shape, output: str):
+        from odtd.config import Config
+        from odtd.trainer.job import make_job
+        from odtd.trainer.launch import run_job
+
+        self.tmp, self.classes, self.shape, self.output = tmp_path, classes, shape, output
+        self.run = lambda job, folder: run_job(Config().trainer.command(), job, tmp_path / folder)
+        self.make_job = make_job
+        result, _, _ = self.run(make_job(
+            "import", "imported", classes, None, model_file=str(model_file),
+            weights_out=str(tmp_path / "v0.npz"), architecture_out=str(tmp_path / "arch.json"),
+            original_out=str(tmp_path / "original.keras")), "import")
+        self.names = result["weight_names"]
+        rng = np.random.default_rng(3)
+        np.savez(tmp_path / "train.npz",
+                 x=rng.integers(0, 256, (16, *shape), dtype=np.uint8), y=rng.integers(0, 3, 16))
+
+    def weights(self, name: str) -> dict:
+        return _weights(self.tmp / name, self.names)
+
+    def train(self, out: str, **keys) -> dict:
+        """One epoch of batches of 8 from v0; the weights written."""
+        result, _, _ = self.run(self.make_job(
+            "train", "imported", self.classes, list(self.shape),
+            architecture=str(self.tmp / "arch.json"), input_scale="0-255", output=self.output,
+            weights_in=str(self.tmp / "v0.npz"), weights_out=str(self.tmp / out),
+            train_data=str(self.tmp / "train.npz"), batch_size=8, epochs=1, optimizer="sgd",
+            learning_rate=0.1, **keys), out + ".job")
+        assert result["status"] == "ok", result
+        return self.weights(out)
+
+
 @pytest.mark.trains
 def test_trainable_scope_and_frozen_batchnorm_reach_nested_layers(other_stack, tmp_path):
-    from odtd.config import Config
-    from odtd.trainer.job import make_job
-    from odtd.trainer.launch import run_job
+    model = _Imported(tmp_path, other_stack / "gray_logits.keras",
+                      CLASSES["gray_logits"].split(","), (32, 32, 1), "logits")
+    names, before = model.names, model.weights("v0.npz")
 
-    command = Config().trainer.command()
-    classes = CLASSES["gray_logits"].split(",")
-    result, _, _ = run_job(command, make_job(
-        "import", "gray", classes, None, model_file=str(other_stack / "gray_logits.keras"),
-        weights_out=str(tmp_path / "v0.npz"), architecture_out=str(tmp_path / "arch.json"),
-        original_out=str(tmp_path / "original.keras")), tmp_path / "import")
-    names = result["weight_names"]
-    rng = np.random.default_rng(3)
-    np.savez(tmp_path / "train.npz", x=rng.integers(0, 256, (24, 32, 32, 1), dtype=np.uint8),
-             y=rng.integers(0, 3, 24))
-    before = _weights(tmp_path / "v0.npz", names)
-
-    def train(out: str, **keys) -> dict:
-        run_job(command, make_job(
-            "train", "gray", classes, [32, 32, 1], architecture=str(tmp_path / "arch.json"),
-            input_scale="0-255", output="logits", weights_in=str(tmp_path / "v0.npz"),
-            weights_out=str(tmp_path / out), train_data=str(tmp_path / "train.npz"),
-            batch_size=8, epochs=1, optimizer="sgd", learning_rate=0.1, **keys),
-            tmp_path / (out + ".job"))
-        after = _weights(tmp_path / out, names)
+    def train(out: str, **keys) -> set:
+        after = model.train(out, **keys)
         return {name for name in names if not np.array_equal(before[name], after[name])}
 
     # The head only: the last Dense's kernel and bias, nothing in the nested block.
@@ -276,6 +293,7 @@ def test_trainable_scope_and_frozen_batchnorm_reach_nested_layers(other_stack, t
     assert any("block_bn" in n and "moving" in n for n in train("trained.npz"))
 
 
+@pytest.mark.trains
 def test_recomputation_cuts_inside_the_network_of_an_exported_model(tmp_path):
     # odtd exports a built-in network as a chain around it (pixels, rescaling, the network as a
     # nested model, softmax); imported again, as reproduce_tx2_daily.py --import-model does,
@@ -286,35 +304,16 @@ def test_recomputation_cuts_inside_the_network_of_an_exported_model(tmp_path):
     from odtd.trainer.job import make_job
     from odtd.trainer.launch import run_job
 
-    command = Config().trainer.command()
-    classes = ["red", "green", "blue"]
+    command, classes = Config().trainer.command(), ["red", "green", "blue"]
     run_job(command, make_job("init", "tinycnn", classes, [32, 32, 3], seed=3,
                               weights_out=str(tmp_path / "init.npz")), tmp_path / "init")
     run_job(command, make_job("export", "tinycnn", classes, [32, 32, 3],
                               weights_in=str(tmp_path / "init.npz"),
                               export_to=str(tmp_path / "tiny.keras")), tmp_path / "export")
-    result, _, _ = run_job(command, make_job(
-        "import", "tiny", classes, None, model_file=str(tmp_path / "tiny.keras"),
-        weights_out=str(tmp_path / "v0.npz"), architecture_out=str(tmp_path / "arch.json"),
-        original_out=str(tmp_path / "original.keras")), tmp_path / "import")
-    names = result["weight_names"]
-    rng = np.random.default_rng(4)
-    np.savez(tmp_path / "train.npz", x=rng.integers(0, 256, (16, 32, 32, 3), dtype=np.uint8),
-             y=rng.integers(0, 3, 16))
-
-    def train(out: str, **keys) -> dict:
-        result, _, _ = run_job(command, make_job(
-            "train", "tiny", classes, [32, 32, 3], architecture=str(tmp_path / "arch.json"),
-            input_scale="0-255", output="softmax", weights_in=str(tmp_path / "v0.npz"),
-            weights_out=str(tmp_path / out), train_data=str(tmp_path / "train.npz"),
-            batch_size=8, epochs=1, optimizer="sgd", learning_rate=0.1, **keys),
-            tmp_path / (out + ".job"))
-        assert result["status"] == "ok", result
-        return _weights(tmp_path / out, names)
-
-    plain, recomputed = train("plain.npz"), train("recomputed.npz", recompute=True)
-    before = _weights(tmp_path / "v0.npz", names)
-    assert any("moving_mean" in n and not np.allclose(plain[n], before[n]) for n in names)
-    for name in names:
+    model = _Imported(tmp_path, tmp_path / "tiny.keras", classes, (32, 32, 3), "softmax")
+    plain, recomputed = model.train("plain.npz"), model.train("recomputed.npz", recompute=True)
+    before = model.weights("v0.npz")
+    assert any("moving_mean" in n and not np.allclose(plain[n], before[n]) for n in model.names)
+    for name in model.names:
         np.testing.assert_allclose(recomputed[name], plain[name], rtol=1e-4, atol=1e-5,
                                    err_msg=name)

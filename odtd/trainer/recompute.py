@@ -108,7 +108,10 @@ class Checkpointed:
             self.cuts = [cut for part in nested for cut in part.cuts]
             self.batchnorm = [layer for part in nested for layer in part.batchnorm]
             return
-        self.cuts = choose_cuts(cuts, len(layers), segments)
+        # Never cut right after a nested model elsewhere either: its ``output`` is a tensor of
+        # its own graph, not of this one.
+        self.cuts = choose_cuts([k for k in cuts if not isinstance(layers[k], keras.Model)],
+                                len(layers), segments)
         boundaries = [model.inputs[0]] + [layers[k].output for k in self.cuts] + [model.outputs[0]]
         self.parts = [keras.Model(start, end) for start, end in zip(boundaries, boundaries[1:])]
         self._recomputed = [tf.recompute_grad(self._runner(part)) for part in self.parts[1:]]
