@@ -95,10 +95,10 @@ class SessionDetails:
     def to_dict(self) -> Dict[str, Any]:
         """Return the ``details`` object (``extra``'s keys beside the known ones).
 
-        ``attempts``, ``kept_for_resume``, the reference figures and ``bn_device_weight`` appear
-        only when a session has them (a retry, a kept candidate, a home with a reference set,
-        ``bn_device_weight: auto``), as every release
-        wrote them: ``history --json`` of an old session reads the same after an upgrade.
+        ``attempts``, ``kept_for_resume``, the reference figures and ``auto``'s BatchNorm choice
+        appear only when a session has them (a retry, a kept candidate, a home with a reference
+        set, ``bn_device_weight: auto``), as every release wrote them: ``history --json`` of an
+        old session reads the same after an upgrade.
         """
         data = asdict(self)
         extra = data.pop("extra")
