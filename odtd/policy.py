@@ -155,6 +155,12 @@ class ReplayPolicy(_Strict):
     capacity_mb: Optional[float] = Field(default=None, gt=0,
                                          description="cap on the stored originals of the buffer")
     max_samples: int = Field(default=512, ge=0, description="cap on replay samples per session")
+    device_share: float = Field(
+        default=0.0, ge=0, le=1,
+        description="share of each session's replay drawn first from the device's own earlier "
+        "images in the buffer (a random sample of them), the rest class-balanced over the whole "
+        "buffer; 0 = class-balanced over the whole buffer, where a large seed of base training "
+        "images leaves the device's earlier days almost never rehearsed")
 
 
 class AcceptancePolicy(_Strict):

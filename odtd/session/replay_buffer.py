@@ -94,10 +94,12 @@ def _stored_size(root: Path, row: dict[str, Any]) -> int:
 
 
 def choose_replay(store: Store, policy: ReplayPolicy, new_count: int, seed: int) -> list[dict[str, Any]]:
-    """Draw a class-balanced set of buffered samples to mix into a session.
+    """Draw the buffered samples to mix into a session.
 
     The draw takes ``ratio x new_count`` samples, capped by ``max_samples`` so sessions do
-    not grow with the buffer, round-robin over classes.
+    not grow with the buffer: first ``device_share`` of them from the device's own earlier
+    images (buffer entries a session added, not the replay seed's), at random; the rest
+    round-robin over classes from the whole buffer.
 
     Args:
         store: the database.
@@ -108,15 +110,23 @@ def choose_replay(store: Store, policy: ReplayPolicy, new_count: int, seed: int)
     wanted = min(int(round(policy.ratio * new_count)), policy.max_samples)
     if wanted <= 0:
         return []
-    rows = store.samples_by_sha(entry["sha256"] for entry in store.replay_buffer())
+    entries = store.replay_buffer()
+    rng = random.Random(seed)
+    own: list[str] = []
+    if policy.device_share > 0:
+        own = sorted(entry["sha256"] for entry in entries if entry["added_session"])
+        rng.shuffle(own)
+        own = own[:int(round(policy.device_share * wanted))]
+    rows = store.samples_by_sha(entry["sha256"] for entry in entries)
+    first = {sha: i for i, sha in enumerate(own)}
+    chosen = sorted((row for row in rows if row["sha256"] in first), key=lambda r: first[r["sha256"]])
     by_label: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
-        by_label[row["label"]].append(row)
-    rng = random.Random(seed)
+        if row["sha256"] not in first:
+            by_label[row["label"]].append(row)
     for group in by_label.values():
         group.sort(key=lambda r: r["sha256"])
         rng.shuffle(group)
-    chosen: list[dict[str, Any]] = []
     labels = sorted(by_label)
     while len(chosen) < wanted and any(by_label[label] for label in labels):
         for label in labels:
