@@ -55,7 +55,8 @@ class SessionDetails:
         bn_device_weight: The device's share of the candidate's BatchNorm statistics that
             ``training.bn_device_weight: auto`` chose (None otherwise).
         bn_weights_tried: ``auto``'s candidates: weight (a string) -> accuracy by evaluation
-            group (``"0"`` validation, ``"1"`` held-out, ``"2"`` reference).
+            group (``"0"`` validation, ``"1"`` held-out, ``"2"`` reference); a candidate
+            never scored in full (worse on validation than the one kept) has no ``"2"``.
         per_class_before: Class name -> accuracy of the current model (None: no samples).
         per_class_after: Class name -> accuracy of the candidate.
         forgetting: Best accuracy any kept model had on the evaluation set minus the kept

@@ -272,14 +272,15 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     if device_split is not None:  # again, under the trained weights; it replaces recalibration
         score, reference_before = None, None
         if validation is not None:  # what auto chooses by
-            def score() -> Optional[Dict[str, Any]]:
+            def score(cached: Any = None) -> Optional[Dict[str, Any]]:
                 return evaluate(eval_step, validation[0], validation[1], num_classes,
-                                eval_batch_size, should_stop, groups)
+                                eval_batch_size, should_stop, groups, cached)
             reference_before = fields["by_group_before"].get(REFERENCE_GROUP)
         elif weight == AUTO:
             weight = AUTO_WEIGHT_BEFORE  # nothing to choose by
         adapted = adapt_batchnorm(tf, model, job, device_split[0], device_split[1],
-                                  adapt_batch_size, should_stop, weight, score, reference_before)
+                                  adapt_batch_size, should_stop, weight, score, reference_before,
+                                  groups)
         if adapted is None:
             return fields
         fields["adapt_seconds"] += adapted[0]

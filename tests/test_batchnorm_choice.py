@@ -1,0 +1,68 @@
+"""How ``bn_device_weight: auto`` picks a mixture: the rule, and its lazy scoring (no TensorFlow)."""
+
+import numpy as np
+import pytest
+
+from odtd.trainer.batchnorm import AUTO_WEIGHTS, choose_mixture, choose_weight
+
+
+def test_choose_weight_prefers_the_device_within_the_reference_tolerance():
+    scores = {0.0: {"0": 0.20, "2": 0.39}, 0.5: {"0": 0.30, "2": 0.385},
+              1.0: {"0": 0.41, "2": 0.30}}
+    assert choose_weight(scores, 0.39, 0.01, "0", "2") == 0.5  # 1.0 forgets 9 points
+    assert choose_weight(scores, 0.39, None, "0", "2") == 1.0  # no reference guard
+    assert choose_weight(scores, 0.50, 0.01, "0", "2") == 0.0  # none spares it: the least loss
+    assert choose_weight({0.0: {"all": 0.5}, 1.0: {"all": 0.5}}, None, None, None, "2") == 0.0
+
+
+def _scorer(correct_by_weight, groups, scored):
+    """``evaluate`` over fixed per-image outcomes; counts the images it runs in ``scored``."""
+    state = {}
+
+    def assign(weight):
+        state["weight"] = weight
+
+    def score(cached):
+        correct = np.array(correct_by_weight[state["weight"]])
+        losses = np.where(correct, 0.1, 2.0)
+        known = np.zeros(len(groups), dtype=bool) if cached is None else cached[0]
+        scored.append(int((~known).sum()))
+        if cached is not None:
+            correct = np.where(known, cached[1], correct)
+            losses = np.where(known, cached[2], losses)
+        return {"accuracy": float(correct.mean()), "seconds": 1.0, "cached": int(known.sum()),
+                "by_group": {str(g): float(correct[groups == g].mean()) for g in np.unique(groups)},
+                "correct": correct, "losses": losses}
+    return assign, score
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_lazy_scoring_keeps_what_scoring_every_try_in_full_keeps(seed):
+    rng = np.random.default_rng(seed)
+    groups = np.repeat([0, 2], [30, 60])
+    outcomes = {w: rng.random(90) < rng.uniform(0.2, 0.8) for w in AUTO_WEIGHTS}
+    before, tolerance = rng.uniform(0.3, 0.7), 0.05
+    full = {w: {"0": float(c[:30].mean()), "2": float(c[30:].mean())} for w, c in outcomes.items()}
+    scored = []
+    assign, score = _scorer(outcomes, groups, scored)
+    kept, evaluations, tried = choose_mixture(assign, AUTO_WEIGHTS, score, groups, before,
+                                              tolerance)
+    assert kept == choose_weight(full, before, tolerance, "0", "2")
+    assert tried[kept] == full[kept]
+    np.testing.assert_array_equal(evaluations[kept]["correct"], outcomes[kept])
+    assert evaluations[kept]["cached"] == 0
+    # Each try on the 30 validation images, then the 60 reference images of as few as needed.
+    assert scored[:5] == [30] * 5 and set(scored[5:]) == {60}
+    assert len(scored) - 5 == len(evaluations)
+    if any(f["2"] >= before - tolerance for f in full.values()):
+        assert len(evaluations) == 1 + sum(
+            (f["0"], -w) > (full[kept]["0"], -kept) for w, f in full.items())
+
+
+def test_without_a_reference_every_try_is_scored_in_full():
+    groups = np.zeros(20, dtype=np.int64)
+    outcomes = {w: np.arange(20) < 4 * i for i, w in enumerate(AUTO_WEIGHTS)}
+    scored = []
+    assign, score = _scorer(outcomes, groups, scored)
+    kept, evaluations, tried = choose_mixture(assign, AUTO_WEIGHTS, score, groups, 0.5, 0.01)
+    assert kept == 1.0 and scored == [20] * 5 and sorted(evaluations) == list(AUTO_WEIGHTS)
