@@ -372,6 +372,11 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the pre-training, validation and test images")
     args = parser.parse_args()
+    try:  # a bad --shift or --arms (or `--shift help`) is answered before any work
+        parse_arms(args.arms, (get_shift(args.shift) if args.shift else None) is not None)
+    except OdtdError as exc:
+        print(f"Error: {exc}", file=sys.stderr)
+        return 1
     if not args.cifar or not Path(args.cifar).exists():
         print(f"Error: --cifar {args.cifar!r}: no such file; pass the CIFAR-10 archive "
               "(../shared/datasets/cifar10-jpeg.tar.gz)", file=sys.stderr)

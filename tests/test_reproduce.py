@@ -156,3 +156,10 @@ def test_missing_archive_is_one_line(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.startswith("Error: --cifar") and proc.stderr.count("\n") == 1
 
+
+
+def test_the_shifts_are_listed_without_the_archive():
+    proc = subprocess.run([sys.executable, SCRIPT, "--shift", "help"], capture_output=True,
+                          text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("Error: --shift takes one of: low_light") and "jpeg" in proc.stderr
