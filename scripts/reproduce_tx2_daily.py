@@ -373,7 +373,9 @@ def main() -> int:
                         help="seed of the pre-training, validation and test images")
     args = parser.parse_args()
     try:  # a bad --shift or --arms (or `--shift help`) is answered before any work
-        parse_arms(args.arms, (get_shift(args.shift) if args.shift else None) is not None)
+        if args.shift:
+            get_shift(args.shift)
+        parse_arms(args.arms, bool(args.shift))
     except OdtdError as exc:
         print(f"Error: {exc}", file=sys.stderr)
         return 1

@@ -64,10 +64,9 @@ def test_the_draw_is_class_balanced_and_mostly_the_seed_by_default(store):
 def test_device_share_draws_the_devices_earlier_images_first(store):
     policy = ReplayPolicy(ratio=3, max_samples=60, device_share=0.25)
     drawn = choose_replay(store, policy, new_count=20, seed=7)
-    own = [row for row in drawn[:15]]
     assert len(drawn) == 60 and len({row["sha256"] for row in drawn}) == 60
-    assert all(row["session_id"] > 0 for row in own)
-    assert {row["session_id"] for row in own} == {1, 2, 3}  # a random sample of every day
+    assert all(row["session_id"] > 0 for row in drawn[:15])
+    assert {row["session_id"] for row in drawn[:15]} == {1, 2, 3}  # a random sample of every day
     # More share than the device has: all 30 of its images, the rest from the whole buffer.
     drawn = choose_replay(store, policy.model_copy(update={"device_share": 1.0}), 20, seed=7)
     assert len(drawn) == 60 and sum(row["session_id"] > 0 for row in drawn) >= 30

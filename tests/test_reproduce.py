@@ -157,7 +157,6 @@ def test_missing_archive_is_one_line(tmp_path):
     assert proc.stderr.startswith("Error: --cifar") and proc.stderr.count("\n") == 1
 
 
-
 def test_the_shifts_are_listed_without_the_archive():
     proc = subprocess.run([sys.executable, SCRIPT, "--shift", "help"], capture_output=True,
                           text=True, timeout=60, cwd=REPO)

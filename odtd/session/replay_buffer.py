@@ -98,7 +98,7 @@ def choose_replay(store: Store, policy: ReplayPolicy, new_count: int, seed: int)
 
     The draw takes ``ratio x new_count`` samples, capped by ``max_samples`` so sessions do
     not grow with the buffer: first ``device_share`` of them from the device's own earlier
-    images (buffer entries a session added, not the replay seed's), at random; the rest
+    images (buffered samples a session trained on, not the replay seed's), at random; the rest
     round-robin over classes from the whole buffer.
 
     Args:
@@ -110,19 +110,17 @@ def choose_replay(store: Store, policy: ReplayPolicy, new_count: int, seed: int)
     wanted = min(int(round(policy.ratio * new_count)), policy.max_samples)
     if wanted <= 0:
         return []
-    entries = store.replay_buffer()
+    rows = store.samples_by_sha(entry["sha256"] for entry in store.replay_buffer())
     rng = random.Random(seed)
-    own: list[str] = []
-    if policy.device_share > 0:
-        own = sorted(entry["sha256"] for entry in entries if entry["added_session"])
+    chosen: list[dict[str, Any]] = []
+    if policy.device_share > 0:  # the device's: trained by a session, not the seed's session 0
+        own = sorted((row for row in rows if row["session_id"]), key=lambda r: r["sha256"])
         rng.shuffle(own)
-        own = own[:int(round(policy.device_share * wanted))]
-    rows = store.samples_by_sha(entry["sha256"] for entry in entries)
-    first = {sha: i for i, sha in enumerate(own)}
-    chosen = sorted((row for row in rows if row["sha256"] in first), key=lambda r: first[r["sha256"]])
+        chosen = own[:int(round(policy.device_share * wanted))]
+    taken = {row["sha256"] for row in chosen}
     by_label: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
-        if row["sha256"] not in first:
+        if row["sha256"] not in taken:
             by_label[row["label"]].append(row)
     for group in by_label.values():
         group.sort(key=lambda r: r["sha256"])

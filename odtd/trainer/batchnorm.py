@@ -199,7 +199,8 @@ def adapt_batchnorm(tf: Any, model: Any, job: Any, device_x: np.ndarray,
     if measured is None:
         return None
     layers, device, rehearsal = measured
-    evaluations, tried = {}, {}  # type: Dict[float, Dict[str, Any]], Dict[float, Dict[str, float]]
+    kept_evaluation = None  # type: Optional[Dict[str, Any]]
+    tried = {}  # type: Dict[float, Dict[str, float]]
     if weight == AUTO:
         def assign(candidate: float) -> None:
             assign_moments(layers, mix_moments(device, rehearsal, candidate))
@@ -208,39 +209,39 @@ def adapt_batchnorm(tf: Any, model: Any, job: Any, device_x: np.ndarray,
                                 score, groups, reference_before, job["reference_tolerance"])
         if chosen is None:
             return None
-        weight, evaluations, tried = chosen
+        weight, kept_evaluation, tried = chosen
     assign_moments(layers, mix_moments(device, rehearsal, weight))
-    return time.monotonic() - started, weight, evaluations.get(weight), tried
+    return time.monotonic() - started, weight, kept_evaluation, tried
 
 
-Chosen = Tuple[float, Dict[float, Dict[str, Any]], Dict[float, Dict[str, float]]]
+Chosen = Tuple[float, Dict[str, Any], Dict[float, Dict[str, float]]]
 
 
 def choose_mixture(assign: Callable[[float], None], candidates: Sequence[float],
                    score: Callable[..., Optional[Dict[str, Any]]], groups: Optional[np.ndarray],
                    reference_before: Optional[float], reference_tolerance: Optional[float]
                    ) -> Optional[Chosen]:
-    """``adapt_batchnorm``'s ``AUTO``: (weight kept, its and other full evaluations, tried).
+    """``adapt_batchnorm``'s ``AUTO``: (weight kept, its full evaluation, accuracies tried).
 
-    ``tried[w]`` is the accuracy by group of each try; a try scored on the acceptance group
-    only has that group alone. None on a stop.
+    ``tried[w]`` is each try's accuracy by group; a try scored on the acceptance group only
+    has that group alone. None on a stop.
     """
     names = [] if groups is None else [str(g) for g in np.unique(groups)]
     group = next((g for g in ("0", "1") if g in names), None)
-    evaluations, tried = {}, {}  # type: Dict[float, Dict[str, Any]], Dict[float, Dict[str, float]]
-    if group is None or REFERENCE_GROUP not in names or reference_before is None \
-            or reference_tolerance is None:  # nothing to spare: score each in full
-        for candidate in candidates:
+    tried = {}  # type: Dict[float, Dict[str, float]]
+    if groups is None or group is None or REFERENCE_GROUP not in names \
+            or reference_before is None or reference_tolerance is None:
+        evaluations = {}  # type: Dict[float, Dict[str, Any]]
+        for candidate in candidates:  # nothing to spare: score each in full
             assign(candidate)
             evaluation = score(None)
             if evaluation is None:
                 return None
             evaluations[candidate] = evaluation
             tried[candidate] = evaluation["by_group"] or {"all": evaluation["accuracy"]}
-        return (choose_weight(tried, reference_before, reference_tolerance, group,
-                              REFERENCE_GROUP), evaluations, tried)
-    assert groups is not None
-    accepting = np.array([str(g) == group for g in groups])
+        kept = choose_weight(tried, reference_before, reference_tolerance, group, REFERENCE_GROUP)
+        return kept, evaluations[kept], tried
+    accepting = groups.astype(str) == group
     first = {}  # type: Dict[float, Dict[str, Any]]
     for candidate in candidates:  # every other image counts as known: only the group runs
         assign(candidate)
@@ -248,18 +249,20 @@ def choose_mixture(assign: Callable[[float], None], candidates: Sequence[float],
         if evaluation is None:
             return None
         first[candidate] = evaluation
-        tried[candidate] = {group: float(np.mean(evaluation["correct"][accepting]))}
+        tried[candidate] = {group: evaluation["by_group"][group]}
+    full = {}  # type: Dict[float, Dict[str, Any]]
     for candidate in sorted(candidates, key=lambda w: (-tried[w][group], w)):
         assign(candidate)
         evaluation = score((accepting, first[candidate]["correct"], first[candidate]["losses"]))
         if evaluation is None:
             return None
         evaluation.update(cached=0, seconds=evaluation["seconds"] + first[candidate]["seconds"])
-        evaluations[candidate], tried[candidate] = evaluation, evaluation["by_group"]
+        full[candidate], tried[candidate] = evaluation, evaluation["by_group"]
         if spares_reference(tried[candidate], reference_before, reference_tolerance):
-            return candidate, evaluations, tried
-    return (choose_weight(tried, reference_before, reference_tolerance, group, REFERENCE_GROUP),
-            evaluations, tried)
+            return candidate, evaluation, tried
+    # None spares the reference (every try is now scored in full): the least loss there.
+    kept = choose_weight(tried, reference_before, reference_tolerance, group, REFERENCE_GROUP)
+    return kept, full[kept], tried
 
 
 def spares_reference(by_group: Dict[str, float], reference_before: float,
