@@ -68,3 +68,34 @@ def test_without_a_reference_every_try_is_scored_in_full():
     kept, evaluation, tried = choose_mixture(assign, AUTO_WEIGHTS, score, groups, 0.5, 0.01)
     assert kept == 1.0 and scored == [20] * 5 and sorted(tried) == list(AUTO_WEIGHTS)
     np.testing.assert_array_equal(evaluation["correct"], outcomes[1.0])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_try_the_acceptance_test_refuses_is_not_scored_on_the_reference(seed):
+    # refused (the worker's refusal_check) drops a try before its reference pass: what is
+    # kept is then what scoring the tries it let through in full keeps, or, if it refuses
+    # every try, the best on validation, with only validation scored.
+    rng = np.random.default_rng(100 + seed)
+    groups = np.repeat([0, 2], [30, 60])
+    outcomes = {w: rng.random(90) < rng.uniform(0.2, 0.8) for w in AUTO_WEIGHTS}
+    before, tolerance = rng.uniform(0.3, 0.7), 0.05
+    full = {w: {"0": float(c[:30].mean()), "2": float(c[30:].mean())} for w, c in outcomes.items()}
+    cut = rng.choice(sorted(f["0"] for f in full.values()) + [1.1])  # refuse below this
+    let_through = [w for w in AUTO_WEIGHTS if full[w]["0"] >= cut]
+    scored = []
+    assign, score = _scorer(outcomes, groups, scored)
+    kept, evaluation, tried = choose_mixture(
+        assign, AUTO_WEIGHTS, score, groups, before, tolerance,
+        refused=lambda first: first["by_group"]["0"] < cut)
+    assert scored[:5] == [30] * 5 and set(scored[5:]) <= {60}
+    assert len(scored) - 5 <= len(let_through)
+    assert all("2" not in tried[w] for w in AUTO_WEIGHTS if w not in let_through)
+    if let_through:
+        assert kept == choose_weight({w: full[w] for w in let_through}, before, tolerance,
+                                     "0", "2")
+        assert evaluation["by_group"] == full[kept]
+    else:
+        assert kept == choose_weight({w: {"0": f["0"]} for w, f in full.items()}, None, None,
+                                     "0", "2")
+        assert evaluation["by_group"] == {"0": full[kept]["0"]} and len(scored) == 5
+        assert evaluation["accuracy"] == full[kept]["0"] and evaluation["samples"] == 30

@@ -539,6 +539,35 @@ def test_auto_batchnorm_mixture_keeps_the_best_weight_that_spares_the_reference(
     assert events[-1]["by_group_after"] == tried[result["bn_device_weight"]]
 
 
+def test_a_candidate_refused_on_validation_is_not_scored_on_the_reference(tmp_path, initial,
+                                                                         data):
+    # The same training twice: with an acceptance test nothing that changes a prediction
+    # passes (z 50), the candidate is scored on the validation group alone; with one nothing
+    # fails (tolerance 1), on both groups.
+    rng = np.random.default_rng(9)
+    validation = tmp_path / "two-groups.npz"
+    np.savez(validation, x=rng.integers(0, 256, (40, *SHAPE), dtype=np.uint8),
+             y=rng.integers(0, 3, 40).astype(np.int64),
+             group=np.repeat(np.array([0, 2], dtype=np.int64), 20))
+    results = {}
+    for name, tolerance, z in (("refused", 0.0, 50.0), ("passed", 1.0, 0.0)):
+        code, events, stderr = run_worker(write_job(
+            tmp_path, name, weights_in=str(initial[0]), train_data=data["train_data"],
+            validation_data=str(validation), learning_rate=0.2, acceptance_tolerance=tolerance,
+            confidence_z=z))
+        assert code == 0, stderr
+        after = [e for e in by_event(events, "eval") if e["phase"] == "after"][0]
+        results[name] = events[-1], after
+    passed, passed_eval = results["passed"]
+    assert set(passed["by_group_after"]) == set(passed["paired_by_group"]) == {"0", "2"}
+    assert passed["paired_by_group"]["0"]["gained"] + passed["paired_by_group"]["0"]["lost"] > 0
+    assert passed_eval["samples"] == 40
+    refused, refused_eval = results["refused"]
+    assert set(refused["by_group_after"]) == set(refused["paired_by_group"]) == {"0"}
+    assert refused_eval["samples"] == 20 and refused["per_class_after"] is None
+    assert refused["accuracy_after"] == refused["by_group_after"]["0"]
+
+
 def test_device_mask_of_the_wrong_length_is_a_bad_job(tmp_path, data):
     train = tmp_path / "masked.npz"
     x = np.zeros((4, *SHAPE), dtype=np.uint8)

@@ -141,7 +141,8 @@ def sessions_table(sessions: list[dict[str, Any]]) -> list[str]:
 
     ``acc before/after`` are on the acceptance set (the fixed validation set when there is one),
     ``holdout`` is the candidate's accuracy on the device's held-out samples, ``reference``
-    the current model's and the candidate's on the reference set (the original domain),
+    the current model's and the candidate's on the reference set (the original domain; the
+    candidate's ``-`` when validation refused it and it was not scored there),
     ``forgetting`` the best earlier accuracy of a kept model minus the kept model's now, in
     points, ``J/pt`` the energy of every session so far per point the kept model gained since
     day 0 (``report.efficiency``; ``-`` without a gain).
@@ -169,7 +170,7 @@ def _reference(details: dict[str, Any]) -> str:
     before, after = details.get("reference_accuracy_before"), details.get("reference_accuracy_after")
     if before is None:
         return "-"
-    return f"{pct(before)}->{pct(after)}" if after is not None else pct(before)
+    return f"{pct(before)}->{pct(after)}"
 
 
 def render_status(data: dict[str, Any]) -> str:

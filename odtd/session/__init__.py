@@ -8,5 +8,6 @@ profile), ``acceptance`` (may a candidate replace the current model), ``replay_b
 
 May import: ``errors``, ``config``, ``policy``, ``store``, ``home``, ``profiling`` (profiles
 and the memory fit, for admission), ``telemetry`` (the session's energy) and the daemon side of
-``trainer`` (``launch``, ``job``). Never TensorFlow: the worker is a subprocess.
+``trainer`` (``launch``, ``job``, ``evaluation``'s statistics). Never TensorFlow: the worker is a
+subprocess.
 """

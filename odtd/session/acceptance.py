@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from odtd.trainer.evaluation import acceptance_margin, paired_standard_error
+
 
 def refusal_reason(before: float, after: float, tolerance: float, confidence_z: float,
                    paired: Optional[dict[str, int]]) -> Optional[str]:
@@ -21,18 +23,16 @@ def refusal_reason(before: float, after: float, tolerance: float, confidence_z: 
     by less than two that disagree on many.
     """
     gain = after - before
-    if confidence_z <= 0 or not paired or not paired.get("samples"):
-        if gain < -tolerance:
-            return f"validation accuracy {after:.2%} < {before:.2%} - {tolerance:.2%} tolerance"
+    bound = acceptance_margin(gain, paired, confidence_z)
+    if bound >= -tolerance:
         return None
-    se = paired_standard_error(paired["gained"], paired["lost"], paired["samples"])
-    bound = gain - confidence_z * se
-    if bound < -tolerance:
-        allowed = 0.0 - 100 * tolerance  # 0.0 - 0.0 is 0.0, never -0.0
-        return (f"validation accuracy {after:.2%} vs {before:.2%}: gain {100 * gain:+.2f} - "
-                f"{confidence_z:g} x {100 * se:.2f} (standard error) = {100 * bound:+.2f} points "
-                f"< {allowed:.2f} (tolerance)")
-    return None
+    if confidence_z <= 0 or not paired or not paired.get("samples"):
+        return f"validation accuracy {after:.2%} < {before:.2%} - {tolerance:.2%} tolerance"
+    se = (gain - bound) / confidence_z
+    allowed = 0.0 - 100 * tolerance  # 0.0 - 0.0 is 0.0, never -0.0
+    return (f"validation accuracy {after:.2%} vs {before:.2%}: gain {100 * gain:+.2f} - "
+            f"{confidence_z:g} x {100 * se:.2f} (standard error) = {100 * bound:+.2f} points "
+            f"< {allowed:.2f} (tolerance)")
 
 
 def reference_refusal(before: float, after: float, tolerance: float, confidence_z: float,
@@ -52,10 +52,3 @@ def reference_refusal(before: float, after: float, tolerance: float, confidence_
     margin = f" - {confidence_z:g} x {100 * se:.2f} (standard error)" if se else ""
     return (f"reference (original domain) accuracy {after:.2%} vs {before:.2%}: lost "
             f"{100 * loss:.2f}{margin} points > {100 * tolerance:.2f} (reference_tolerance)")
-
-
-def paired_standard_error(gained: int, lost: int, samples: int) -> float:
-    """Standard error of the accuracy difference of two models scored on the same samples."""
-    mean = (gained - lost) / samples
-    variance = ((gained + lost) / samples - mean * mean) / samples
-    return max(variance, 0.0) ** 0.5

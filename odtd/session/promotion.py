@@ -61,9 +61,9 @@ class Promotion:
                                      acceptance.confidence_z, record.details.paired)
         details = record.details
         if refusal is None and acceptance.reference_tolerance is not None and \
-                details.reference_accuracy_before is not None and \
-                details.reference_accuracy_after is not None:
-            refusal = reference_refusal(
+                details.reference_accuracy_before is not None:
+            refusal = "the candidate was not scored on the reference set" \
+                if details.reference_accuracy_after is None else reference_refusal(
                 details.reference_accuracy_before, details.reference_accuracy_after,
                 acceptance.reference_tolerance / 100.0, acceptance.confidence_z,
                 details.reference_paired)

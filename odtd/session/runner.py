@@ -249,6 +249,8 @@ class SessionRunner:
             recalibrate_bn=training.recalibrate_bn, bn_device_weight=training.bn_device_weight,
             reference_tolerance=None if self.policy.acceptance.reference_tolerance is None
             else self.policy.acceptance.reference_tolerance / 100.0,
+            acceptance_tolerance=self.policy.acceptance.tolerance / 100.0,
+            confidence_z=self.policy.acceptance.confidence_z,
             seed=training.seed, parent_pid=os.getpid(),
             precision=plan.get("precision", training.precision),
             recompute=plan.get("recompute", False), micro_batch_size=plan.get("micro_batch_size"),

@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from odtd.trainer.evaluation import acceptance_group, score_group, score_rest
 from odtd.trainer.imported import leaf_layers
 
 Moments = List[Tuple[np.ndarray, np.ndarray]]
@@ -169,7 +170,9 @@ def adapt_batchnorm(tf: Any, model: Any, job: Any, device_x: np.ndarray,
                     should_stop: Callable[[], bool], weight: Any,
                     score: Optional[Callable[..., Optional[Dict[str, Any]]]] = None,
                     reference_before: Optional[float] = None,
-                    groups: Optional[np.ndarray] = None) -> Optional[Adapted]:
+                    groups: Optional[np.ndarray] = None,
+                    refused: Optional[Callable[[Dict[str, Any]], bool]] = None
+                    ) -> Optional[Adapted]:
     """Set every BatchNormalization layer's statistics to the device / rehearsal mixture.
 
     ``weight`` is the device's share; without rehearsal images the device's statistics are used
@@ -183,7 +186,8 @@ def adapt_batchnorm(tf: Any, model: Any, job: Any, device_x: np.ndarray,
     When the reference is guarded, the tries are scored lazily with the same outcome: each on
     the acceptance group alone, then in full from the best there down, until one spares the
     reference. The others' reference accuracy is not measured (on 1,000 validation and 2,000
-    reference images that saves up to three fifths of the scoring).
+    reference images that saves up to three fifths of the scoring), nor that of a try the
+    acceptance test already ``refused`` on the acceptance group (``choose_mixture``).
 
     Returns:
         ``(seconds, weight assigned, its evaluation, {weight: accuracy by group})``, the last two
@@ -206,7 +210,8 @@ def adapt_batchnorm(tf: Any, model: Any, job: Any, device_x: np.ndarray,
             assign_moments(layers, mix_moments(device, rehearsal, candidate))
 
         chosen = choose_mixture(assign, AUTO_WEIGHTS if rehearsal is not None else (1.0,),
-                                score, groups, reference_before, job["reference_tolerance"])
+                                score, groups, reference_before, job["reference_tolerance"],
+                                refused)
         if chosen is None:
             return None
         weight, kept_evaluation, tried = chosen
@@ -219,17 +224,20 @@ Chosen = Tuple[float, Dict[str, Any], Dict[float, Dict[str, float]]]
 
 def choose_mixture(assign: Callable[[float], None], candidates: Sequence[float],
                    score: Callable[..., Optional[Dict[str, Any]]], groups: Optional[np.ndarray],
-                   reference_before: Optional[float], reference_tolerance: Optional[float]
+                   reference_before: Optional[float], reference_tolerance: Optional[float],
+                   refused: Optional[Callable[[Dict[str, Any]], bool]] = None
                    ) -> Optional[Chosen]:
-    """``adapt_batchnorm``'s ``AUTO``: (weight kept, its full evaluation, accuracies tried).
+    """``adapt_batchnorm``'s ``AUTO``: (weight kept, its evaluation, accuracies tried).
 
     ``tried[w]`` is each try's accuracy by group; a try scored on the acceptance group only
-    has that group alone. None on a stop.
+    has that group alone. ``refused`` (of a try's ``score_group`` evaluation) tells a try the
+    acceptance test already refuses on that group: its reference is not scored. If no try is
+    scored in full, the best on the acceptance group is kept with that group's evaluation.
+    None on a stop.
     """
-    names = [] if groups is None else [str(g) for g in np.unique(groups)]
-    group = next((g for g in ("0", "1") if g in names), None)
+    group = acceptance_group(groups)
     tried = {}  # type: Dict[float, Dict[str, float]]
-    if groups is None or group is None or REFERENCE_GROUP not in names \
+    if groups is None or group is None or REFERENCE_GROUP not in {str(g) for g in set(groups)} \
             or reference_before is None or reference_tolerance is None:
         evaluations = {}  # type: Dict[float, Dict[str, Any]]
         for candidate in candidates:  # nothing to spare: score each in full
@@ -241,28 +249,28 @@ def choose_mixture(assign: Callable[[float], None], candidates: Sequence[float],
             tried[candidate] = evaluation["by_group"] or {"all": evaluation["accuracy"]}
         kept = choose_weight(tried, reference_before, reference_tolerance, group, REFERENCE_GROUP)
         return kept, evaluations[kept], tried
-    accepting = groups.astype(str) == group
     first = {}  # type: Dict[float, Dict[str, Any]]
-    for candidate in candidates:  # every other image counts as known: only the group runs
+    for candidate in candidates:  # only the acceptance group's images run
         assign(candidate)
-        evaluation = score((~accepting, np.zeros(len(groups), dtype=bool), np.zeros(len(groups))))
+        evaluation = score_group(score, groups, group)
         if evaluation is None:
             return None
-        first[candidate] = evaluation
-        tried[candidate] = {group: evaluation["by_group"][group]}
+        first[candidate], tried[candidate] = evaluation, dict(evaluation["by_group"])
     full = {}  # type: Dict[float, Dict[str, Any]]
     for candidate in sorted(candidates, key=lambda w: (-tried[w][group], w)):
+        if refused is not None and refused(first[candidate]):
+            continue
         assign(candidate)
-        evaluation = score((accepting, first[candidate]["correct"], first[candidate]["losses"]))
+        evaluation = score_rest(score, groups, group, first[candidate])
         if evaluation is None:
             return None
-        evaluation.update(cached=0, seconds=evaluation["seconds"] + first[candidate]["seconds"])
         full[candidate], tried[candidate] = evaluation, evaluation["by_group"]
         if spares_reference(tried[candidate], reference_before, reference_tolerance):
             return candidate, evaluation, tried
-    # None spares the reference (every try is now scored in full): the least loss there.
-    kept = choose_weight(tried, reference_before, reference_tolerance, group, REFERENCE_GROUP)
-    return kept, full[kept], tried
+    # None spares the reference: of those scored in full, the least loss there.
+    scored = {w: tried[w] for w in full} or tried
+    kept = choose_weight(scored, reference_before, reference_tolerance, group, REFERENCE_GROUP)
+    return kept, full.get(kept, first[kept]), tried
 
 
 def spares_reference(by_group: Dict[str, float], reference_before: float,

@@ -98,6 +98,101 @@ def paired_counts(before: np.ndarray, after: np.ndarray, groups: Optional[np.nda
             for name, mask in masks.items()}
 
 
+def acceptance_group(groups: Optional[np.ndarray]) -> Optional[str]:
+    """The evaluation set's group the acceptance test reads.
+
+    The validation set ("0") if it has one, else the device's held-out images ("1"); None
+    without groups.
+    """
+    names = [] if groups is None else [str(g) for g in np.unique(groups)]
+    return next((g for g in ("0", "1") if g in names), None)
+
+
+def score_group(score: Callable[..., Optional[Dict[str, Any]]], groups: np.ndarray, group: str
+                ) -> Optional[Dict[str, Any]]:
+    """``score`` (``evaluate`` with ``cached`` passed on) on one group of the evaluation set.
+
+    Every other image counts as known, so only the group's run through the model. The result
+    describes the group alone (``accuracy``, ``by_group``, ``samples``; ``per_class`` None);
+    ``correct`` and ``losses`` are valid on it only. None on a stop.
+    """
+    inside = groups.astype(str) == group
+    evaluation = score((~inside, np.zeros(len(groups), dtype=bool), np.zeros(len(groups))))
+    if evaluation is not None:
+        accuracy = evaluation["by_group"][group]
+        evaluation.update(accuracy=accuracy, by_group={group: accuracy}, per_class=None,
+                          samples=int(np.sum(inside)), cached=0,
+                          loss=float(np.mean(evaluation["losses"][inside])))
+    return evaluation
+
+
+def score_rest(score: Callable[..., Optional[Dict[str, Any]]], groups: np.ndarray, group: str,
+               first: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """Complete ``first`` (``score_group``'s on ``group``) with the other images.
+
+    Returns the full evaluation, its ``seconds`` both passes'; None on a stop.
+    """
+    inside = groups.astype(str) == group
+    evaluation = score((inside, first["correct"], first["losses"]))
+    if evaluation is not None:
+        evaluation.update(cached=0, seconds=evaluation["seconds"] + first["seconds"])
+    return evaluation
+
+
+def score_candidate(score: Callable[..., Optional[Dict[str, Any]]], groups: Optional[np.ndarray],
+                    refused: Optional[Callable[[Dict[str, Any]], bool]]) -> Optional[Dict[str, Any]]:
+    """Score a candidate, the acceptance group first.
+
+    The other groups follow unless ``refused`` (of that evaluation) says the acceptance test
+    already refuses the candidate. Without ``refused`` or other groups, everything in one pass.
+    None on a stop.
+    """
+    group = acceptance_group(groups)
+    if refused is None or groups is None or group is None or len(np.unique(groups)) < 2:
+        return score(None)
+    first = score_group(score, groups, group)
+    if first is None or refused(first):
+        return first
+    return score_rest(score, groups, group, first)
+
+
+def refusal_check(correct_before: np.ndarray, groups: np.ndarray, tolerance: float,
+                  confidence_z: float) -> Callable[[Dict[str, Any]], bool]:
+    """Whether a candidate's evaluation of the acceptance group already fails acceptance.
+
+    The test is the session's (``odtd.session.acceptance.refusal_reason``: the gain less
+    ``confidence_z`` standard errors below ``-tolerance``, fractions). A hair of slack keeps
+    every candidate the session could accept scored in full.
+    """
+    inside = groups.astype(str) == acceptance_group(groups)
+
+    def refused(evaluation: Dict[str, Any]) -> bool:
+        counts = paired_counts(correct_before[inside], evaluation["correct"][inside], None)["all"]
+        gain = (counts["gained"] - counts["lost"]) / float(counts["samples"])
+        return acceptance_margin(gain, counts, confidence_z) < -tolerance - 1e-6
+
+    return refused
+
+
+def paired_standard_error(gained: int, lost: int, samples: int) -> float:
+    """Standard error of the accuracy difference of two models scored on the same samples."""
+    mean = (gained - lost) / samples
+    variance = ((gained + lost) / samples - mean * mean) / samples
+    return max(variance, 0.0) ** 0.5
+
+
+def acceptance_margin(gain: float, paired: Optional[Dict[str, int]], confidence_z: float) -> float:
+    """A candidate's validation gain less ``confidence_z`` standard errors of the difference.
+
+    Fractions; the acceptance test refuses a candidate below ``-tolerance``. The gain alone with
+    ``confidence_z`` <= 0 or no paired counts (``paired_counts``' entry of the group).
+    """
+    if confidence_z <= 0 or not paired or not paired.get("samples"):
+        return gain
+    return gain - confidence_z * paired_standard_error(paired["gained"], paired["lost"],
+                                                        paired["samples"])
+
+
 def open_eval_cache(job: Dict[str, Any], precision: str,
                      validation: Tuple[np.ndarray, np.ndarray]
                      ) -> Optional[Tuple[str, np.ndarray, Any]]:

@@ -47,6 +47,8 @@ JOB_KEYS = {
     "recalibrate_bn": ("bool", False),
     "bn_device_weight": ("share_or_auto", None),
     "reference_tolerance": ("share", None),
+    "acceptance_tolerance": ("share", None),
+    "confidence_z": ("float", 0.0),
     "recompute": ("bool", False),
     "micro_batch_size": ("positive_int", None),
     "seed": ("int", 0),

@@ -23,7 +23,14 @@ from odtd.trainer.batchnorm import (
     recalibrate_batchnorm,
 )
 from odtd.trainer.data import load_groups
-from odtd.trainer.evaluation import evaluate, make_eval_step, open_eval_cache, paired_counts
+from odtd.trainer.evaluation import (
+    evaluate,
+    make_eval_step,
+    open_eval_cache,
+    paired_counts,
+    refusal_check,
+    score_candidate,
+)
 from odtd.trainer.imported import leaf_layers
 
 Emit = Callable[..., None]
@@ -210,7 +217,7 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     # Evaluating at the training batch size (the default) keeps the session's memory within
     # what the profile measured for that size.
     eval_batch_size = job["eval_batch_size"] or batch_size
-    groups = None
+    groups = score = refused = None  # type: Any
     if validation is not None:
         groups = load_groups(job["validation_data"], len(validation[1]))
         eval_step = make_eval_step(tf, model, job)
@@ -234,6 +241,15 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         fields["accuracy_before"] = before["accuracy"]
         fields["per_class_before"] = before["per_class"]
         fields["by_group_before"] = before["by_group"]
+
+        def score(cached: Any = None) -> Optional[Dict[str, Any]]:
+            return evaluate(eval_step, validation[0], validation[1], num_classes,
+                            eval_batch_size, should_stop, groups, cached)
+
+        if job["acceptance_tolerance"] is not None and groups is not None:
+            # A candidate refused on the acceptance group is not scored on the rest.
+            refused = refusal_check(correct_before, groups, job["acceptance_tolerance"],
+                                    job["confidence_z"])
 
     x_train, y_train = data["train_data"]
     device_split = data.get("device_split") if job["bn_device_weight"] is not None else None
@@ -270,17 +286,14 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         return fields
     after = None
     if device_split is not None:  # again, under the trained weights; it replaces recalibration
-        score, reference_before = None, None
+        reference_before = None
         if validation is not None:  # what auto chooses by
-            def score(cached: Any = None) -> Optional[Dict[str, Any]]:
-                return evaluate(eval_step, validation[0], validation[1], num_classes,
-                                eval_batch_size, should_stop, groups, cached)
             reference_before = fields["by_group_before"].get(REFERENCE_GROUP)
         elif weight == AUTO:
             weight = AUTO_WEIGHT_BEFORE  # nothing to choose by
         adapted = adapt_batchnorm(tf, model, job, device_split[0], device_split[1],
                                   adapt_batch_size, should_stop, weight, score, reference_before,
-                                  groups)
+                                  groups, refused)
         if adapted is None:
             return fields
         fields["adapt_seconds"] += adapted[0]
@@ -293,13 +306,16 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
             return fields
     if validation is not None:
         if after is None:
-            after = evaluate(eval_step, validation[0], validation[1], num_classes,
-                             eval_batch_size, should_stop, groups)
+            after = score_candidate(score, groups, refused)
         if after is None:
             return fields
         correct_after, losses_after = after.pop("correct"), after.pop("losses")
-        fields["paired_by_group"] = paired_counts(correct_before, correct_after, groups)
-        if scored_after is not None:
+        # A refused candidate's evaluation may hold the acceptance group alone.
+        fields["paired_by_group"] = {
+            name: counts for name, counts in paired_counts(correct_before, correct_after, groups).items()
+            if groups is None or name in after["by_group"]}
+        complete = groups is None or len(after["by_group"]) == len(np.unique(groups))
+        if scored_after is not None and complete:
             keys = cache[1] if cache is not None else evalcache.sample_keys(*validation)
             scored_after.update(keys=keys, correct=correct_after, losses=losses_after)
         emit("eval", phase="after", **after)
