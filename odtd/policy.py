@@ -17,9 +17,15 @@ class _Strict(BaseModel):
 
 
 class SchedulePolicy(_Strict):
-    """Overrides of ``odtd.yaml``'s schedule for this policy."""
+    """When a session trains: overrides of ``odtd.yaml``'s cron, and how many new samples it waits for."""
 
     cron: Optional[str] = Field(default=None, description="five-field crontab; null keeps odtd.yaml's")
+    min_new_samples: PositiveInt = Field(
+        default=1, description="a session trains only with at least this many new samples pending")
+    backoff: float = Field(
+        default=1.0, ge=1, le=16,
+        description="after each refused session in a row, the next waits for this many times "
+        "more new samples (at most training.max_samples_per_session); 1: off")
 
 
 class BatchPolicy(_Strict):

@@ -9,8 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from odtd.policy import GatesPolicy
-from odtd.session.gates import FORCE_CLOSED_FILE, GateMonitor, StopRequest, check_gates, in_window
+from odtd.policy import GatesPolicy, SchedulePolicy
+from odtd.session.gates import (
+    FORCE_CLOSED_FILE,
+    GateMonitor,
+    StopRequest,
+    check_gates,
+    in_window,
+    samples_wanted,
+)
+from odtd.store.records import SessionRecord
 
 FIXTURES = Path(__file__).parent / "fixtures" / "telemetry"
 NOW = datetime(2026, 11, 22, 2, 30)
@@ -225,3 +233,25 @@ def test_monitor_interrupts_a_real_session_at_a_step_boundary(home, tmp_path):
     assert session["outcome"] == "interrupted"
     assert session["reason"] == f"gate window closed: forced closed by {force}"
     assert session["model_version_after"] == session["model_version_before"]
+
+
+def _finished(*outcomes):
+    """Finished sessions, most recent first, with these outcomes."""
+    return [SessionRecord(day="2026-11-26", trigger="schedule", id=len(outcomes) - i, outcome=o)
+            for i, o in enumerate(outcomes)]
+
+
+def test_each_refused_session_in_a_row_multiplies_the_samples_a_session_waits_for():
+    schedule = SchedulePolicy(min_new_samples=64, backoff=2)
+    assert samples_wanted(schedule, [], 512) == (64, 0)
+    assert samples_wanted(schedule, _finished("promoted", "rolled_back"), 512) == (64, 0)
+    # Skipped, failed and interrupted sessions neither count nor end the run.
+    refused = _finished("rolled_back", "skipped", "failed", "rolled_back", "interrupted",
+                        "promoted", "rolled_back")
+    assert samples_wanted(schedule, refused, 512) == (256, 2)
+    assert samples_wanted(schedule, _finished(*["rolled_back"] * 5), 512) == (512, 5)  # the cap
+    assert samples_wanted(schedule, _finished(*["rolled_back"] * 5), 100) == (100, 5)
+    # Off by default: every pending sample starts a session, refusals or not.
+    assert samples_wanted(SchedulePolicy(), _finished(*["rolled_back"] * 3), 512) == (1, 3)
+    assert samples_wanted(SchedulePolicy(min_new_samples=10, backoff=1.5),
+                          _finished("rolled_back"), 512) == (15, 1)

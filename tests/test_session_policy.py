@@ -31,6 +31,17 @@ def test_batch_over_memory_budget_is_skipped_with_the_reason(home, tmp_path):
     assert odtctl_json("status", home=home)["samples"]["pending"] > 0  # nothing was lost
 
 
+def test_a_session_waits_for_the_new_samples_the_schedule_asks(home, tmp_path):
+    _ingest(home, tmp_path)
+    pending = odtctl_json("status", home=home)["samples"]["pending"]
+    _set_policy(home, "training:", f"schedule:\n  min_new_samples: {pending + 1}\ntraining:")
+    session = odtctl_json("train-now", "--foreground", home=home)
+    assert (session["outcome"], session["reason"]) == (
+        "skipped", f"waiting for {pending + 1} new samples, {pending} pending")
+    assert session["energy_j"] is None and not session["steps"]  # no worker ran
+    assert odtctl_json("status", home=home)["samples"]["pending"] == pending  # nothing was lost
+
+
 def test_out_of_memory_halves_the_batch_and_is_remembered(home, tmp_path):
     _ingest(home, tmp_path)
     # A worker interpreter that runs out of memory at batch 8, as TensorFlow reports it.

@@ -125,7 +125,8 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
                        description="Ask the daemon for a session now, or run it here with --foreground.")
     p.add_argument("--foreground", action="store_true", help="run the session in this process, no daemon")
     p.add_argument("--wait", action="store_true", help="wait for the daemon's session and print it")
-    p.add_argument("--force", action="store_true", help="bypass the policy's gates (never memory safety)")
+    p.add_argument("--force", action="store_true",
+                   help="bypass the policy's gates and its wait for new samples (never memory safety)")
 
     p = sub.add_parser("status", parents=[reader], help="daemon, model, samples and recent sessions")
     p.add_argument("--limit", type=int, default=10, help="sessions to show (default 10)")

@@ -13,6 +13,9 @@ Each gate reads plain files under an injectable ``root`` (a fake board tree in t
   the atime of a device read moves at most once a day, so this sees less input than there is.
 * ``window``: local time inside ``gates.window`` ("01:00-06:00"; may wrap midnight).
 
+Before the gates, ``samples_wanted``: how many new samples a session waits for
+(``schedule.min_new_samples``, times ``schedule.backoff`` per refused session in a row).
+
 Forcing a gate closed, for demos and tests of the stop path: write gate names, one per line, to
 ``ODTD_HOME/run/force-gate-closed`` (``FORCE_CLOSED_FILE``). The checks read it like any other
 input, at start and every ``check_interval_s`` while a session runs; delete it to reopen.
@@ -29,7 +32,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from odtd.policy import GatesPolicy, parse_window
+from odtd.policy import GatesPolicy, SchedulePolicy, parse_window
+from odtd.store.records import SessionRecord
 
 logger = logging.getLogger(__name__)
 
@@ -322,3 +326,21 @@ class GateMonitor:
                 logger.info("%s", self.stop.reason)
                 return
             self._halt.wait(self.gates.check_interval_s)
+
+
+def samples_wanted(schedule: SchedulePolicy, sessions: List[SessionRecord], cap: int
+                   ) -> Tuple[int, int]:
+    """``(new samples the next session waits for, refused sessions in a row)``.
+
+    ``sessions`` are the finished ones, most recent first; skipped, failed and interrupted
+    sessions neither count nor break the run. Each refused (rolled-back) session since the last
+    promotion multiplies ``min_new_samples`` by ``backoff``, up to ``cap`` (the most a session
+    takes: it must be able to start).
+    """
+    refused = 0
+    for session in sessions:
+        if session.outcome == "promoted":
+            break
+        refused += session.outcome == "rolled_back"
+    wanted = schedule.min_new_samples * schedule.backoff ** refused
+    return int(min(cap, max(schedule.min_new_samples, round(wanted)))), refused

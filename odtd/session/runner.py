@@ -28,7 +28,13 @@ from odtd.home.spec import ModelSpec
 from odtd.home.versions import ModelRepo
 from odtd.policy import Policy
 from odtd.session.admission import SKIP, admit_session, oom_retry_batch, record_oom
-from odtd.session.gates import FORCE_CLOSED_FILE, GateMonitor, StopRequest, check_gates
+from odtd.session.gates import (
+    FORCE_CLOSED_FILE,
+    GateMonitor,
+    StopRequest,
+    check_gates,
+    samples_wanted,
+)
 from odtd.session.promotion import CANDIDATE_EVAL_CACHE, Promotion
 from odtd.session.replay_buffer import choose_replay
 from odtd.store.database import Store
@@ -141,6 +147,12 @@ class SessionRunner:
         self.store.start_session(record)
         if not pending:
             return self._finish(record, "skipped", "no pending samples")
+        wanted, refused = samples_wanted(policy.schedule, self.store.sessions(done_only=True),
+                                         policy.training.max_samples_per_session)
+        if len(pending) < wanted and not force:
+            after = f" ({refused} refused in a row)" if refused else ""
+            return self._finish(record, "skipped", f"waiting for {wanted} new samples, "
+                                f"{len(pending)} pending{after}")
         closed = [] if force else [g for g in check_gates(policy.gates, self.root, None, self.force_file)
                                    if not g.passed]
         if closed:

@@ -244,7 +244,9 @@ class SessionArm:
             record = self.runner.run(trigger="simulate", day=day.stamp)
         version = self.repo.current()
         return {"weights": self.repo.weights_path(version), "model_version": version,
-                "energy_j": record.energy_j, "validation": record.kept_accuracy,
+                # A skipped session (waiting for samples, a gate) ran no worker: no joules.
+                "energy_j": 0.0 if record.outcome == "skipped" else record.energy_j,
+                "validation": record.kept_accuracy,
                 "ingested": report.accepted, "outcome": record.outcome,
                 "validation_before": record.accuracy_before, "validation_after": record.accuracy_after,
                 "batch_size": record.batch_size, "samples_new": record.samples_new,

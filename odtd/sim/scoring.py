@@ -164,9 +164,11 @@ class RunLog:
     final: dict[str, Scores] = field(default_factory=dict)
     _daily: list[dict[str, Scores]] = field(default_factory=list)
     _energy: dict[str, Optional[float]] = field(default_factory=dict)
+    _validation: dict[str, Optional[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._energy = {arm: 0.0 for arm in self.arms}
+        self._validation = {arm: self.base.validation for arm in self.arms}
         base = self._subset(self.base)
         self.rows.append({"day": 0, "arms": {
             arm: {**base.accuracy(), "validation": self.base.validation, "energy_j_total": 0.0}
@@ -194,8 +196,10 @@ class RunLog:
             energy = record.get("energy_j")
             total = self._energy[arm]
             self._energy[arm] = None if total is None or energy is None else total + energy
-            validation = (record.get("validation") if record.get("validation") is not None
-                          else subset[arm].validation)
+            # A day without a figure (a skipped session, validation not scored) keeps the last.
+            validation = next((v for v in (record.get("validation"), subset[arm].validation,
+                                           self._validation[arm]) if v is not None), None)
+            self._validation[arm] = validation
             gain = None if validation is None else validation - self.base.validation
             row["arms"][arm] = {**subset[arm].accuracy(), **record, "validation": validation,
                                 "energy_j_total": _round(self._energy[arm]),
