@@ -24,8 +24,8 @@ class SchedulePolicy(_Strict):
         default=1, description="a session trains only with at least this many new samples pending")
     backoff: float = Field(
         default=1.0, ge=1, le=16,
-        description="after each refused session in a row, the next waits for this many times "
-        "more new samples (at most training.max_samples_per_session); 1: off")
+        description="after a refused session the next waits for this many times the new samples "
+        "it trained on (at most training.max_samples_per_session); 1: off")
 
 
 class BatchPolicy(_Strict):

@@ -14,7 +14,8 @@ Each gate reads plain files under an injectable ``root`` (a fake board tree in t
 * ``window``: local time inside ``gates.window`` ("01:00-06:00"; may wrap midnight).
 
 Before the gates, ``samples_wanted``: how many new samples a session waits for
-(``schedule.min_new_samples``, times ``schedule.backoff`` per refused session in a row).
+(``schedule.min_new_samples``; after a refused session, ``schedule.backoff`` times what it trained
+on).
 
 Forcing a gate closed, for demos and tests of the stop path: write gate names, one per line, to
 ``ODTD_HOME/run/force-gate-closed`` (``FORCE_CLOSED_FILE``). The checks read it like any other
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -329,18 +331,19 @@ class GateMonitor:
 
 
 def samples_wanted(schedule: SchedulePolicy, sessions: List[SessionRecord], cap: int
-                   ) -> Tuple[int, int]:
-    """``(new samples the next session waits for, refused sessions in a row)``.
+                   ) -> Tuple[int, Optional[SessionRecord]]:
+    """``(new samples the next session waits for, the refused session behind the wait)``.
 
     ``sessions`` are the finished ones, most recent first; skipped, failed and interrupted
-    sessions neither count nor break the run. Each refused (rolled-back) session since the last
-    promotion multiplies ``min_new_samples`` by ``backoff``, up to ``cap`` (the most a session
-    takes: it must be able to start).
+    sessions are passed over. After a refused (rolled-back) session the next waits for
+    ``backoff`` times the new samples that one trained on, so refusals in a row space sessions
+    out geometrically at any daily volume; never fewer than ``min_new_samples``, never more
+    than ``cap`` (the most a session takes: it must be able to start).
     """
-    refused = 0
-    for session in sessions:
-        if session.outcome == "promoted":
-            break
-        refused += session.outcome == "rolled_back"
-    wanted = schedule.min_new_samples * schedule.backoff ** refused
-    return int(min(cap, max(schedule.min_new_samples, round(wanted)))), refused
+    last = next((s for s in sessions if s.outcome in ("promoted", "rolled_back")), None)
+    wanted = float(schedule.min_new_samples)
+    if last is not None and last.outcome == "rolled_back" and schedule.backoff > 1:
+        wanted = max(wanted, math.ceil(schedule.backoff * (last.samples_new or 0)))
+    else:
+        last = None
+    return int(min(cap, wanted)), last

@@ -150,9 +150,10 @@ class SessionRunner:
         wanted, refused = samples_wanted(policy.schedule, self.store.sessions(done_only=True),
                                          policy.training.max_samples_per_session)
         if len(pending) < wanted and not force:
-            after = f" ({refused} refused in a row)" if refused else ""
+            why = "" if refused is None else \
+                f" ({policy.schedule.backoff:g} x the {refused.samples_new} of refused session {refused.id})"
             return self._finish(record, "skipped", f"waiting for {wanted} new samples, "
-                                f"{len(pending)} pending{after}")
+                                f"{len(pending)} pending{why}")
         closed = [] if force else [g for g in check_gates(policy.gates, self.root, None, self.force_file)
                                    if not g.passed]
         if closed:
