@@ -105,9 +105,10 @@ class TrainingPolicy(_Strict):
         "after training, try 0, 0.25, 0.5, 0.75 and 1 on the evaluation set and keep the best "
         "on validation that loses at most acceptance.reference_tolerance on the reference set "
         "(0.5 while training); null = off")
-    trainable: Union[Literal["all", "head"], PositiveInt] = Field(
+    trainable: Union[Literal["all", "head", "batchnorm"], PositiveInt] = Field(
         default="all", description="what trains: all, head (the last layer that holds weights), "
-        "or the last N layers that hold weights; the rest stays as loaded (BatchNorm included)")
+        "batchnorm (the BatchNorm layers' scale and offset alone), or the last N layers that "
+        "hold weights; the rest stays as loaded (BatchNorm included)")
     max_samples_per_session: int = Field(default=512, ge=1)
     resume_within: Optional[float] = Field(
         default=None, ge=0, le=100,
@@ -247,6 +248,9 @@ def load_policy(path: Path, missing_ok: bool = True) -> Policy:
         problem = validate_cron(policy.schedule.cron)
         if problem:
             raise PolicyError(f"{path}: schedule.cron={policy.schedule.cron!r}: {problem}")
+    if policy.training.trainable == "batchnorm" and policy.training.freeze_bn:
+        raise PolicyError(f"{path}: training.trainable=batchnorm trains only BatchNorm, which "
+                          "training.freeze_bn=true freezes: set freeze_bn: false")
     return policy
 
 

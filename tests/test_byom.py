@@ -291,6 +291,12 @@ def test_trainable_scope_and_frozen_batchnorm_reach_nested_layers(other_stack, t
     assert any("block_conv" in n for n in changed) and any("logits" in n for n in changed)
     # Trained BatchNorm moves them (so the test above can fail).
     assert any("block_bn" in n and "moving" in n for n in train("trained.npz"))
+    # BatchNorm alone: its scale, offset and statistics move, in the nested block too; no
+    # convolution or dense weight does.
+    changed = train("bn-only.npz", trainable="batchnorm")
+    assert {n.rsplit("/", 1)[-1].split(":")[0] for n in changed if "block_bn" in n} >= {
+        "gamma", "beta", "moving_mean", "moving_variance"}
+    assert all("_bn" in n for n in changed)
 
 
 @pytest.mark.trains

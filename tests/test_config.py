@@ -52,6 +52,15 @@ def test_policy_errors_name_key_and_value(tmp_path):
         load_policy(path)
 
 
+def test_training_batchnorm_alone_needs_batchnorm_that_trains(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("training:\n  trainable: batchnorm\n")  # freeze_bn is true by default
+    with pytest.raises(PolicyError, match=r"p.yaml: training.trainable=batchnorm .* freeze_bn: false"):
+        load_policy(path)
+    path.write_text("training:\n  trainable: batchnorm\n  freeze_bn: false\n")
+    assert load_policy(path).training.trainable == "batchnorm"
+
+
 def test_bare_on_and_off_mean_the_words_for_the_plan_switches(tmp_path):
     # YAML 1.1 reads on/off as booleans; the policy takes them as the words they are.
     path = tmp_path / "p.yaml"

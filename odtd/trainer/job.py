@@ -122,8 +122,8 @@ _KINDS = {
     "classes": ("a non-empty list of class names",
                 lambda v: isinstance(v, list) and len(v) > 0
                 and all(isinstance(name, str) for name in v)),
-    "scope": ("all, head, or a positive number of layers",
-              lambda v: v in ("all", "head") or (_is_int(v) and v > 0)),
+    "scope": ("all, head, batchnorm, or a positive number of layers",
+              lambda v: v in ("all", "head", "batchnorm") or (_is_int(v) and v > 0)),
     "shape": ("[height, width, channels] of positive integers",
               lambda v: isinstance(v, list) and len(v) == 3
               and all(_is_int(size) and size > 0 for size in v)),

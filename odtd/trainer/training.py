@@ -204,7 +204,7 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     (``keys``, ``correct``, ``losses``: ``evalcache.save``'s arguments).
     """
     fields = {"status": "interrupted",
-              "trainable_layers": set_trainable_scope(model, job["trainable"])}  # type: Dict[str, Any]
+              "trainable_layers": set_trainable_scope(tf, model, job["trainable"])}  # type: Dict[str, Any]
     if job["freeze_bn"]:
         # A non-trainable BatchNormalization runs in inference mode in tf.keras 2 and Keras 3:
         # moving statistics, gamma and beta all stay as loaded.
@@ -326,14 +326,12 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     return fields
 
 
-TRAINABLE_SCOPES = ("all", "head")
-
-
-def set_trainable_scope(model: Any, scope: Any) -> int:
+def set_trainable_scope(tf: Any, model: Any, scope: Any) -> int:
     """Train only part of the model; every other leaf layer is frozen.
 
-    ``scope`` is ``all``, ``head`` (the last layer that holds weights) or N (the last N layers
-    that hold weights).
+    ``scope`` is ``all``, ``head`` (the last layer that holds weights), ``batchnorm`` (the
+    BatchNormalization layers' scale and offset alone: every convolution and dense layer stays
+    as loaded) or N (the last N layers that hold weights).
 
     A frozen BatchNormalization runs in inference mode (tf.keras 2 and Keras 3): its moving
     statistics stay as loaded, so recalibration leaves them alone too.
@@ -344,6 +342,12 @@ def set_trainable_scope(model: Any, scope: Any) -> int:
     layers = [layer for _, layer in leaf_layers(model) if layer.weights]
     if scope == "all":
         return len(layers)
+    if scope == "batchnorm":
+        kept = set(id(layer) for layer in batchnorm_layers(tf, model))
+        for layer in layers:
+            if id(layer) not in kept:
+                layer.trainable = False
+        return len(kept)
     keep = 1 if scope == "head" else int(scope)
     for layer in layers[:max(0, len(layers) - keep)]:
         layer.trainable = False
