@@ -235,26 +235,20 @@ def test_monitor_interrupts_a_real_session_at_a_step_boundary(home, tmp_path):
     assert session["model_version_after"] == session["model_version_before"]
 
 
-def _finished(*sessions):
-    """Finished sessions, most recent first: (outcome, new samples) each."""
-    return [SessionRecord(day="2026-11-26", trigger="schedule", id=len(sessions) - i, outcome=o,
-                          samples_new=n) for i, (o, n) in enumerate(sessions)]
+def _judged(outcome, new):
+    return SessionRecord(day="2026-11-26", trigger="schedule", id=7, outcome=outcome,
+                         samples_new=new)
 
 
 def test_after_a_refused_session_the_next_waits_for_backoff_times_its_new_samples():
     schedule = SchedulePolicy(min_new_samples=10, backoff=2)
-    assert samples_wanted(schedule, [], 512) == (10, None)
-    assert samples_wanted(schedule, _finished(("promoted", 60), ("rolled_back", 55)), 512) \
-        == (10, None)
-    # Skipped, failed and interrupted sessions are passed over to the last one judged.
-    sessions = _finished(("skipped", 0), ("failed", 70), ("rolled_back", 55), ("promoted", 60))
-    wanted, refused = samples_wanted(schedule, sessions, 512)
-    assert (wanted, refused.id) == (110, 2)
+    assert samples_wanted(schedule, None, 512) == 10
+    assert samples_wanted(schedule, _judged("promoted", 60), 512) == 10
+    assert samples_wanted(schedule, _judged("rolled_back", 55), 512) == 110
     # Refused again on those 110: 220. Spaced out geometrically, up to what a session takes.
-    assert samples_wanted(schedule, _finished(("rolled_back", 110), ("rolled_back", 55)),
-                          512)[0] == 220
-    assert samples_wanted(schedule, _finished(("rolled_back", 300)), 512)[0] == 512
+    assert samples_wanted(schedule, _judged("rolled_back", 110), 512) == 220
+    assert samples_wanted(schedule, _judged("rolled_back", 300), 512) == 512
     assert samples_wanted(SchedulePolicy(min_new_samples=10, backoff=1.5),
-                          _finished(("rolled_back", 5)), 512)[0] == 10  # never below the minimum
+                          _judged("rolled_back", 5), 512) == 10  # never below the minimum
     # Off by default: every pending sample starts a session, refusals or not.
-    assert samples_wanted(SchedulePolicy(), _finished(("rolled_back", 64)), 512) == (1, None)
+    assert samples_wanted(SchedulePolicy(), _judged("rolled_back", 64), 512) == 1

@@ -76,6 +76,18 @@ def test_last_kept_for_resume_is_the_latest_finished_one(tmp_path):
     assert store.last_kept_for_resume().id == kept[-1] == 2
 
 
+def test_last_judged_session_passes_over_skipped_failed_and_running_ones(tmp_path):
+    store = Store(tmp_path / "odtd.db")
+    assert store.last_judged_session() is None
+    for outcome in ("promoted", "rolled_back", "skipped", "failed", "interrupted", None):
+        record = SessionRecord(day="2026-11-26", trigger="schedule", outcome=outcome)
+        store.start_session(record)
+        if outcome is not None:  # the last one stays running
+            store.finish_session(record)
+    judged = store.last_judged_session()
+    assert (judged.id, judged.outcome) == (2, "rolled_back")
+
+
 def snapshot(path):
     """Every row of every table, read through a connection of its own (what another process sees)."""
     conn = sqlite3.connect(path)

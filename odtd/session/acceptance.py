@@ -28,7 +28,7 @@ def refusal_reason(before: float, after: float, tolerance: float, confidence_z: 
         return None
     if confidence_z <= 0 or not paired or not paired.get("samples"):
         return f"validation accuracy {after:.2%} < {before:.2%} - {tolerance:.2%} tolerance"
-    se = (gain - bound) / confidence_z
+    se = paired_standard_error(paired["gained"], paired["lost"], paired["samples"])
     allowed = 0.0 - 100 * tolerance  # 0.0 - 0.0 is 0.0, never -0.0
     return (f"validation accuracy {after:.2%} vs {before:.2%}: gain {100 * gain:+.2f} - "
             f"{confidence_z:g} x {100 * se:.2f} (standard error) = {100 * bound:+.2f} points "

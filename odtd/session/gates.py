@@ -330,20 +330,16 @@ class GateMonitor:
             self._halt.wait(self.gates.check_interval_s)
 
 
-def samples_wanted(schedule: SchedulePolicy, sessions: List[SessionRecord], cap: int
-                   ) -> Tuple[int, Optional[SessionRecord]]:
-    """``(new samples the next session waits for, the refused session behind the wait)``.
+def samples_wanted(schedule: SchedulePolicy, last: Optional[SessionRecord], cap: int) -> int:
+    """How many new samples the next session waits for.
 
-    ``sessions`` are the finished ones, most recent first; skipped, failed and interrupted
-    sessions are passed over. After a refused (rolled-back) session the next waits for
-    ``backoff`` times the new samples that one trained on, so refusals in a row space sessions
-    out geometrically at any daily volume; never fewer than ``min_new_samples``, never more
-    than ``cap`` (the most a session takes: it must be able to start).
+    ``last`` is the latest session whose candidate was judged (``Store.last_judged_session``).
+    After a refusal the next session waits for ``backoff`` times the new samples the refused one
+    trained on, so refusals in a row space sessions out geometrically at any daily volume;
+    never fewer than ``min_new_samples``, never more than ``cap`` (the most a session takes: it
+    must be able to start).
     """
-    last = next((s for s in sessions if s.outcome in ("promoted", "rolled_back")), None)
-    wanted = float(schedule.min_new_samples)
+    wanted = schedule.min_new_samples
     if last is not None and last.outcome == "rolled_back" and schedule.backoff > 1:
         wanted = max(wanted, math.ceil(schedule.backoff * (last.samples_new or 0)))
-    else:
-        last = None
-    return int(min(cap, wanted)), last
+    return min(cap, wanted)

@@ -147,11 +147,10 @@ class SessionRunner:
         self.store.start_session(record)
         if not pending:
             return self._finish(record, "skipped", "no pending samples")
-        wanted, refused = samples_wanted(policy.schedule, self.store.sessions(done_only=True),
-                                         policy.training.max_samples_per_session)
+        last = self.store.last_judged_session()
+        wanted = samples_wanted(policy.schedule, last, policy.training.max_samples_per_session)
         if len(pending) < wanted and not force:
-            why = "" if refused is None else \
-                f" ({policy.schedule.backoff:g} x the {refused.samples_new} of refused session {refused.id})"
+            why = f" (after refused session {last.id})" if last and last.outcome == "rolled_back" else ""
             return self._finish(record, "skipped", f"waiting for {wanted} new samples, "
                                 f"{len(pending)} pending{why}")
         closed = [] if force else [g for g in check_gates(policy.gates, self.root, None, self.force_file)

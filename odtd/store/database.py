@@ -287,6 +287,12 @@ class Store:
                           order_by="id DESC", limit=1)
         return SessionRecord.from_row(rows[0]) if rows else None
 
+    def last_judged_session(self) -> Optional[SessionRecord]:
+        """The latest finished session whose candidate was promoted or rolled back, or None."""
+        rows = self._rows("sessions", "state = 'done' AND outcome IN ('promoted', 'rolled_back')",
+                          order_by="id DESC", limit=1)
+        return SessionRecord.from_row(rows[0]) if rows else None
+
     def running_sessions(self) -> list[SessionRecord]:
         """Return sessions still marked running (by a live or a crashed process)."""
         return [SessionRecord.from_row(row)

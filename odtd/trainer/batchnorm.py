@@ -237,7 +237,7 @@ def choose_mixture(assign: Callable[[float], None], candidates: Sequence[float],
     """
     group = acceptance_group(groups)
     tried = {}  # type: Dict[float, Dict[str, float]]
-    if groups is None or group is None or REFERENCE_GROUP not in {str(g) for g in set(groups)} \
+    if groups is None or group is None or REFERENCE_GROUP not in np.unique(groups).astype(str) \
             or reference_before is None or reference_tolerance is None:
         evaluations = {}  # type: Dict[float, Dict[str, Any]]
         for candidate in candidates:  # nothing to spare: score each in full
