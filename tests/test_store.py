@@ -5,6 +5,7 @@ import pytest
 
 from odtd.errors import StoreError
 from odtd.store.database import Store
+from odtd.store.liveness import Liveness
 from odtd.store.records import SESSION_KEYS, SessionRecord
 from odtd.store.schema import MIGRATIONS
 
@@ -113,7 +114,7 @@ def populate(store):
     store.start_session(record)
     store.update_replay([{"sha256": "a1", "label": "cat", "size_bytes": 10, "added_session": 1}],
                         [], {"cat": 1})
-    store.write_daemon(pid=41, heartbeat_at="t0")
+    Liveness(store.path).write_daemon(pid=41, heartbeat_at="t0")
     return record
 
 
@@ -142,7 +143,6 @@ def test_failed_transaction_rolls_back_everything(tmp_path):
                                 {"cat": 2})
             store.add_profile_rows("tinycnn", "estimate", "x86_64", 3,
                                    [{"batch_size": 4, "precision": "fp32", "status": "ok"}])
-            store.write_daemon(pid=42, heartbeat_at="t1", paused=True)
             assert snapshot(path) == before  # nothing committed early, for other connections
             raise RuntimeError("boom")
     assert snapshot(path) == before
@@ -171,10 +171,11 @@ def test_later_writes_replace_or_keep_fields_as_each_table_needs(tmp_path):
     store.set_meta(model="tinycnn", classes=["a", "b"])
     store.set_meta(model="densenet40")
     assert (store.meta("model"), store.meta("classes")) == ("densenet40", ["a", "b"])
-    # The liveness row is upserted: a heartbeat keeps the pid the start wrote.
+    # The daemon's liveness row is upserted: a heartbeat keeps the pid the start wrote.
     assert store.daemon_row() is None
-    store.write_daemon(pid=41, started_at="t0", heartbeat_at="t0")
-    store.write_daemon(heartbeat_at="t1")
+    liveness = Liveness(store.path)
+    liveness.write_daemon(pid=41, started_at="t0", heartbeat_at="t0")
+    liveness.write_daemon(heartbeat_at="t1")
     row = store.daemon_row()
     assert (row["pid"], row["started_at"], row["heartbeat_at"], row["paused"]) == (41, "t0", "t1", 0)
     store.update_replay([], [], {"cat": 1})

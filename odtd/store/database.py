@@ -339,13 +339,11 @@ class Store:
             return self._rows("events", "kind = ?", [kind], order_by="id DESC", limit=limit)
         return self._rows("events", order_by="id DESC", limit=limit)
 
-    def write_daemon(self, **fields: Any) -> None:
-        """Upsert the daemon's liveness row (pid, heartbeat_at, next_session_at, paused)."""
-        with self.transaction():
-            self.db["daemon"].upsert({"id": 1, **fields}, pk="id")
-
     def daemon_row(self) -> Optional[dict[str, Any]]:
-        """Return the daemon's liveness row, or None if no daemon ever ran here."""
+        """Return the daemon's liveness row, or None if no daemon ever ran here.
+
+        The daemon writes it through ``store.liveness.Liveness``, without sqlite-utils.
+        """
         return self._get("daemon", 1)
 
     # -- replay buffer ----------------------------------------------------------------------
