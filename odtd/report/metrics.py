@@ -9,6 +9,7 @@ from odtd.home.paths import Home
 from odtd.home.versions import atomic_write_text
 from odtd.report.status import daemon_status
 from odtd.store.database import OUTCOMES, Store
+from odtd.store.records import kept
 
 
 def _line(name: str, value: Optional[float], labels: str = "") -> list[str]:
@@ -37,8 +38,7 @@ def prometheus_text(home: Home, store: Store) -> str:
     add("samples_quarantined", "gauge", "Inputs rejected at ingest",
         _line("samples_quarantined", counts["quarantined"]))
     labels = f'{{model="{model}"}}'
-    promoted = last.get("outcome") == "promoted"
-    kept_accuracy = last.get("accuracy_after") if promoted else last.get("accuracy_before")
+    kept_accuracy = kept(last.get("outcome"), last.get("accuracy_before"), last.get("accuracy_after"))
     add("model_accuracy", "gauge", "Validation accuracy of the model kept after the last session (0..1)",
         _line("model_accuracy", kept_accuracy, labels))
     add("last_session_accuracy_before", "gauge", "Validation accuracy before the last session",

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from odtd.errors import OdtdError
+from odtd.store.records import kept
 
 _COLOURS = {"promoted": "#2a9d8f", "rolled_back": "#e9c46a", "failed": "#e76f51",
             "interrupted": "#8d99ae", "skipped": "#d9d9d9"}
@@ -27,13 +28,6 @@ def _pyplot() -> Any:
     return plt
 
 
-def kept_accuracy(session: dict[str, Any], key_before: str, key_after: str) -> Any:
-    """Accuracy of the model kept after a session (a rolled-back candidate's is not kept)."""
-    if session["outcome"] == "promoted":
-        return session.get(key_after)
-    return session.get(key_before)
-
-
 def plot_sessions(sessions: list[dict[str, Any]], out: Path, title: str) -> Path:
     """Draw sessions (oldest first) into a PNG with three stacked panels.
 
@@ -49,9 +43,10 @@ def plot_sessions(sessions: list[dict[str, Any]], out: Path, title: str) -> Path
     fig, (ax_acc, ax_energy, ax_mem) = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
     fig.suptitle(title)
 
-    validation = [_percent(kept_accuracy(s, "accuracy_before", "accuracy_after")) for s in trained]
-    holdout = [_percent(kept_accuracy({**s.get("details", {}), "outcome": s["outcome"]},
-                                  "holdout_accuracy_before", "holdout_accuracy_after")) for s in trained]
+    validation = [_percent(kept(s["outcome"], s.get("accuracy_before"), s.get("accuracy_after")))
+                  for s in trained]
+    holdout = [_percent(kept(s["outcome"], s.get("details", {}).get("holdout_accuracy_before"),
+                             s.get("details", {}).get("holdout_accuracy_after"))) for s in trained]
     candidate = [_percent(s.get("accuracy_after")) for s in trained]
     ax_acc.plot(x, validation, "o-", color="#264653", label="kept model, validation set")
     if any(v is not None for v in holdout):

@@ -11,6 +11,7 @@ from odtd.home.paths import Home
 from odtd.home.versions import ModelRepo
 from odtd.report.efficiency import cumulative_efficiency
 from odtd.store.database import Store
+from odtd.store.records import kept
 
 HEARTBEAT_STALE_S = 30.0
 _SPARKS = "▁▂▃▄▅▆▇█"
@@ -217,7 +218,7 @@ def render_status(data: dict[str, Any]) -> str:
         lines.append("per class (latest evaluated candidate)  " + "  ".join(
             f"{name} {pct(value)}" for name, value in per_class.items()))
     # The kept model's accuracy after each session: a rolled-back candidate's is not the model's.
-    trend = [x["accuracy_after"] if x["outcome"] == "promoted" else x["accuracy_before"]
+    trend = [kept(x["outcome"], x["accuracy_before"], x["accuracy_after"])
              for x in reversed(sessions) if x["outcome"] in ("promoted", "rolled_back")]
     trend = [value for value in trend if value is not None]
     if trend:

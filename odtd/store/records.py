@@ -117,6 +117,11 @@ class SessionDetails:
         return cls(**data, extra=extra)
 
 
+def kept(outcome: Optional[str], before: Any, after: Any) -> Any:
+    """Of a session's before/after figures, the kept model's: after only if it was promoted."""
+    return after if outcome == "promoted" else before
+
+
 @dataclass
 class SessionRecord:
     """One session: its trigger, its outcome and everything measured (a ``sessions`` row).
@@ -155,7 +160,7 @@ class SessionRecord:
     @property
     def kept_accuracy(self) -> Optional[float]:
         """Accuracy of the model kept after this session (a refused candidate's is not kept)."""
-        return self.accuracy_after if self.outcome == "promoted" else self.accuracy_before
+        return kept(self.outcome, self.accuracy_before, self.accuracy_after)
 
     def to_dict(self) -> Dict[str, Any]:
         """Return the contract's session object, plus ``trigger``, ``state`` and ``details``."""
