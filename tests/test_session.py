@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -225,3 +226,45 @@ def test_an_error_while_promoting_changes_nothing_and_fails_the_session(home, tm
     assert state() == before  # served model, versions, samples and replay buffer as they were
     assert db.execute("SELECT count(*) FROM events WHERE kind = 'promoted'").fetchone()[0] == 0
     assert odtctl_json("status", home=home)["samples"]["pending"] > 0
+
+
+def test_a_guarded_candidate_without_a_reference_score_is_refused(home, tmp_path):
+    # The worker scores every candidate the session could accept on the reference set; should a
+    # result ever lack that score, promotion refuses rather than promote unguarded.
+    from odtd.home.paths import Home
+    from odtd.home.versions import ModelRepo
+    from odtd.policy import load_policy
+    from odtd.session.promotion import Promotion
+    from odtd.store.records import SessionRecord
+
+    policy = home / "policy.yaml"
+    policy.write_text(policy.read_text().replace("acceptance:\n",
+                                                 "acceptance:\n  reference_tolerance: 1.0\n"))
+    odtd_home = Home(home)
+    store = odtd_home.open_store()
+    repo = ModelRepo(home / "models", "tinycnn")
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    shutil.copyfile(repo.weights_path(repo.current()), job_dir / "candidate.npz")
+    record = SessionRecord(day="2026-11-26", trigger="cli", model_version_before=repo.current(),
+                           accuracy_before=0.5, accuracy_after=0.8)
+    record.details.reference_accuracy_before = 0.5
+    try:
+        store.start_session(record)
+        Promotion(odtd_home, store, repo, load_policy(policy), lambda message: None).conclude(
+            record, [], job_dir, {})
+        assert record.outcome == "rolled_back"
+        assert record.reason.startswith("the candidate was not scored on the reference set")
+        assert repo.current() == 0 and repo.versions() == [0]
+        assert store.session(record.id).outcome == "rolled_back"
+        # With the reference score, the same candidate is promoted.
+        again = SessionRecord(day="2026-11-26", trigger="cli", model_version_before=0,
+                              accuracy_before=0.5, accuracy_after=0.8)
+        again.details.reference_accuracy_before = again.details.reference_accuracy_after = 0.5
+        store.start_session(again)
+        shutil.copyfile(repo.weights_path(0), job_dir / "candidate.npz")
+        Promotion(odtd_home, store, repo, load_policy(policy), lambda message: None).conclude(
+            again, [], job_dir, {})
+        assert again.outcome == "promoted" and repo.current() == 1
+    finally:
+        store.close()
