@@ -17,9 +17,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Two pytest workers: most tests wait on subprocesses (the trainer worker, the daemon).
+# Three pytest workers on two cores: most tests wait on subprocesses (the trainer worker, the
+# daemon); tests/conftest.py gives the TensorFlow workers they start one thread per pool.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m pytest -q -n 3
 
 # The edit loop: everything that starts no TensorFlow worker (tests marked `trains` are left out).
 quick: $(STAMP)
