@@ -22,9 +22,10 @@ CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "hors
 TRAINING_FIXTURES = {"_base_home", "home", "daemon_home", "pretrained", "trained_home", "profiled"}
 # Three pytest workers share this machine's two cores (most tests wait on a subprocess), so each
 # TensorFlow worker the tests start gets one thread per pool: tinycnn's ops are too small to
-# gain from more, and idle pool threads spinning for work cost the other processes their CPU.
-# `make test` measured 5 min 24 s at two pytest workers with TensorFlow's default pools, 4 min
-# 39 s like this. A real worker keeps TensorFlow's defaults.
+# gain from more. Measured on the development machine (2026-11-26): two pytest workers with
+# TensorFlow's default pools 5 min 30 s (7 min 50 s of user CPU), with one thread per pool
+# 5 min 24 s (7 min 22 s), three pytest workers with one thread 4 min 39 s-4 min 52 s. A real
+# worker keeps TensorFlow's defaults.
 os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
 os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
 

@@ -114,7 +114,9 @@ def populate(store):
     store.start_session(record)
     store.update_replay([{"sha256": "a1", "label": "cat", "size_bytes": 10, "added_session": 1}],
                         [], {"cat": 1})
-    Liveness(store.path).write_daemon(pid=41, heartbeat_at="t0")
+    liveness = Liveness(store.path)
+    liveness.write_daemon(pid=41, heartbeat_at="t0")
+    liveness.close()
     return record
 
 
@@ -176,6 +178,7 @@ def test_later_writes_replace_or_keep_fields_as_each_table_needs(tmp_path):
     liveness = Liveness(store.path)
     liveness.write_daemon(pid=41, started_at="t0", heartbeat_at="t0")
     liveness.write_daemon(heartbeat_at="t1")
+    liveness.close()
     row = store.daemon_row()
     assert (row["pid"], row["started_at"], row["heartbeat_at"], row["paused"]) == (41, "t0", "t1", 0)
     store.update_replay([], [], {"cat": 1})
