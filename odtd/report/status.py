@@ -11,7 +11,7 @@ from odtd.home.paths import Home
 from odtd.home.versions import ModelRepo
 from odtd.report.efficiency import cumulative_efficiency
 from odtd.store.database import Store
-from odtd.store.records import kept
+from odtd.store.records import JUDGED, kept
 
 HEARTBEAT_STALE_S = 30.0
 _SPARKS = "▁▂▃▄▅▆▇█"
@@ -219,7 +219,7 @@ def render_status(data: dict[str, Any]) -> str:
             f"{name} {pct(value)}" for name, value in per_class.items()))
     # The kept model's accuracy after each session: a rolled-back candidate's is not the model's.
     trend = [kept(x["outcome"], x["accuracy_before"], x["accuracy_after"])
-             for x in reversed(sessions) if x["outcome"] in ("promoted", "rolled_back")]
+             for x in reversed(sessions) if x["outcome"] in JUDGED]
     trend = [value for value in trend if value is not None]
     if trend:
         lines.append(f"accuracy trend  {sparkline(trend)}  {pct(trend[0])} -> {pct(trend[-1])}")

@@ -21,7 +21,7 @@ from odtd.policy import Policy
 from odtd.session.acceptance import reference_refusal, refusal_reason
 from odtd.session.replay_buffer import update_buffer
 from odtd.store.database import Store
-from odtd.store.records import SessionRecord
+from odtd.store.records import JUDGED, SessionRecord
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class Promotion:
         if before is None or kept_now is None:
             return None
         earlier = [s.kept_accuracy for s in self.store.sessions(done_only=True)
-                   if s.outcome in ("promoted", "rolled_back")]
+                   if s.outcome in JUDGED]
         best = max([before] + [a for a in earlier if a is not None])
         return round(max(0.0, best - kept_now), 4)
 

@@ -23,7 +23,7 @@ from sqlite_utils.db import NotFoundError
 
 from odtd.errors import StoreError
 from odtd.store.liveness import utc_now
-from odtd.store.records import OUTCOMES, SessionRecord
+from odtd.store.records import JUDGED, OUTCOMES, SessionRecord
 from odtd.store.schema import MIGRATIONS
 
 logger = logging.getLogger(__name__)
@@ -289,7 +289,7 @@ class Store:
 
     def last_judged_session(self) -> Optional[SessionRecord]:
         """The latest finished session whose candidate was promoted or rolled back, or None."""
-        rows = self._rows("sessions", "state = 'done' AND outcome IN ('promoted', 'rolled_back')",
+        rows = self._rows("sessions", "state = 'done' AND outcome IN (?, ?)", JUDGED,
                           order_by="id DESC", limit=1)
         return SessionRecord.from_row(rows[0]) if rows else None
 

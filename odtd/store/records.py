@@ -23,6 +23,9 @@ SESSION_KEYS = (
     "energy_source", "energy_coverage", "peak_memory_mb",
 )
 OUTCOMES = ("promoted", "rolled_back", "failed", "interrupted", "skipped")
+# The outcomes of a session whose candidate was judged: the kept model is then the one
+# ``kept`` names, and its accuracy was measured.
+JUDGED = ("promoted", "rolled_back")
 
 # Details keys left out at their defaults: the release that wrote the oldest rows did not have
 # them, and reads the same.
