@@ -105,6 +105,11 @@ class TrainingPolicy(_Strict):
         "after training, try 0, 0.25, 0.5, 0.75 and 1 on the evaluation set and keep the best "
         "on validation that loses at most acceptance.reference_tolerance on the reference set "
         "(0.5 while training); null = off")
+    distill: float = Field(
+        default=0.0, ge=0, le=100, description="hold the original domain by distillation: "
+        "each rehearsed image of the replay seed also pulls the candidate toward the served "
+        "model's own prediction for it (soft targets at temperature 2, computed once before "
+        "training), with this weight beside its label's loss; 0 = off")
     trainable: Union[Literal["all", "head", "batchnorm"], PositiveInt] = Field(
         default="all", description="what trains: all, head (the last layer that holds weights), "
         "batchnorm (the BatchNorm layers' scale and offset alone), or the last N layers that "

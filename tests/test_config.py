@@ -74,6 +74,17 @@ def test_bare_on_and_off_mean_the_words_for_the_plan_switches(tmp_path):
     assert load_policy(path).training.freeze_bn is True
 
 
+def test_distill_is_a_non_negative_weight(tmp_path):
+    path = tmp_path / "p.yaml"
+    assert load_policy(path).training.distill == 0.0  # off unless asked for
+    path.write_text("training:\n  distill: 1.5\n")
+    assert load_policy(path).training.distill == 1.5
+    for text in ("-1", "soft"):
+        path.write_text(f"training:\n  distill: {text}\n")
+        with pytest.raises(PolicyError, match=r"training.distill"):
+            load_policy(path)
+
+
 def test_bn_device_weight_is_a_share_auto_or_null(tmp_path):
     path = tmp_path / "p.yaml"
     for text, value in (("auto", "auto"), ("0.5", 0.5), ("1", 1.0), ("null", None)):

@@ -201,3 +201,17 @@ def test_the_train_file_marks_the_device_images_for_batchnorm_adaptation(home, t
     assert mask[:new].all()
     assert set(digests(x[new:][~mask[new:]])) <= seed_x and (~mask).sum() > 0
     assert set(digests(x[new:][mask[new:]])) | set(digests(extra)) == device_x
+
+
+def test_distillation_reaches_the_job_with_the_device_mask(home, tmp_path):
+    # training.distill alone (BatchNorm adaptation off) still marks which images are the
+    # device's, so the worker knows which are rehearsed from the original domain.
+    _ingest(home, tmp_path)
+    _set_policy(home, "  freeze_bn: true", "  freeze_bn: true\n  bn_device_weight: null\n"
+                "  distill: 2")
+    _keep_job(home, tmp_path)
+    assert odtctl("train-now", "--foreground", home=home, check=False).returncode == 1
+    job = json.loads((tmp_path / "job.json").read_text())
+    assert job["distill"] == 2.0 and job["bn_device_weight"] is None
+    with np.load(tmp_path / "train.npz") as train:
+        assert train["device"].shape == train["y"].shape

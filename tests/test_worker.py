@@ -588,3 +588,46 @@ def test_device_split_measures_at_most_1024_rehearsed_images_spread_over_the_dra
     device, rehearsed = load_device_split(str(path), x)
     assert len(device) == 40 and len(rehearsed) == REHEARSAL_IMAGES == 1024
     assert np.bincount(rehearsed[:, 0, 0, 0]).min() >= 100  # every class, not the first few
+
+
+def _bands(rng, count):
+    """Images whose class is their brightness band (0 dark, 1 mid, 2 bright): easy to learn."""
+    labels = np.arange(count) % 3
+    x = np.stack([rng.integers(85 * c, 85 * c + 60, SHAPE, dtype=np.uint8) for c in labels])
+    return x, labels.astype(np.int64)
+
+
+def test_distillation_holds_the_served_models_predictions_on_rehearsed_images(tmp_path, initial):
+    # A teacher learns the brightness bands. A session then rehearses the same images under
+    # labels rotated by one class (and trains on 6 device images): without distillation the
+    # candidate follows the new labels; with it, it keeps most of the teacher's predictions.
+    # Changed predictions are counted by the worker itself: the validation set holds each
+    # rehearsed image three times, once per label, so a prediction that changes is exactly
+    # one "lost" in the paired counts against the teacher.
+    rng = np.random.default_rng(11)
+    x, y = _bands(rng, 24)
+    teacher = tmp_path / "teacher.npz"
+    np.savez(tmp_path / "bands.npz", x=x, y=y)
+    code, _, stderr = run_worker(write_job(
+        tmp_path, "teacher", weights_in=str(initial[0]), weights_out=str(teacher), epochs=30,
+        batch_size=8, learning_rate=0.05, train_data=str(tmp_path / "bands.npz")))
+    assert code == 0, stderr
+    device_x, device_y = _bands(rng, 6)
+    train = tmp_path / "session.npz"
+    np.savez(train, x=np.concatenate([device_x, x]), y=np.concatenate([device_y, (y + 1) % 3]),
+             device=np.arange(30) < 6)
+    validation = tmp_path / "every-label.npz"
+    np.savez(validation, x=np.concatenate([x, x, x]), y=np.repeat(np.arange(3), 24),
+             group=np.zeros(72, dtype=np.int64))
+    changed = {}
+    for weight in (0.0, 1.0):
+        code, events, stderr = run_worker(write_job(
+            tmp_path, f"distill-{weight:g}", weights_in=str(teacher), epochs=20, batch_size=10,
+            learning_rate=0.01, freeze_bn=True, train_data=str(train),
+            validation_data=str(validation), distill=weight))
+        assert code == 0, stderr
+        result = events[-1]
+        assert result.get("distill_images") == (24 if weight else None)
+        changed[weight] = result["paired_by_group"]["0"]["lost"]
+    assert changed[0.0] >= 12  # the rotated labels won without distillation
+    assert changed[1.0] <= 3

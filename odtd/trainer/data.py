@@ -58,6 +58,22 @@ def load_groups(path: str, count: int) -> Optional[np.ndarray]:
     return groups
 
 
+def load_device_mask(path: str, count: int) -> Optional[np.ndarray]:
+    """A train ``.npz``'s optional ``device`` array: which of its ``count`` images the device saw.
+
+    The others are rehearsed from the original domain (the replay seed): what BatchNorm
+    adaptation mixes in and distillation (``distill``) holds to the served model's outputs.
+    """
+    with np.load(path, allow_pickle=False) as arrays:
+        if "device" not in arrays.files:
+            return None
+        mask = arrays["device"]
+    if mask.shape != (count,) or mask.dtype != np.bool_:
+        raise BadJob("train_data: device in {} must be {} booleans, got {} {}".format(
+            path, count, mask.dtype, mask.shape))
+    return mask
+
+
 def load_device_split(path: str, x: np.ndarray) -> Optional[Tuple[np.ndarray, np.ndarray]]:
     """Split a train ``.npz`` into the device's images and the rehearsed ones (``bn_device_weight``).
 
@@ -70,14 +86,11 @@ def load_device_split(path: str, x: np.ndarray) -> Optional[Tuple[np.ndarray, np
         At most ``REHEARSAL_IMAGES`` rehearsed images, evenly spaced through the file's order
         (the replay draw is class-balanced, round-robin): enough for their statistics.
     """
+    mask = load_device_mask(path, len(x))
+    if mask is None:
+        return None
     with np.load(path, allow_pickle=False) as arrays:
-        if "device" not in arrays.files:
-            return None
-        mask = arrays["device"]
         extra = arrays["device_x"] if "device_x" in arrays.files else x[:0]
-    if mask.shape != (len(x),) or mask.dtype != np.bool_:
-        raise BadJob("train_data: device in {} must be {} booleans, got {} {}".format(
-            path, len(x), mask.dtype, mask.shape))
     if extra.dtype != np.uint8 or extra.shape[1:] != x.shape[1:]:
         raise BadJob("train_data: device_x in {} must be uint8 (N, {}), got {} {}".format(
             path, ", ".join(map(str, x.shape[1:])), extra.dtype, extra.shape))

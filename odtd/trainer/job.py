@@ -46,6 +46,7 @@ JOB_KEYS = {
     "freeze_bn": ("bool", False),
     "recalibrate_bn": ("bool", False),
     "bn_device_weight": ("share_or_auto", None),
+    "distill": ("float", 0.0),
     "reference_tolerance": ("share", None),
     "acceptance_tolerance": ("share", None),
     "confidence_z": ("float", 0.0),

@@ -8,6 +8,7 @@ TensorFlow is passed in (``tf``), never imported here. Python 3.6-compatible; tf
 Keras 3 alike.
 """
 
+import contextlib
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -23,6 +24,7 @@ from odtd.trainer.batchnorm import (
     recalibrate_batchnorm,
 )
 from odtd.trainer.data import load_groups
+from odtd.trainer.distill import teacher_targets
 from odtd.trainer.evaluation import (
     evaluate,
     make_eval_step,
@@ -112,8 +114,13 @@ def augment_batch(tf: Any, images: Any, pad: int) -> Any:
     return tf.gather(padded, cols, axis=2, batch_dims=1)
 
 
-def make_train_step(tf: Any, model: Any, optimizer: Any, job: Dict[str, Any]) -> Callable[[Any, Any], Any]:
-    """Return a step ``(uint8 images, int64 labels) -> mean loss`` that updates the weights once.
+def make_train_step(tf: Any, model: Any, optimizer: Any, job: Dict[str, Any]
+                    ) -> Callable[[Any, Any, Any, Any], Any]:
+    """Return a step ``(uint8 images, int64 labels, teacher, weights) -> mean loss``.
+
+    One step updates the weights once. ``teacher`` (float32 logits, one row per image) and
+    ``weights`` (float32, one per image) add each image's distillation term
+    (``distill.distillation_loss``); weights of 0 leave the loss plain cross-entropy.
 
     The compiled parts' input signature has a free batch dimension, so a short last batch does
     not retrace. With the job's ``recompute`` the model runs checkpointed
@@ -123,6 +130,7 @@ def make_train_step(tf: Any, model: Any, optimizer: Any, job: Dict[str, Any]) ->
     by its own statistics).
     """
     from odtd.trainer import networks
+    from odtd.trainer.distill import distillation_loss
 
     variables = model.trainable_variables
     # tf.keras 2 and Keras 3 spell loss scaling differently; Keras 3 unscales in apply_gradients.
@@ -138,17 +146,19 @@ def make_train_step(tf: Any, model: Any, optimizer: Any, job: Dict[str, Any]) ->
         checkpointed = Checkpointed(tf, model)
     forward_model = checkpointed or model
     signature = [tf.TensorSpec([None] + list(input_shape), tf.uint8), tf.TensorSpec([None], tf.int64),
-                 tf.TensorSpec([], tf.float32)]
+                 tf.TensorSpec([None, len(job["classes"])], tf.float32),
+                 tf.TensorSpec([None], tf.float32), tf.TensorSpec([], tf.float32)]
 
     @tf.function(input_signature=signature)
-    def gradients_of(images: Any, labels: Any, total: Any) -> Any:
+    def gradients_of(images: Any, labels: Any, teacher: Any, weights: Any, total: Any) -> Any:
         """Gradients of this part's summed loss / ``total`` (the whole batch's size)."""
         if job["augment"]:
             images = augment_batch(tf, images, pad)
         with tf.GradientTape() as tape:
             logits = networks.forward(forward_model, images, input_scale, output, training=True)
-            loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
-                labels=labels, logits=logits)) / total
+            losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+            losses += distillation_loss(tf, logits, teacher, weights)
+            loss = tf.reduce_sum(losses) / total
             if legacy_scaling:
                 scaled_loss = optimizer.get_scaled_loss(loss)
             elif keras3_scaling:
@@ -163,9 +173,10 @@ def make_train_step(tf: Any, model: Any, optimizer: Any, job: Dict[str, Any]) ->
             gradients = optimizer.get_unscaled_gradients(gradients)
         return loss, gradients
 
-    @tf.function(input_signature=signature[:2])
-    def whole_batch(images: Any, labels: Any) -> Any:
-        loss, gradients = gradients_of(images, labels, tf.cast(tf.shape(labels)[0], tf.float32))
+    @tf.function(input_signature=signature[:4])
+    def whole_batch(images: Any, labels: Any, teacher: Any, weights: Any) -> Any:
+        loss, gradients = gradients_of(images, labels, teacher, weights,
+                                       tf.cast(tf.shape(labels)[0], tf.float32))
         optimizer.apply_gradients(zip(gradients, variables))
         return loss
 
@@ -177,18 +188,33 @@ def make_train_step(tf: Any, model: Any, optimizer: Any, job: Dict[str, Any]) ->
     def apply(gradients: Any) -> None:
         optimizer.apply_gradients(zip(gradients, variables))
 
-    def micro_batches(images: Any, labels: Any) -> Any:
+    def micro_batches(images: Any, labels: Any, teacher: Any, weights: Any) -> Any:
         total = tf.constant(float(int(labels.shape[0])))
         loss, summed = 0.0, None
         for begin in range(0, int(labels.shape[0]), micro):
-            part_loss, gradients = gradients_of(images[begin:begin + micro],
-                                                labels[begin:begin + micro], total)
+            part = slice(begin, begin + micro)
+            part_loss, gradients = gradients_of(images[part], labels[part], teacher[part],
+                                                weights[part], total)
             loss += part_loss
             summed = gradients if summed is None else [a + b for a, b in zip(summed, gradients)]
         apply(summed)
         return loss
 
     return micro_batches
+
+
+@contextlib.contextmanager
+def serving(model: Any, baseline: Optional[List[np.ndarray]]) -> Iterator[None]:
+    """Within, the model holds ``baseline``'s weights (the served model's), if given."""
+    if baseline is None:
+        yield
+        return
+    start_weights = model.get_weights()
+    model.set_weights(baseline)
+    try:
+        yield
+    finally:
+        model.set_weights(start_weights)
 
 
 def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
@@ -199,7 +225,8 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     """Evaluate before, train, evaluate after; return the result fields this produces.
 
     With ``baseline`` (the ``baseline_weights`` arrays) the "before" figures are that model's
-    (the one the candidate must beat), and training then starts from the weights as loaded.
+    (the one the candidate must beat), and so is distillation's teacher; training then starts
+    from the weights as loaded.
     ``scored_after``, if given, receives the trained model's per-sample validation results
     (``keys``, ``correct``, ``losses``: ``evalcache.save``'s arguments).
     """
@@ -221,15 +248,10 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     if validation is not None:
         groups = load_groups(job["validation_data"], len(validation[1]))
         eval_step = make_eval_step(tf, model, job)
-        start_weights = None
-        if baseline is not None:
-            start_weights = model.get_weights()
-            model.set_weights(baseline)
         cache = open_eval_cache(job, precision, validation)
-        before = evaluate(eval_step, validation[0], validation[1], num_classes, eval_batch_size,
-                          should_stop, groups, cache and cache[2])
-        if start_weights is not None:
-            model.set_weights(start_weights)
+        with serving(model, baseline):
+            before = evaluate(eval_step, validation[0], validation[1], num_classes,
+                              eval_batch_size, should_stop, groups, cache and cache[2])
         if before is None:
             return fields
         correct_before = before.pop("correct")
@@ -252,6 +274,17 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
                                     job["confidence_z"])
 
     x_train, y_train = data["train_data"]
+    teacher = None  # the served model's view of the rehearsed images, before any adaptation
+    if job["distill"] and data.get("rehearsed") is not None and not profiling:
+        with serving(model, baseline):
+            teacher = teacher_targets(tf, model, job, x_train, data["rehearsed"],
+                                      job["micro_batch_size"] or batch_size, should_stop)
+        if teacher is None:
+            return fields
+        fields["distill_images"] = int(np.count_nonzero(teacher[1]))
+    if teacher is None:  # no distillation: every image's weight is 0
+        teacher = (np.zeros((len(y_train), num_classes), np.float32),
+                   np.zeros(len(y_train), np.float32))
     device_split = data.get("device_split") if job["bn_device_weight"] is not None else None
     adapt_batch_size = job["micro_batch_size"] or batch_size
     weight = job["bn_device_weight"]
@@ -263,6 +296,7 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
             return fields
         fields["adapt_seconds"] = adapted[0]
     images, labels = tf.constant(x_train), tf.constant(y_train)
+    soft, soft_weights = tf.constant(teacher[0]), tf.constant(teacher[1])
     # Finite either way (profile mode requires max_steps); the count sizes the schedule.
     batches = list(iterate_batches(len(y_train), batch_size, None if profiling else job["epochs"],
                                    job["max_steps"], np.random.RandomState(job["seed"])))
@@ -275,7 +309,8 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
             break
         start = time.monotonic()
         batch = tf.constant(indices)
-        loss = float(train_step(tf.gather(images, batch), tf.gather(labels, batch)))
+        loss = float(train_step(tf.gather(images, batch), tf.gather(labels, batch),
+                                tf.gather(soft, batch), tf.gather(soft_weights, batch)))
         end = time.monotonic()
         emit("step", index=steps, epoch=epoch, batch_size=len(indices), loss=loss,
              lr=float(rate(steps)) if callable(rate) else rate, start=start, end=end)

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from odtd.trainer import evalcache
-from odtd.trainer.data import load_dataset, load_device_split, load_groups
+from odtd.trainer.data import load_dataset, load_device_mask, load_device_split, load_groups
 from odtd.trainer.evaluation import evaluate, make_eval_step
 from odtd.trainer.job import BadJob, load_job
 from odtd.trainer.training import train_and_evaluate
@@ -386,6 +386,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 split = load_device_split(job["train_data"], data["train_data"][0])
                 if split is not None:
                     data["device_split"] = split
+            if job["distill"] and job["train_data"] is not None:
+                mask = load_device_mask(job["train_data"], len(data["train_data"][1]))
+                if mask is not None:
+                    data["rehearsed"] = ~mask
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         run(job, data, stop_requested.is_set)
     except BadJob as error:
