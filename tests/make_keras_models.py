@@ -54,6 +54,22 @@ def mobilenet():
     return keras.applications.MobileNetV2(input_shape=(64, 64, 3), weights=None, classes=5)
 
 
+def frozen_augmented():
+    """The tutorial's model: random augmentation layers in a nested Sequential, then Rescaling;
+    saved with ``trainable = False`` (as after transfer learning), 3 classes, 32x32 RGB."""
+    augment = keras.Sequential([L.RandomFlip("horizontal", name="flip"),
+                                L.RandomRotation(0.1, name="rotate"),
+                                L.RandomZoom(0.1, name="zoom")], name="augmentation")
+    inp = keras.Input((32, 32, 3), name="image")
+    x = L.Rescaling(1.0 / 255, name="rescale")(augment(inp))
+    x = L.Conv2D(8, 3, name="conv1")(x)
+    x = L.BatchNormalization(name="bn1")(x)
+    x = L.ReLU(name="relu1")(x)
+    x = L.GlobalAveragePooling2D(name="gap")(x)
+    out = L.Dense(3, activation="softmax", name="probs")(x)
+    return keras.Model(inp, out, name="frozen_augmented")
+
+
 def with_lambda():
     inp = keras.Input((16, 16, 3), name="image")
     x = L.Lambda(lambda t: t * 2.0, name="doubler")(inp)
@@ -85,7 +101,8 @@ def four_channels():
     return keras.Model(inp, L.Dense(3, activation="softmax", name="probs")(x), name="rgba")
 
 
-TRAINABLE = {"cnn_softmax": cnn_softmax, "gray_logits": gray_logits, "mobilenet": mobilenet}
+TRAINABLE = {"cnn_softmax": cnn_softmax, "gray_logits": gray_logits, "mobilenet": mobilenet,
+             "frozen_augmented": frozen_augmented}
 REFUSED = {"lambda": with_lambda, "custom_layer": with_custom_layer, "vector_input": vector_input,
            "four_channels": four_channels}
 wanted = sys.argv[2:] or list(TRAINABLE) + list(REFUSED)
@@ -103,6 +120,8 @@ for name in wanted:
         probe = x[:2]
         np.savez(os.path.join(OUT, name + ".ref.npz"), x=probe.astype(np.uint8),
                  y=model.predict(probe, verbose=0))
+        if name == "frozen_augmented":
+            model.trainable = False
     for suffix in (".keras", ".h5"):
         model.save(os.path.join(OUT, name + suffix))
     written[name] = {"input_shape": list(model.input_shape[1:]),

@@ -20,7 +20,7 @@ from odtd.trainer import model_file
 
 FIXTURES = REPO / "tests" / "fixtures" / "keras"
 CLASSES = {"cnn_softmax": "cat,dog,owl,fox", "gray_logits": "red,green,blue",
-           "mobilenet": "ant,bee,cow,doe,eel"}
+           "mobilenet": "ant,bee,cow,doe,eel", "frozen_augmented": "sun,rain,snow"}
 
 
 def keras_major() -> int:
@@ -40,7 +40,7 @@ def models(tmp_path_factory):
     """This stack's model files, written by tests/make_keras_models.py (MobileNetV2 too)."""
     out = tmp_path_factory.mktemp("keras-models")
     subprocess.run([sys.executable, str(REPO / "tests" / "make_keras_models.py"), str(out),
-                    "cnn_softmax", "gray_logits", "mobilenet"], check=True, capture_output=True)
+                    *CLASSES], check=True, capture_output=True)
     return out
 
 
@@ -115,6 +115,26 @@ def test_input_shape_and_output_convention_are_read_from_the_file(stack):
             assert summary["dialect"] == ("keras3" if stack == "k3" else "keras2")
 
 
+def test_augmentation_becomes_identity_and_preprocessing_does_not_hide_a_rescaling():
+    def layer(cls, **config):
+        return {"module": "keras.layers", "class_name": cls, "registered_name": None,
+                "config": dict(name=cls.lower(), trainable=False, **config)}
+
+    config = {"class_name": "Sequential", "config": {"name": "m", "layers": [
+        layer("InputLayer", batch_shape=[None, 40, 40, 3]),
+        layer("RandomFlip", mode="horizontal", seed=3),
+        layer("Resizing", height=32, width=32), layer("Rescaling", scale=1 / 255),
+        layer("Dense", units=3, activation="softmax")]}}
+    summary = model_file.model_summary(config)
+    assert summary["rescales_input"] is True and summary["classes"] == 3
+    flip = model_file.without_augmentation(config)["config"]["layers"][1]
+    assert flip["class_name"] == "Activation" and flip["registered_name"] is None
+    assert flip["config"] == {"name": "randomflip", "trainable": False, "activation": "linear"}
+    assert config["config"]["layers"][1]["class_name"] == "RandomFlip"  # a copy was changed
+    config["config"]["layers"][2:4] = [layer("Resizing", height=32, width=32)]
+    assert model_file.model_summary(config)["rescales_input"] is False
+
+
 # -- through the CLI, with a worker -----------------------------------------------------------
 
 @pytest.mark.trains
@@ -122,7 +142,7 @@ def test_input_shape_and_output_convention_are_read_from_the_file(stack):
     ("k3/lambda.h5", "a,b,c", "layer 'doubler': Lambda layer (runs Python code from the file)"),
     ("k2/custom_layer.keras", "a,b,c", "layer 'tripler': custom class"),
     ("k3/four_channels.keras", "a,b,c", "input shape [16, 16, 4] is not an image"),
-    ("k3/cnn_softmax.h5", None, "the model has 4 outputs but 10 classes were given"),
+    ("k3/cnn_softmax.h5", None, "the model has 4 outputs but odtd has 10 class names"),
     ("k3/missing.keras", None, "--model-file"),
 ])
 def test_a_refused_model_is_one_line_and_leaves_no_home(tmp_path, file, classes, expected):
@@ -134,6 +154,18 @@ def test_a_refused_model_is_one_line_and_leaves_no_home(tmp_path, file, classes,
     assert len(errors) == 1 and expected in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (home / "odtd.db").exists() and not (home / "models").exists()
+
+
+@pytest.mark.trains
+def test_a_model_that_rescales_itself_given_an_input_scale_too_gets_a_note(other_stack, tmp_path):
+    # cnn_softmax starts with Rescaling(1/255): --input-scale would scale the pixels twice.
+    # The value "-1-1" is given as its own argument, as README spells it.
+    summary = json.loads(odtctl(
+        "init", "--model-file", str(other_stack / "cnn_softmax.keras"), "--classes",
+        CLASSES["cnn_softmax"], "--input-scale", "-1-1", "--json", home=tmp_path / "home").stdout)
+    assert summary["input_scale"] == "-1-1"
+    assert any("--input-scale -1-1 scales the pixels before it as well" in note
+               for note in summary["notes"]), summary["notes"]
 
 
 @pytest.mark.trains
@@ -197,7 +229,7 @@ def predict_max_diff(pairs, python=None) -> list:
 
 @pytest.mark.trains
 @pytest.mark.parametrize("name, suffix", [("cnn_softmax", ".keras"), ("gray_logits", ".h5"),
-                                          ("mobilenet", ".keras")])
+                                          ("mobilenet", ".keras"), ("frozen_augmented", ".h5")])
 def test_a_session_on_an_imported_model_and_its_export(models, tmp_path, name, suffix):
     home = tmp_path / "home"
     classes = CLASSES[name]

@@ -197,3 +197,13 @@ def test_odtctl_simulate_refuses_a_shift_the_home_was_not_created_with(home):
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith(f"Error: --shift fog: {home} was created without a shift, and its "
                                   "validation set is of that camera; pass the same --shift, or --fresh")
+
+
+@pytest.mark.trains
+def test_odtctl_simulate_refuses_a_dataset_of_other_classes_in_one_line(tmp_path):
+    home = tmp_path / "home"
+    odtctl("init", "--model", "tinycnn", "--classes", "sun,rain,snow", home=home)
+    proc = odtctl("simulate", "--days", "1", home=home, check=False)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("Error: --dataset synthetic: its classes (airplane, automobile,")
+    assert proc.stderr.rstrip().endswith(f"are not the ones {home} serves (sun, rain, snow)")

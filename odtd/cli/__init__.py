@@ -46,10 +46,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Options whose values may begin with a dash (argparse would take "-1-1" for an option).
+DASHED_VALUES = ("--input-scale",)
+
+
+def join_dashed_values(argv: list[str]) -> list[str]:
+    """``--input-scale -1-1`` as ``--input-scale=-1-1``, the one spelling argparse accepts."""
+    out: list[str] = []
+    values = iter(argv)
+    for arg in values:
+        if arg in DASHED_VALUES:
+            value = next(values, None)
+            out.append(arg if value is None else f"{arg}={value}")
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``odtctl``."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(join_dashed_values(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if not args.command:

@@ -31,11 +31,13 @@ def cmd_train_now(args: argparse.Namespace) -> int:
 def _session_line(s: dict[str, Any]) -> str:
     from odtd.report.status import energy_text, pct
 
-    return (f"session {s['id']} {s['outcome']}: {s['reason']}; accuracy {pct(s['accuracy_before'])}"
-            f" -> {pct(s['accuracy_after'])}; model v{s['model_version_before']} -> "
-            f"v{s['model_version_after']}; {s['samples_new']} new + {s['samples_replay']} replay "
-            f"samples, {s['steps']} steps, {s['duration_s']} s, energy {energy_text(s)}, "
-            f"peak {s['peak_memory_mb']} MB")
+    line = f"session {s['id']} {s['outcome']}: {s['reason']}"
+    if s["steps"] is None:  # skipped or failed before training: nothing else was measured
+        return line
+    return (f"{line}; accuracy {pct(s['accuracy_before'])} -> {pct(s['accuracy_after'])}; model "
+            f"v{s['model_version_before']} -> v{s['model_version_after']}; {s['samples_new']} new "
+            f"+ {s['samples_replay']} replay samples, {s['steps']} steps, {s['duration_s']} s, "
+            f"energy {energy_text(s)}, peak {s['peak_memory_mb']} MB")
 
 
 @command("status")

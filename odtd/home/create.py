@@ -235,6 +235,11 @@ def init_home(
         summary["notes"].append(
             "the model does not start with a Rescaling or Normalization layer; it is fed pixels "
             "in 0..255: if it was trained on 0..1 or -1..1 pixels, init again with --input-scale")
+    if spec.imported and input_scale not in (None, "0-255") and result.get("rescales_input"):
+        summary["notes"].append(
+            f"the model starts with a Rescaling or Normalization layer of its own and "
+            f"--input-scale {input_scale} scales the pixels before it as well: unless it was "
+            f"trained on pixels scaled twice, init again without --input-scale")
     return summary
 
 

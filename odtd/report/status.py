@@ -207,6 +207,9 @@ def render_status(data: dict[str, Any]) -> str:
         return "\n".join(lines)
     lines.append("sessions (most recent first)")
     lines.extend("  " + line for line in sessions_table(sessions))
+    last = sessions[0]
+    if last["outcome"] in ("failed", "skipped") and last.get("reason"):
+        lines.append(f"last session {last['id']} {last['outcome']}: {last['reason']}")
     rails = sessions[0].get("energy_by_rail_j")
     if rails:
         split = "  ".join(f"{rail} {joules:.1f} J" for rail, joules in sorted(rails.items()))

@@ -120,8 +120,14 @@ class DataSource:
         used = set(datasets.take_per_class(
             labels, -(-self.options.pretrain_samples // len(self.classes)), seed=self.options.seed
         )[: self.options.pretrain_samples])
-        draws = datasets.daily_draws(labels, day_number + 1, k, seed=self.options.seed,
-                                     exclude=sorted(used))
+        try:
+            draws = datasets.daily_draws(labels, day_number + 1, k, seed=self.options.seed,
+                                         exclude=sorted(used))
+        except ValueError as error:  # the home's earlier days count: day_number is since init
+            raise ConfigError(
+                f"--dataset {self.options.dataset}: {error} (the pre-training's "
+                f"{self.options.pretrain_samples}, --pretrain-samples, are never drawn); "
+                "fewer --days or --per-day, or a larger dataset") from None
         return draws[day_number]
 
 
@@ -154,6 +160,11 @@ def simulate(home: Home, options: SimulationOptions,
             pretrain = pretrain_base(home, source, options, progress)
     store = home.open_store()
     try:
+        classes = store.meta("classes")
+        if sorted(classes) != sorted(source.classes):
+            raise ConfigError(
+                f"--dataset {options.dataset}: its classes ({', '.join(source.classes)}) are not "
+                f"the ones {home.root} serves ({', '.join(classes)})")
         if created:
             store.set_meta(simulated_shift=options.shift)
         elif store.meta("simulated_shift") != options.shift:
@@ -162,7 +173,8 @@ def simulate(home: Home, options: SimulationOptions,
                 f"--shift {options.shift or '(none)'}: {home.root} was created "
                 + (f"with --shift {was}" if was else "without a shift")
                 + ", and its validation set is of that camera; pass the same --shift, or --fresh "
-                "to re-create the home")
+                f"to re-create the home with --model {options.model} (it deletes the model and "
+                "the state the home holds)")
         config = home.load_config()
         with running_sampler(config.telemetry) as sampler:
             sessions = _run_days(home, store, config, source, options, sampler, progress)

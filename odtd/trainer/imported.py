@@ -9,7 +9,6 @@ each weight-holding layer's arrays are copied from the file with h5py and checke
 Runs only in the worker (TensorFlow is passed in). Python 3.6-compatible; tf.keras 2 (TF 2.7 to
 2.15) and Keras 3 alike.
 """
-import copy
 import io
 import json
 import os
@@ -49,13 +48,15 @@ def _tf_minor(tf: Any) -> Tuple[int, int]:
 def build_from_config(tf: Any, config: Dict[str, Any]) -> Any:
     """Screen ``config`` again, translate it to this Keras's dialect and build it (no weights).
 
+    Random augmentation layers are built as identity layers (``model_file.without_augmentation``).
+
     Raises:
         model_file.ModelFileError: the screen refuses it (never expected: ``init`` screened it).
         keras_dialects.ConversionError: a setting this Keras has no equivalent for.
     """
     for layer, reason in model_file.screen(config):
         raise model_file.ModelFileError("layer {!r}: {}".format(layer, reason))
-    config = copy.deepcopy(config)  # the deserializers below consume parts of it
+    config = model_file.without_augmentation(config)  # a copy: the deserializers consume it
     if keras_major(tf) == 3:
         import keras
         if model_file.dialect(config) == "keras2":

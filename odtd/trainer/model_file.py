@@ -36,6 +36,12 @@ UpSampling1D UpSampling2D Identity
 Rescaling Normalization Resizing CenterCrop
 Functional Sequential Model
 """.split())
+# Random augmentation: the identity at inference, so odtd builds each as an identity layer
+# (``without_augmentation``) and augments by its own policy (``training.augment``).
+AUGMENTATION_LAYERS = frozenset("""
+RandomFlip RandomRotation RandomZoom RandomTranslation RandomContrast RandomBrightness
+""".split())
+SAFE_LAYERS = SAFE_LAYERS | AUGMENTATION_LAYERS
 SAFE_OBJECTS = frozenset("""
 GlorotUniform GlorotNormal HeNormal HeUniform LecunNormal LecunUniform Zeros Ones Constant
 RandomNormal RandomUniform TruncatedNormal VarianceScaling Orthogonal Identity
@@ -49,8 +55,10 @@ linear relu relu6 sigmoid softmax log_softmax tanh elu selu gelu swish silu hard
 hard_silu hard_swish softplus softsign exponential leaky_relu mish
 """.split())
 MODEL_CLASSES = ("Functional", "Sequential", "Model")
-# A model that starts with one of these scales its own pixels: it takes 0..255 as they come.
+# A model that starts with one of these scales its own pixels: it takes 0..255 as they come
+# (after any of INPUT_PREPROCESSING, which do not change the pixels' range).
 INPUT_SCALERS = ("Rescaling", "Normalization")
+INPUT_PREPROCESSING = AUGMENTATION_LAYERS | frozenset(("Resizing", "CenterCrop"))
 KERAS_ZIP_MEMBERS = ("config.json", "metadata.json")
 
 
@@ -351,12 +359,42 @@ def nested_models(config):
             if layer.get("class_name") in MODEL_CLASSES]
 
 
+def without_augmentation(config):
+    """A copy of ``config`` with every random augmentation layer an identity ``Activation``.
+
+    Those layers change nothing at inference; in odtd's training steps they would augment a
+    second time. The name, dtype and any input shape the layer carried are kept, so the
+    model's graph and its weights' places are as in the file (the layers hold no weights).
+    """
+    if isinstance(config, list):
+        return [without_augmentation(item) for item in config]
+    if not isinstance(config, dict):
+        return config
+    out = dict((key, without_augmentation(value)) for key, value in config.items())
+    if out.get("class_name") in AUGMENTATION_LAYERS and isinstance(out.get("config"), dict):
+        kept = ("name", "trainable", "dtype", "batch_input_shape", "batch_shape", "input_shape")
+        out["class_name"] = "Activation"
+        out["config"] = dict((key, value) for key, value in out["config"].items() if key in kept)
+        out["config"]["activation"] = "linear"
+        if "registered_name" in out:
+            out["registered_name"] = None
+    return out
+
+
+def _rescales_input(config):
+    """Whether the model's first layer past input preprocessing scales the pixels itself."""
+    for layer in _flat_layers(config):
+        name = layer.get("class_name")
+        if name != "InputLayer" and name not in INPUT_PREPROCESSING:
+            return name in INPUT_SCALERS
+    return False
+
+
 def model_summary(config):
     """What odtd needs to know of a model: dialect, input shape, classes, output convention."""
     kind, units, last, dtype = output_convention(config)
-    flat = [layer for layer in _flat_layers(config) if layer.get("class_name") != "InputLayer"]
     return {"dialect": dialect(config), "input_shape": input_shape(config),
-            "rescales_input": bool(flat) and flat[0].get("class_name") in INPUT_SCALERS,
+            "rescales_input": _rescales_input(config),
             "classes": num_classes(config), "output": kind, "output_layer": last,
             "output_dtype": dtype, "nested_models": nested_models(config),
             "layers": len(_flat_layers(config))}

@@ -312,7 +312,7 @@ def import_model(tf: Any, job: Dict[str, Any]) -> Tuple[Any, Dict[str, Any]]:
     except model_file.ModelFileError as error:
         raise BadModel(str(error)) from None
     if summary["classes"] != len(job["classes"]):
-        raise BadModel("{}: the model has {} outputs but {} classes were given ({}); pass "
+        raise BadModel("{}: the model has {} outputs but odtd has {} class names ({}); pass "
                        "--classes with {} names, in the order of the model's outputs".format(
                            path, summary["classes"], len(job["classes"]),
                            ",".join(job["classes"][:4]) + (",..." if len(job["classes"]) > 4
