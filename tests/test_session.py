@@ -234,6 +234,7 @@ def test_a_guarded_candidate_without_a_reference_score_is_refused(home, tmp_path
     from odtd.home.paths import Home
     from odtd.home.versions import ModelRepo
     from odtd.policy import load_policy
+    from odtd.report.status import model_status
     from odtd.session.promotion import Promotion
     from odtd.store.records import SessionRecord
 
@@ -250,6 +251,7 @@ def test_a_guarded_candidate_without_a_reference_score_is_refused(home, tmp_path
                            accuracy_before=0.5, accuracy_after=0.8)
     record.details.reference_accuracy_before = 0.5
     try:
+        assert model_status(odtd_home, store)["accuracy"] is None  # nothing measured v0 yet
         store.start_session(record)
         Promotion(odtd_home, store, repo, load_policy(policy), lambda message: None).conclude(
             record, [], job_dir, {})
@@ -257,6 +259,8 @@ def test_a_guarded_candidate_without_a_reference_score_is_refused(home, tmp_path
         assert record.reason.startswith("the candidate was not scored on the reference set")
         assert repo.current() == 0 and repo.versions() == [0]
         assert store.session(record.id).outcome == "rolled_back"
+        # Version 0 has no figure of its own: status shows the one the refusal measured.
+        assert model_status(odtd_home, store)["accuracy"] == 0.5
         # With the reference score, the same candidate is promoted.
         again = SessionRecord(day="2026-11-26", trigger="cli", model_version_before=0,
                               accuracy_before=0.5, accuracy_after=0.8)
@@ -266,5 +270,6 @@ def test_a_guarded_candidate_without_a_reference_score_is_refused(home, tmp_path
         Promotion(odtd_home, store, repo, load_policy(policy), lambda message: None).conclude(
             again, [], job_dir, {})
         assert again.outcome == "promoted" and repo.current() == 1
+        assert model_status(odtd_home, store)["accuracy"] == 0.8
     finally:
         store.close()
