@@ -585,7 +585,7 @@ def test_device_split_measures_at_most_1024_rehearsed_images_spread_over_the_dra
     mask = np.arange(3000) < 40
     path = tmp_path / "train.npz"
     np.savez(path, x=x, y=np.zeros(3000, dtype=np.int64), device=mask)
-    device, rehearsed = load_device_split(str(path), x)
+    device, rehearsed = load_device_split(str(path), x, mask)
     assert len(device) == 40 and len(rehearsed) == REHEARSAL_IMAGES == 1024
     assert np.bincount(rehearsed[:, 0, 0, 0]).min() >= 100  # every class, not the first few
 

@@ -289,7 +289,8 @@ class Store:
 
     def last_judged_session(self) -> Optional[SessionRecord]:
         """The latest finished session whose candidate was promoted or rolled back, or None."""
-        rows = self._rows("sessions", "state = 'done' AND outcome IN (?, ?)", JUDGED,
+        judged = ", ".join("?" * len(JUDGED))
+        rows = self._rows("sessions", f"state = 'done' AND outcome IN ({judged})", JUDGED,
                           order_by="id DESC", limit=1)
         return SessionRecord.from_row(rows[0]) if rows else None
 

@@ -74,21 +74,19 @@ def load_device_mask(path: str, count: int) -> Optional[np.ndarray]:
     return mask
 
 
-def load_device_split(path: str, x: np.ndarray) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+def load_device_split(path: str, x: np.ndarray, mask: np.ndarray
+                      ) -> Tuple[np.ndarray, np.ndarray]:
     """Split a train ``.npz`` into the device's images and the rehearsed ones (``bn_device_weight``).
 
-    The file's optional ``device`` array marks which of ``x`` the device saw (booleans, one per
-    sample); its optional ``device_x`` holds more of the device's images that are not trained
-    on this time (earlier days'), uint8 like ``x``.
+    ``mask`` is the file's ``device`` array (``load_device_mask``): which of ``x`` the device
+    saw; the file's optional ``device_x`` holds more of the device's images that are not
+    trained on this time (earlier days'), uint8 like ``x``.
 
     Returns:
-        ``(device images, rehearsed images)``, or None when the file marks no device images.
+        ``(device images, rehearsed images)``.
         At most ``REHEARSAL_IMAGES`` rehearsed images, evenly spaced through the file's order
         (the replay draw is class-balanced, round-robin): enough for their statistics.
     """
-    mask = load_device_mask(path, len(x))
-    if mask is None:
-        return None
     with np.load(path, allow_pickle=False) as arrays:
         extra = arrays["device_x"] if "device_x" in arrays.files else x[:0]
     if extra.dtype != np.uint8 or extra.shape[1:] != x.shape[1:]:

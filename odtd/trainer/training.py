@@ -118,9 +118,9 @@ def make_train_step(tf: Any, model: Any, optimizer: Any, job: Dict[str, Any]
                     ) -> Callable[[Any, Any, Any, Any], Any]:
     """Return a step ``(uint8 images, int64 labels, teacher, weights) -> mean loss``.
 
-    One step updates the weights once. ``teacher`` (float32 logits, one row per image) and
-    ``weights`` (float32, one per image) add each image's distillation term
-    (``distill.distillation_loss``); weights of 0 leave the loss plain cross-entropy.
+    One step updates the weights once. With the job's ``distill``, ``teacher`` (float32
+    logits, one row per image) and ``weights`` (float32, one per image) add each image's
+    distillation term (``distill.distillation_loss``); without it they are not used.
 
     The compiled parts' input signature has a free batch dimension, so a short last batch does
     not retrace. With the job's ``recompute`` the model runs checkpointed
@@ -157,7 +157,8 @@ def make_train_step(tf: Any, model: Any, optimizer: Any, job: Dict[str, Any]
         with tf.GradientTape() as tape:
             logits = networks.forward(forward_model, images, input_scale, output, training=True)
             losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
-            losses += distillation_loss(tf, logits, teacher, weights)
+            if job["distill"]:  # traced only when distilling: the plain step stays as it was
+                losses += distillation_loss(tf, logits, teacher, weights)
             loss = tf.reduce_sum(losses) / total
             if legacy_scaling:
                 scaled_loss = optimizer.get_scaled_loss(loss)
@@ -274,19 +275,19 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
                                     job["confidence_z"])
 
     x_train, y_train = data["train_data"]
+    adapt_batch_size = job["micro_batch_size"] or batch_size  # forward passes: a step's memory
     teacher = None  # the served model's view of the rehearsed images, before any adaptation
     if job["distill"] and data.get("rehearsed") is not None and not profiling:
         with serving(model, baseline):
             teacher = teacher_targets(tf, model, job, x_train, data["rehearsed"],
-                                      job["micro_batch_size"] or batch_size, should_stop)
+                                      adapt_batch_size, should_stop)
         if teacher is None:
             return fields
         fields["distill_images"] = int(np.count_nonzero(teacher[1]))
-    if teacher is None:  # no distillation: every image's weight is 0
+    if teacher is None:  # nothing to distil: the step's teacher inputs, all weight 0
         teacher = (np.zeros((len(y_train), num_classes), np.float32),
                    np.zeros(len(y_train), np.float32))
     device_split = data.get("device_split") if job["bn_device_weight"] is not None else None
-    adapt_batch_size = job["micro_batch_size"] or batch_size
     weight = job["bn_device_weight"]
     if device_split is not None:  # the steps see the device's statistics
         adapted = adapt_batchnorm(tf, model, job, device_split[0], device_split[1],

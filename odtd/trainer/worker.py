@@ -382,14 +382,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                 if job[key] is not None:
                     data[key] = load_dataset(key, job[key], job["input_shape"],
                                              len(job["classes"]))
-            if job["bn_device_weight"] is not None and job["train_data"] is not None:
-                split = load_device_split(job["train_data"], data["train_data"][0])
-                if split is not None:
-                    data["device_split"] = split
-            if job["distill"] and job["train_data"] is not None:
+            mask = None  # which training images the device saw (BatchNorm, distillation)
+            if (job["bn_device_weight"] is not None or job["distill"]) and job["train_data"]:
                 mask = load_device_mask(job["train_data"], len(data["train_data"][1]))
-                if mask is not None:
-                    data["rehearsed"] = ~mask
+            if mask is not None and job["bn_device_weight"] is not None:
+                data["device_split"] = load_device_split(job["train_data"],
+                                                         data["train_data"][0], mask)
+            if mask is not None and job["distill"]:
+                data["rehearsed"] = ~mask
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         run(job, data, stop_requested.is_set)
     except BadJob as error:
