@@ -110,6 +110,13 @@ class TrainingPolicy(_Strict):
         "each rehearsed image of the replay seed also pulls the candidate toward the served "
         "model's own prediction for it (soft targets at temperature 2, computed once before "
         "training), with this weight beside its label's loss; 0 = off")
+    trained_share: Union[Literal["auto"], float] = Field(
+        default=1.0, description="the candidate is this share of the trained weights and the "
+        "rest of the served model's (BatchNorm statistics too): keeps part of what the session "
+        "gained and more of what the served model knew; over days of promotions, a moving "
+        "average of the days' candidates; auto = try 0.25, 0.5, 0.75 and 1 on the evaluation "
+        "set and keep the best on validation that loses at most "
+        "acceptance.reference_tolerance on the reference set; 1 = the trained weights as they are")
     trainable: Union[Literal["all", "head", "batchnorm"], PositiveInt] = Field(
         default="all", description="what trains: all, head (the last layer that holds weights), "
         "batchnorm (the BatchNorm layers' scale and offset alone), or the last N layers that "
@@ -139,6 +146,15 @@ class TrainingPolicy(_Strict):
             return value
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
             raise ValueError("must be a number from 0 to 1, auto or null")
+        return float(value)
+
+    @field_validator("trained_share", mode="before")
+    @classmethod
+    def _trained_share(cls, value: object) -> object:
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ValueError("must be a number above 0 and at most 1, or auto")
         return float(value)
 
     @field_validator("recompute", "micro_batch_size", mode="before")

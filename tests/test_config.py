@@ -85,6 +85,18 @@ def test_distill_is_a_non_negative_weight(tmp_path):
             load_policy(path)
 
 
+def test_trained_share_is_a_share_above_zero_or_auto(tmp_path):
+    path = tmp_path / "p.yaml"
+    assert load_policy(path).training.trained_share == 1.0  # the trained weights as they are
+    for text, value in (("auto", "auto"), ("0.5", 0.5), ("1", 1.0)):
+        path.write_text(f"training:\n  trained_share: {text}\n")
+        assert load_policy(path).training.trained_share == value
+    for text in ("0", "1.5", "null", "true", "half"):
+        path.write_text(f"training:\n  trained_share: {text}\n")
+        with pytest.raises(PolicyError, match=r"training.trained_share"):
+            load_policy(path)
+
+
 def test_bn_device_weight_is_a_share_auto_or_null(tmp_path):
     path = tmp_path / "p.yaml"
     for text, value in (("auto", "auto"), ("0.5", 0.5), ("1", 1.0), ("null", None)):

@@ -208,11 +208,12 @@ def test_distillation_reaches_the_job_with_the_device_mask(home, tmp_path):
     # device's, so the worker knows which are rehearsed from the original domain.
     _ingest(home, tmp_path)
     _set_policy(home, "  freeze_bn: true", "  freeze_bn: true\n  bn_device_weight: null\n"
-                "  distill: 2")
+                "  distill: 2\n  trained_share: auto")
     _keep_job(home, tmp_path)
     assert odtctl("train-now", "--foreground", home=home, check=False).returncode == 1
     job = json.loads((tmp_path / "job.json").read_text())
     assert job["distill"] == 2.0 and job["bn_device_weight"] is None
+    assert job["trained_share"] == "auto"
     with np.load(tmp_path / "train.npz") as train:
         assert train["device"].shape == train["y"].shape
     # The session failed (the kept worker exits 3): status says why, below its table.

@@ -453,6 +453,70 @@ def test_micro_batches_take_the_same_step_as_the_whole_batch(tmp_path, initial, 
         np.testing.assert_allclose(parts[key], whole[key], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+def test_trained_share_averages_the_trained_weights_with_the_served_ones(tmp_path, initial, data):
+    # The same steps with trained_share 1 and 0.3: every weight of the second, BatchNorm's
+    # moving statistics too, is 0.3 of the first's plus 0.7 of the served model's.
+    trained, names = _trained_weights(tmp_path, initial, data, "trained")
+    mixed, _ = _trained_weights(tmp_path, initial, data, "mixed", trained_share=0.3)
+    with np.load(initial[0]) as arrays:
+        served = dict(arrays)
+    assert any("moving_mean" in n and not np.allclose(trained[k], served[k])
+               for k, n in zip(sorted(trained), names))
+    for key, name in zip(sorted(trained), names):
+        np.testing.assert_allclose(mixed[key], 0.3 * trained[key] + 0.7 * served[key],
+                                   rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_trained_share_auto_keeps_the_best_share_that_spares_the_reference(tmp_path, initial):
+    # trained_share auto: a session teaches class 2 for the device's dark images, and the
+    # reference set is bright images labelled as the served model sees them (its most
+    # frequent class). Each of AUTO_SHARES is scored; the shares that gain most on the dark
+    # images forget the reference, so the share kept is one that spares it, by choose_weight's
+    # rule on those scored in full; the weights written are that average, as a separate
+    # evaluate run confirms.
+    from odtd.trainer.averaging import AUTO_SHARES
+    from odtd.trainer.batchnorm import choose_weight
+
+    rng = np.random.default_rng(11)
+    dark = rng.integers(0, 60, (40, *SHAPE), dtype=np.uint8)
+    bright = rng.integers(150, 256, (20, *SHAPE), dtype=np.uint8)
+    seen = tmp_path / "seen.npz"  # the bright images under each label, one group per label
+    np.savez(seen, x=np.concatenate([bright] * 3), y=np.repeat(np.arange(3), 20),
+             group=np.repeat(np.arange(3), 20))
+    code, events, stderr = run_worker(write_job(
+        tmp_path, "seen", mode="evaluate", weights_in=str(initial[0]), validation_data=str(seen)))
+    assert code == 0, stderr
+    served_class = max(range(3), key=lambda c: events[-1]["by_group_after"][str(c)])
+    train = tmp_path / "share-train.npz"
+    np.savez(train, x=dark[:20], y=np.full(20, 2, dtype=np.int64), device=np.ones(20, bool))
+    validation = tmp_path / "share-val.npz"
+    np.savez(validation, x=np.concatenate([dark[20:], bright]),
+             y=np.concatenate([np.full(20, 2), np.full(20, served_class)]).astype(np.int64),
+             group=np.concatenate([np.zeros(20), np.full(20, 2)]).astype(np.int64))
+    out = tmp_path / "share.npz"
+    code, events, stderr = run_worker(write_job(
+        tmp_path, "share", weights_in=str(initial[0]), weights_out=str(out), epochs=1,
+        batch_size=10, learning_rate=0.05, freeze_bn=True, train_data=str(train),
+        validation_data=str(validation), trained_share="auto", reference_tolerance=0.1))
+    assert code == 0, stderr
+    result = events[-1]
+    tried = {float(w): groups for w, groups in result["trained_shares_tried"].items()}
+    kept = result["trained_share"]
+    assert sorted(tried) == list(AUTO_SHARES)
+    full = {w: groups for w, groups in tried.items() if "2" in groups}
+    reference_before = result["by_group_before"]["2"]
+    assert tried[1.0]["2"] < reference_before - 0.1  # trained alone: forgets
+    assert tried[kept]["2"] >= reference_before - 0.1  # kept: spares the reference...
+    assert max(groups["0"] for groups in tried.values()) > tried[kept]["0"]  # ...at a cost
+    assert kept == choose_weight(full, result["by_group_before"]["2"], 0.1, "0", "2")
+    assert result["by_group_after"] == tried[kept]
+    code, events, stderr = run_worker(write_job(
+        tmp_path, "share-check", mode="evaluate", weights_in=str(out),
+        validation_data=str(validation)))
+    assert code == 0, stderr
+    assert events[-1]["by_group_after"] == tried[kept]
+
+
 def _adapted(tmp_path, initial, name, x, device, device_x=None, weight=1.0, **keys):
     """BatchNorm statistics after a 0-epoch job adapting them (frozen BN) to the device's images."""
     train = tmp_path / f"{name}-train.npz"

@@ -259,7 +259,7 @@ class SessionRunner:
             learning_rate=training.learning_rate, lr_schedule=training.lr_schedule,
             momentum=training.momentum, augment=training.augment, freeze_bn=training.freeze_bn,
             recalibrate_bn=training.recalibrate_bn, bn_device_weight=training.bn_device_weight,
-            distill=training.distill,
+            distill=training.distill, trained_share=training.trained_share,
             reference_tolerance=None if self.policy.acceptance.reference_tolerance is None
             else self.policy.acceptance.reference_tolerance / 100.0,
             acceptance_tolerance=self.policy.acceptance.tolerance / 100.0,
@@ -388,6 +388,8 @@ class SessionRunner:
         details.reference_paired = (result.get("paired_by_group") or {}).get(str(GROUP_REFERENCE))
         details.bn_device_weight = result.get("bn_device_weight")
         details.bn_weights_tried = result.get("bn_weights_tried") or None
+        details.trained_share = result.get("trained_share")
+        details.trained_shares_tried = result.get("trained_shares_tried") or None
         details.paired = (result.get("paired_by_group") or {}).get(primary)
         details.per_class_before = _by_class(self.classes, result.get("per_class_before"))
         details.per_class_after = _by_class(self.classes, result.get("per_class_after"))

@@ -255,7 +255,8 @@ class SessionArm:
                 "reference_before": record.details.reference_accuracy_before,
                 "reference_after": record.details.reference_accuracy_after,
                 "bn_device_weight": record.details.bn_device_weight,
-                "bn_weights_tried": record.details.bn_weights_tried}
+                "bn_weights_tried": record.details.bn_weights_tried,
+                "trained_share": record.details.trained_share}
 
     def _write(self, day: Day, folder: Path) -> list[Path]:
         """Write this arm's files of the day; return their paths."""

@@ -32,7 +32,8 @@ JUDGED = ("promoted", "rolled_back")
 _OMITTED_AT_DEFAULT = {"attempts": [], "kept_for_resume": False,
                        "reference_accuracy_before": None, "reference_accuracy_after": None,
                        "reference_paired": None, "bn_device_weight": None,
-                       "bn_weights_tried": None}
+                       "bn_weights_tried": None, "trained_share": None,
+                       "trained_shares_tried": None}
 
 
 @dataclass
@@ -60,6 +61,9 @@ class SessionDetails:
         bn_weights_tried: ``auto``'s candidates: weight (a string) -> accuracy by evaluation
             group (``"0"`` validation, ``"1"`` held-out, ``"2"`` reference); a candidate
             never scored in full (worse on validation than the one kept) has no ``"2"``.
+        trained_share: The trained weights' share of the candidate (``training.trained_share``
+            below 1 or ``auto``; None otherwise): the rest is the served model's.
+        trained_shares_tried: ``auto``'s candidates, as ``bn_weights_tried``.
         per_class_before: Class name -> accuracy of the current model (None: no samples).
         per_class_after: Class name -> accuracy of the candidate.
         forgetting: Best accuracy any kept model had on the evaluation set minus the kept
@@ -86,6 +90,8 @@ class SessionDetails:
     reference_paired: Optional[Dict[str, int]] = None
     bn_device_weight: Optional[float] = None
     bn_weights_tried: Optional[Dict[str, Dict[str, float]]] = None
+    trained_share: Optional[float] = None
+    trained_shares_tried: Optional[Dict[str, Dict[str, float]]] = None
     per_class_before: Optional[Dict[str, Optional[float]]] = None
     per_class_after: Optional[Dict[str, Optional[float]]] = None
     forgetting: Optional[float] = None

@@ -1,8 +1,9 @@
 """Training in the worker: batches, the optimizer and its rate, the compiled step, BatchNorm.
 
 ``train_and_evaluate`` is one ``train`` or ``profile`` job's work: score the model the candidate
-must beat, train, recalibrate BatchNorm, score the candidate. Every model is called through
-``networks.forward``, so built-in and imported models are trained alike.
+must beat, train, recalibrate BatchNorm, average with the served model, score the candidate.
+Every model is called through ``networks.forward``, so built-in and imported models are trained
+alike.
 
 TensorFlow is passed in (``tf``), never imported here. Python 3.6-compatible; tf.keras 2 and
 Keras 3 alike.
@@ -15,6 +16,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from odtd.trainer import evalcache
+from odtd.trainer.averaging import average_with_served
 from odtd.trainer.batchnorm import (
     AUTO,
     AUTO_WEIGHT_BEFORE,
@@ -233,6 +235,9 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     """
     fields = {"status": "interrupted",
               "trainable_layers": set_trainable_scope(tf, model, job["trainable"])}  # type: Dict[str, Any]
+    served = None  # the weights the trained ones are averaged with (trained_share)
+    if job["trained_share"] != 1.0 and job["mode"] == "train":
+        served = baseline if baseline is not None else model.get_weights()
     if job["freeze_bn"]:
         # A non-trainable BatchNormalization runs in inference mode in tf.keras 2 and Keras 3:
         # moving statistics, gamma and beta all stay as loaded.
@@ -340,6 +345,16 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
             tf, model, job, x_train, adapt_batch_size, should_stop)
         if fields["recalibrate_seconds"] is None:
             return fields
+    if served is not None:  # the candidate: the trained weights averaged with the served ones
+        averaged = average_with_served(
+            model, served, job["trained_share"], score, groups,
+            (fields.get("by_group_before") or {}).get(REFERENCE_GROUP), job["reference_tolerance"],
+            refused)
+        if averaged is None:
+            return fields
+        fields["trained_share"], after, tried = averaged  # a mixture's score is stale now
+        if tried:
+            fields["trained_shares_tried"] = tried
     if validation is not None:
         if after is None:
             after = score_candidate(score, groups, refused)

@@ -1,0 +1,82 @@
+"""Averaging the trained weights with the served model's (``training.trained_share``).
+
+After a session trains, the candidate becomes ``a * trained + (1 - a) * served`` for every
+floating-point weight, BatchNorm's moving statistics included: weight-space ensembling of the
+fine-tuned model with the one it started from (WiSE-FT, Wortsman et al. 2022), which keeps
+part of what fine-tuning gained on the new data and more of what the start model knew. Day
+after day a promoted average is the next session's served model, so the served model is an
+exponential moving average of the days' candidates, which damps their day-to-day swings.
+
+``auto`` scores each of ``AUTO_SHARES`` on the evaluation set and keeps one by the rule
+``bn_device_weight: auto`` keeps a mixture by (``batchnorm.choose_mixture``): the best on the
+device's validation images among the shares that lose at most the reference tolerance on the
+reference set (the original domain); ties go to the smaller share, nearer the served model.
+
+TensorFlow is not used here: the model's ``get_weights`` / ``set_weights``. Python
+3.6-compatible; tf.keras 2 and Keras 3 alike.
+"""
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from odtd.trainer.batchnorm import choose_mixture
+
+AUTO = "auto"
+AUTO_SHARES = (0.25, 0.5, 0.75, 1.0)  # what ``trained_share: auto`` tries
+UNSCORED_SHARE = 0.5  # ``auto`` without an evaluation set: nothing to choose by
+
+Averaged = Tuple[float, Optional[Dict[str, Any]], Dict[float, Dict[str, float]]]
+
+
+def averaged(trained: List[np.ndarray], served: List[np.ndarray], share: float
+             ) -> List[np.ndarray]:
+    """``share * trained + (1 - share) * served`` per floating-point array, in its dtype.
+
+    Integer arrays (counters, seeds) are the trained model's.
+    """
+    mixed = []
+    for new, old in zip(trained, served):
+        if not np.issubdtype(new.dtype, np.floating):
+            mixed.append(new)
+            continue
+        value = share * new.astype(np.float64) + (1.0 - share) * old.astype(np.float64)
+        mixed.append(value.astype(new.dtype))
+    return mixed
+
+
+def average_with_served(model: Any, served: List[np.ndarray], share: Any,
+                        score: Optional[Callable[..., Optional[Dict[str, Any]]]] = None,
+                        groups: Optional[np.ndarray] = None,
+                        reference_before: Optional[float] = None,
+                        reference_tolerance: Optional[float] = None,
+                        refused: Optional[Callable[[Dict[str, Any]], bool]] = None
+                        ) -> Optional[Averaged]:
+    """Set the model's weights to the average of its trained ones and ``served``.
+
+    ``share`` is the trained weights' share, or ``AUTO`` with ``score`` (``evaluate`` over the
+    evaluation set, ``groups`` its groups, as ``batchnorm.adapt_batchnorm`` takes them).
+
+    Returns:
+        ``(share kept, its evaluation, {share: accuracy by group})``, the last two only under
+        ``AUTO`` with ``score`` (else None and ``{}``). None if a stop was requested meanwhile
+        (the trained weights are then left as they were).
+    """
+    trained = model.get_weights()
+    if share == AUTO and score is None:
+        share = UNSCORED_SHARE
+    if share != AUTO:
+        if share < 1.0:
+            model.set_weights(averaged(trained, served, share))
+        return share, None, {}
+
+    def assign(candidate: float) -> None:
+        model.set_weights(trained if candidate >= 1.0 else averaged(trained, served, candidate))
+
+    chosen = choose_mixture(assign, AUTO_SHARES, score, groups, reference_before,
+                            reference_tolerance, refused)
+    if chosen is None:
+        model.set_weights(trained)
+        return None
+    assign(chosen[0])
+    return chosen
