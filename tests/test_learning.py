@@ -258,3 +258,28 @@ def test_reference_refusal_rule(lost_points, z, tolerance, refused):
     before = 0.8
     after = before - (2 * lost - changed) / samples
     assert (reference_refusal(before, after, tolerance / 100, z, paired) is not None) == refused
+
+
+@pytest.mark.parametrize("origin, refused", [
+    (None, False),  # against the current model alone: 0.5 points lost, within 1
+    (0.79, False),  # the first model scored lower than the current one: no stricter
+    (0.804, False),  # 0.9 points below the first model
+    (0.806, True),  # 1.1 points below it: the losses of two promotions add up
+])
+def test_reference_refusal_holds_the_first_models_accuracy_too(origin, refused):
+    from odtd.session.acceptance import reference_refusal
+
+    paired = {"gained": 40, "lost": 50, "samples": 2000}
+    reason = reference_refusal(0.8, 0.795, 0.01, 1.5, paired, origin)
+    assert (reason is not None) == refused
+    assert reason is None or "the first model's 80.60%" in reason
+
+
+def test_the_worker_holds_auto_to_the_higher_of_before_and_origin():
+    from odtd.trainer.training import reference_held
+
+    assert reference_held({"0": 0.5, "2": 0.7}, None) == 0.7
+    assert reference_held({"0": 0.5, "2": 0.7}, 0.75) == 0.75
+    assert reference_held({"0": 0.5, "2": 0.7}, 0.6) == 0.7
+    assert reference_held({"0": 0.5}, 0.75) is None  # no reference group: nothing to hold
+    assert reference_held(None, 0.75) is None

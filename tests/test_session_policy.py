@@ -210,10 +210,21 @@ def test_distillation_reaches_the_job_with_the_device_mask(home, tmp_path):
     _set_policy(home, "  freeze_bn: true", "  freeze_bn: true\n  bn_device_weight: null\n"
                 "  distill: 2\n  trained_share: auto")
     _keep_job(home, tmp_path)
+    # An earlier session measured version 0 on the reference set: the job carries it.
+    from odtd.store.database import Store
+    from odtd.store.records import SessionRecord
+
+    store = Store(home / "odtd.db")
+    earlier = SessionRecord(day="2026-11-20", trigger="cli", model_version_before=0,
+                            outcome="rolled_back")
+    earlier.details.reference_accuracy_before = 0.625
+    store.start_session(earlier)
+    store.finish_session(earlier)
+    store.close()
     assert odtctl("train-now", "--foreground", home=home, check=False).returncode == 1
     job = json.loads((tmp_path / "job.json").read_text())
     assert job["distill"] == 2.0 and job["bn_device_weight"] is None
-    assert job["trained_share"] == "auto"
+    assert job["trained_share"] == "auto" and job["reference_origin"] == 0.625
     with np.load(tmp_path / "train.npz") as train:
         assert train["device"].shape == train["y"].shape
     # The session failed (the kept worker exits 3): status says why, below its table.

@@ -60,6 +60,22 @@ def test_details_written_by_an_older_release_read_back(tmp_path):
     assert details.to_dict()["retired_key"] == 7
 
 
+def test_reference_origin_is_version_0s_first_measure(tmp_path):
+    # The first finished session that served version 0 and scored the reference: not a
+    # later version's measure, not a session without a reference, not one still running.
+    store = Store(tmp_path / "odtd.db")
+    assert store.reference_origin() is None
+    for version, reference, finished in ((0, None, True), (0, 0.45, False), (1, 0.40, True),
+                                         (0, 0.52, True), (0, 0.60, True)):
+        record = SessionRecord(day="2026-11-22", trigger="cli", model_version_before=version,
+                               outcome="rolled_back")
+        record.details.reference_accuracy_before = reference
+        store.start_session(record)
+        if finished:
+            store.finish_session(record)
+    assert store.reference_origin() == 0.52
+
+
 def test_last_kept_for_resume_is_the_latest_finished_one(tmp_path):
     store = Store(tmp_path / "odtd.db")
     assert store.last_kept_for_resume() is None

@@ -36,19 +36,28 @@ def refusal_reason(before: float, after: float, tolerance: float, confidence_z: 
 
 
 def reference_refusal(before: float, after: float, tolerance: float, confidence_z: float,
-                       paired: Optional[dict[str, int]]) -> Optional[str]:
+                      paired: Optional[dict[str, int]], origin: Optional[float] = None
+                      ) -> Optional[str]:
     """Why a candidate that passed validation may still not replace the current model, or None.
 
     The reference set holds images of the original domain (the base model's training images,
     held out of the replay seed). The candidate is refused if it loses more than ``tolerance``
-    (a fraction) there: by the measured difference, or with ``confidence_z`` > 0 by more than
-    that many standard errors of the paired difference, so that noise alone does not refuse.
+    (a fraction) there against the current model: by the measured difference, or with
+    ``confidence_z`` > 0 by more than that many standard errors of the paired difference, so
+    that noise alone does not refuse. With ``origin`` (the home's first model's accuracy there,
+    ``Store.reference_origin``) it is also refused if it scores more than ``tolerance`` below
+    that, by the measured difference: small losses that each pass against the current model
+    cannot add up over promotions.
     """
     loss = before - after
     se = paired_standard_error(paired["gained"], paired["lost"], paired["samples"]) \
         if confidence_z > 0 and paired and paired.get("samples") else 0.0
-    if loss - confidence_z * se <= tolerance:
-        return None
-    margin = f" - {confidence_z:g} x {100 * se:.2f} (standard error)" if se else ""
-    return (f"reference (original domain) accuracy {after:.2%} vs {before:.2%}: lost "
-            f"{100 * loss:.2f}{margin} points > {100 * tolerance:.2f} (reference_tolerance)")
+    if loss - confidence_z * se > tolerance:
+        margin = f" - {confidence_z:g} x {100 * se:.2f} (standard error)" if se else ""
+        return (f"reference (original domain) accuracy {after:.2%} vs {before:.2%}: lost "
+                f"{100 * loss:.2f}{margin} points > {100 * tolerance:.2f} (reference_tolerance)")
+    if origin is not None and origin - after > tolerance + 1e-12:
+        return (f"reference (original domain) accuracy {after:.2%} vs the first model's "
+                f"{origin:.2%}: {100 * (origin - after):.2f} points below it > "
+                f"{100 * tolerance:.2f} (reference_tolerance)")
+    return None

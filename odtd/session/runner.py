@@ -262,6 +262,7 @@ class SessionRunner:
             distill=training.distill, trained_share=training.trained_share,
             reference_tolerance=None if self.policy.acceptance.reference_tolerance is None
             else self.policy.acceptance.reference_tolerance / 100.0,
+            reference_origin=self.store.reference_origin(),
             acceptance_tolerance=self.policy.acceptance.tolerance / 100.0,
             confidence_z=self.policy.acceptance.confidence_z,
             seed=training.seed, parent_pid=os.getpid(),

@@ -287,6 +287,17 @@ class Store:
                           order_by="id DESC", limit=1)
         return SessionRecord.from_row(rows[0]) if rows else None
 
+    def reference_origin(self) -> Optional[float]:
+        """Version 0's accuracy on the reference set (the model the home started with), or None.
+
+        As the first finished session that served version 0 measured it (its
+        ``reference_accuracy_before``); None until such a session has run.
+        """
+        rows = self._rows("sessions", "state = 'done' AND model_version_before = 0 AND "
+                          "json_extract(details, '$.reference_accuracy_before') IS NOT NULL",
+                          order_by="id", limit=1)
+        return SessionRecord.from_row(rows[0]).details.reference_accuracy_before if rows else None
+
     def last_judged_session(self) -> Optional[SessionRecord]:
         """The latest finished session whose candidate was promoted or rolled back, or None."""
         judged = ", ".join("?" * len(JUDGED))

@@ -49,6 +49,7 @@ JOB_KEYS = {
     "distill": ("float", 0.0),
     "trained_share": ("share_or_auto", 1.0),
     "reference_tolerance": ("share", None),
+    "reference_origin": ("share", None),
     "acceptance_tolerance": ("share", None),
     "confidence_z": ("float", 0.0),
     "recompute": ("bool", False),

@@ -326,14 +326,15 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     if should_stop():
         return fields
     after = None
+    # What a candidate the choosers (``auto``) keep must not lose more than the tolerance
+    # against on the reference group: the before model's accuracy there, or the first model's
+    # where that is higher (as the session's guard holds it).
+    reference_bar = reference_held(fields.get("by_group_before"), job["reference_origin"])
     if device_split is not None:  # again, under the trained weights; it replaces recalibration
-        reference_before = None
-        if validation is not None:  # what auto chooses by
-            reference_before = fields["by_group_before"].get(REFERENCE_GROUP)
-        elif weight == AUTO:
+        if validation is None and weight == AUTO:
             weight = AUTO_WEIGHT_BEFORE  # nothing to choose by
         adapted = adapt_batchnorm(tf, model, job, device_split[0], device_split[1],
-                                  adapt_batch_size, should_stop, weight, score, reference_before,
+                                  adapt_batch_size, should_stop, weight, score, reference_bar,
                                   groups, refused)
         if adapted is None:
             return fields
@@ -347,9 +348,8 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
             return fields
     if served is not None:  # the candidate: the trained weights averaged with the served ones
         averaged = average_with_served(
-            model, served, job["trained_share"], score, groups,
-            (fields.get("by_group_before") or {}).get(REFERENCE_GROUP), job["reference_tolerance"],
-            refused)
+            model, served, job["trained_share"], score, groups, reference_bar,
+            job["reference_tolerance"], refused)
         if averaged is None:
             return fields
         fields["trained_share"], after, tried = averaged  # a mixture's score is stale now
@@ -375,6 +375,19 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         fields["by_group_after"] = after["by_group"]
     fields["status"] = "ok"
     return fields
+
+
+def reference_held(by_group_before: Optional[Dict[str, float]], origin: Optional[float]
+                   ) -> Optional[float]:
+    """The reference accuracy a candidate is held to (less the tolerance), or None.
+
+    The before model's, or ``origin`` (the job's ``reference_origin``) where that is higher;
+    None without a reference group.
+    """
+    before = (by_group_before or {}).get(REFERENCE_GROUP)
+    if before is None or origin is None:
+        return before
+    return max(before, origin)
 
 
 def set_trainable_scope(tf: Any, model: Any, scope: Any) -> int:
