@@ -467,6 +467,34 @@ def test_trained_share_averages_the_trained_weights_with_the_served_ones(tmp_pat
                                    rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+TRIED = {"bn_device_weight": "bn_weights_tried", "trained_share": "trained_shares_tried"}
+
+
+def _auto(tmp_path, initial, name, train, validation, key, tolerance, **keys):
+    """Train with ``key`` auto; return (weights written, result, tries, kept, tries in full).
+
+    The tries are ``{try: accuracy by group}``; those scored in full have the reference, "2".
+    """
+    out = tmp_path / f"{name}.npz"
+    code, events, stderr = run_worker(write_job(
+        tmp_path, name, weights_in=str(initial[0]), weights_out=str(out), epochs=1,
+        freeze_bn=True, train_data=str(train), validation_data=str(validation),
+        reference_tolerance=tolerance, **{key: "auto"}, **keys))
+    assert code == 0, stderr
+    result = events[-1]
+    tried = {float(w): groups for w, groups in result[TRIED[key]].items()}
+    full = {w: groups for w, groups in tried.items() if "2" in groups}
+    return out, result, tried, result[key], full
+
+
+def _scored(tmp_path, name, weights, validation):
+    """A separate evaluate run's accuracy by group of ``weights``."""
+    code, events, stderr = run_worker(write_job(
+        tmp_path, name, mode="evaluate", weights_in=str(weights), validation_data=str(validation)))
+    assert code == 0, stderr
+    return events[-1]["by_group_after"]
+
+
 def test_trained_share_auto_keeps_the_best_share_that_spares_the_reference(tmp_path, initial):
     # trained_share auto: a session teaches class 2 for the device's dark images, and the
     # reference set is bright images labelled as the served model sees them (its most
@@ -483,38 +511,25 @@ def test_trained_share_auto_keeps_the_best_share_that_spares_the_reference(tmp_p
     seen = tmp_path / "seen.npz"  # the bright images under each label, one group per label
     np.savez(seen, x=np.concatenate([bright] * 3), y=np.repeat(np.arange(3), 20),
              group=np.repeat(np.arange(3), 20))
-    code, events, stderr = run_worker(write_job(
-        tmp_path, "seen", mode="evaluate", weights_in=str(initial[0]), validation_data=str(seen)))
-    assert code == 0, stderr
-    served_class = max(range(3), key=lambda c: events[-1]["by_group_after"][str(c)])
+    seen_as = _scored(tmp_path, "seen", initial[0], seen)
+    served_class = max(range(3), key=lambda c: seen_as[str(c)])
     train = tmp_path / "share-train.npz"
     np.savez(train, x=dark[:20], y=np.full(20, 2, dtype=np.int64), device=np.ones(20, bool))
     validation = tmp_path / "share-val.npz"
     np.savez(validation, x=np.concatenate([dark[20:], bright]),
              y=np.concatenate([np.full(20, 2), np.full(20, served_class)]).astype(np.int64),
              group=np.concatenate([np.zeros(20), np.full(20, 2)]).astype(np.int64))
-    out = tmp_path / "share.npz"
-    code, events, stderr = run_worker(write_job(
-        tmp_path, "share", weights_in=str(initial[0]), weights_out=str(out), epochs=1,
-        batch_size=10, learning_rate=0.05, freeze_bn=True, train_data=str(train),
-        validation_data=str(validation), trained_share="auto", reference_tolerance=0.1))
-    assert code == 0, stderr
-    result = events[-1]
-    tried = {float(w): groups for w, groups in result["trained_shares_tried"].items()}
-    kept = result["trained_share"]
+    out, result, tried, kept, full = _auto(tmp_path, initial, "share", train, validation,
+                                           "trained_share", 0.1, batch_size=10,
+                                           learning_rate=0.05)
     assert sorted(tried) == list(AUTO_SHARES)
-    full = {w: groups for w, groups in tried.items() if "2" in groups}
     reference_before = result["by_group_before"]["2"]
     assert tried[1.0]["2"] < reference_before - 0.1  # trained alone: forgets
     assert tried[kept]["2"] >= reference_before - 0.1  # kept: spares the reference...
     assert max(groups["0"] for groups in tried.values()) > tried[kept]["0"]  # ...at a cost
     assert kept == choose_weight(full, result["by_group_before"]["2"], 0.1, "0", "2")
     assert result["by_group_after"] == tried[kept]
-    code, events, stderr = run_worker(write_job(
-        tmp_path, "share-check", mode="evaluate", weights_in=str(out),
-        validation_data=str(validation)))
-    assert code == 0, stderr
-    assert events[-1]["by_group_after"] == tried[kept]
+    assert _scored(tmp_path, "share-check", out, validation) == tried[kept]
 
 
 def _adapted(tmp_path, initial, name, x, device, device_x=None, weight=1.0, **keys):
@@ -581,26 +596,15 @@ def test_auto_batchnorm_mixture_keeps_the_best_weight_that_spares_the_reference(
     np.savez(validation, x=np.concatenate([dark[10:], bright[10:]]),
              y=rng.integers(0, 3, 40).astype(np.int64),
              group=np.repeat(np.array([0, 2], dtype=np.int64), 20))
-    out = tmp_path / "auto.npz"
-    code, events, stderr = run_worker(write_job(
-        tmp_path, "auto", weights_in=str(initial[0]), weights_out=str(out), epochs=1,
-        batch_size=8, learning_rate=0.01, freeze_bn=True, train_data=str(train),
-        validation_data=str(validation), bn_device_weight="auto", reference_tolerance=0.05))
-    assert code == 0, stderr
-    result = events[-1]
-    tried = {float(w): groups for w, groups in result["bn_weights_tried"].items()}
-    kept = result["bn_device_weight"]
+    out, result, tried, kept, full = _auto(tmp_path, initial, "auto", train, validation,
+                                           "bn_device_weight", 0.05, batch_size=8,
+                                           learning_rate=0.01)
     assert sorted(tried) == list(AUTO_WEIGHTS)
     # Scored lazily: in full only from the best on the device's images down to the one kept.
-    full = {w: groups for w, groups in tried.items() if "2" in groups}
     assert kept == choose_weight(full, result["by_group_before"]["2"], 0.05, "0", "2")
     assert all((groups["0"], -w) < (tried[kept]["0"], -kept)
                for w, groups in tried.items() if w not in full)
-    code, events, stderr = run_worker(write_job(
-        tmp_path, "auto-check", mode="evaluate", weights_in=str(out),
-        validation_data=str(validation)))
-    assert code == 0, stderr
-    assert events[-1]["by_group_after"] == tried[result["bn_device_weight"]]
+    assert _scored(tmp_path, "auto-check", out, validation) == tried[kept]
 
 
 def test_a_candidate_refused_on_validation_is_not_scored_on_the_reference(tmp_path, initial,
