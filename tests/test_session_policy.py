@@ -228,6 +228,7 @@ def test_distillation_reaches_the_job_with_the_device_mask(home, tmp_path):
     with np.load(tmp_path / "train.npz") as train:
         assert train["device"].shape == train["y"].shape
     # The session failed (the kept worker exits 3): status says why, below its table.
-    [session] = odtctl_json("history", home=home)
+    session, _earlier = odtctl_json("history", home=home)  # newest first
+    assert session["outcome"] == "failed"
     assert f"last session {session['id']} failed: {session['reason']}" in odtctl(
         "status", home=home).stdout
