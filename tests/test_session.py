@@ -230,7 +230,8 @@ def test_an_error_while_promoting_changes_nothing_and_fails_the_session(home, tm
 
 def test_a_guarded_candidate_without_a_reference_score_is_refused(home, tmp_path):
     # The worker scores every candidate the session could accept on the reference set; should a
-    # result ever lack that score, promotion refuses rather than promote unguarded.
+    # result ever lack that score, promotion refuses rather than promote unguarded. Later, the
+    # guard also holds a candidate to the first model's reference accuracy.
     from odtd.home.paths import Home
     from odtd.home.versions import ModelRepo
     from odtd.policy import load_policy
@@ -271,5 +272,17 @@ def test_a_guarded_candidate_without_a_reference_score_is_refused(home, tmp_path
             again, [], job_dir, {})
         assert again.outcome == "promoted" and repo.current() == 1
         assert model_status(odtd_home, store)["accuracy"] == 0.8
+        # Version 1 lost a little on the reference; a candidate that loses 0.6 more passes
+        # against it but not against version 0's 50% (the first session's measure): refused.
+        third = SessionRecord(day="2026-11-27", trigger="cli", model_version_before=1,
+                              accuracy_before=0.8, accuracy_after=0.9)
+        third.details.reference_accuracy_before = 0.495
+        third.details.reference_accuracy_after = 0.489
+        store.start_session(third)
+        shutil.copyfile(repo.weights_path(1), job_dir / "candidate.npz")
+        Promotion(odtd_home, store, repo, load_policy(policy), lambda message: None).conclude(
+            third, [], job_dir, {})
+        assert third.outcome == "rolled_back" and repo.current() == 1
+        assert "vs the first model's 50.00%: 1.10 points below it" in third.reason
     finally:
         store.close()

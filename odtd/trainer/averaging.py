@@ -32,16 +32,12 @@ def averaged(trained: List[np.ndarray], served: List[np.ndarray], share: float
              ) -> List[np.ndarray]:
     """``share * trained + (1 - share) * served`` per floating-point array, in its dtype.
 
-    Integer arrays (counters, seeds) are the trained model's.
+    Computed in the arrays' own dtype: no float64 copies of the weights, whose memory the
+    session's budget did not count. Integer arrays (counters, seeds) are the trained model's.
     """
-    mixed = []
-    for new, old in zip(trained, served):
-        if not np.issubdtype(new.dtype, np.floating):
-            mixed.append(new)
-            continue
-        value = share * new.astype(np.float64) + (1.0 - share) * old.astype(np.float64)
-        mixed.append(value.astype(new.dtype))
-    return mixed
+    return [new if not np.issubdtype(new.dtype, np.floating)
+            else (new * new.dtype.type(share) + old * new.dtype.type(1.0 - share))
+            for new, old in zip(trained, served)]
 
 
 def average_with_served(model: Any, served: List[np.ndarray], share: Any,

@@ -326,9 +326,10 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     if should_stop():
         return fields
     after = None
-    # What a candidate the choosers (``auto``) keep must not lose more than the tolerance
-    # against on the reference group: the before model's accuracy there, or the first model's
-    # where that is higher (as the session's guard holds it).
+    # What a try the choosers (``auto``) keep must not lose more than the tolerance against on
+    # the reference group: the before model's accuracy there, or the first model's where that
+    # is higher. As measured; the session's guard allows the before model's a margin of
+    # standard errors (acceptance.reference_refusal), so a try that clears this bar passes there.
     reference_bar = reference_held(fields.get("by_group_before"), job["reference_origin"])
     if device_split is not None:  # again, under the trained weights; it replaces recalibration
         if validation is None and weight == AUTO:
