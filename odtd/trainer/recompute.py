@@ -3,9 +3,12 @@
 A training step keeps every layer's activations for the backward pass; at batch 64 they are most
 of DenseNet40's memory. Here the model is cut into segments at tensors the rest of the graph
 depends on alone (after a dense block's concatenation, a residual addition, a transition), and
-each segment but the first runs under ``tf.recompute_grad``: only the segment boundaries are
+each segment but the last runs under ``tf.recompute_grad``: only the segment boundaries are
 kept, and a segment's activations are recomputed when its gradient is needed. The cost is one
-more forward pass per step.
+more forward pass per step, less the last segment's: every segment but the last is recomputed.
+The last one's activations are needed as soon as the backward pass starts, so recomputing them
+would cost a forward pass and lower no peak; the first one's, kept, would stay in memory all
+step long (in a convolutional network the first segments hold the largest activations).
 
 BatchNormalization in a recomputed segment would update its moving statistics twice per step
 (once in the forward pass, once in the recomputation). ``Checkpointed.restore_statistics``
@@ -72,7 +75,7 @@ def choose_cuts(cuts: Sequence[int], layer_count: int, segments: Optional[int] =
 
 
 class Checkpointed:
-    """``model`` as segments, all but the first recomputed in the backward pass.
+    """``model`` as segments, all but the last recomputed in the backward pass.
 
     Call it like the model (``forward(images, training=True)``) inside a GradientTape; after
     ``tape.gradient`` call ``restore_statistics(saved)`` with what ``save_statistics`` returned
@@ -114,8 +117,8 @@ class Checkpointed:
                                 len(layers), segments)
         boundaries = [model.inputs[0]] + [layers[k].output for k in self.cuts] + [model.outputs[0]]
         self.parts = [keras.Model(start, end) for start, end in zip(boundaries, boundaries[1:])]
-        self._recomputed = [tf.recompute_grad(self._runner(part)) for part in self.parts[1:]]
-        self.batchnorm = [layer for part in self.parts[1:] for _, layer in leaf_layers(part)
+        self._recomputed = [tf.recompute_grad(self._runner(part)) for part in self.parts[:-1]]
+        self.batchnorm = [layer for part in self.parts[:-1] for _, layer in leaf_layers(part)
                           if isinstance(layer, keras.layers.BatchNormalization)
                           and layer.trainable]
 
@@ -134,10 +137,10 @@ class Checkpointed:
             for part in self.chain:
                 hidden = part(hidden, training=True)
             return hidden
-        hidden = self.parts[0](images, training=True)
+        hidden = images
         for run in self._recomputed:
             hidden = run(hidden)
-        return hidden
+        return self.parts[-1](hidden, training=True)
 
     def save_statistics(self) -> List[Tuple[Any, Any]]:
         """The recomputed BatchNorm layers' moving statistics as the forward pass left them."""
