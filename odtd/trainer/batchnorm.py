@@ -52,7 +52,8 @@ def batch_moments(tf: Any, model: Any, job: Any, layers: List[Any], x: np.ndarra
     for layer in layers:
         layer.momentum = 0.0  # after a forward pass, the moving statistics are that batch's
 
-    @tf.function(input_signature=[tf.TensorSpec([None] + list(job["input_shape"]), tf.uint8)])
+    @tf.function(autograph=False,
+                 input_signature=[tf.TensorSpec([None] + list(job["input_shape"]), tf.uint8)])
     def batch_statistics(images: Any) -> Any:
         networks.forward(model, images, job["input_scale"], job["output"], training=True)
         return [(tf.identity(tf.convert_to_tensor(layer.moving_mean)),

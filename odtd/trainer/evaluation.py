@@ -21,7 +21,8 @@ def make_eval_step(tf: Any, model: Any, job: Dict[str, Any]) -> Callable[[Any, A
 
     input_scale, output = job["input_scale"], job["output"]
 
-    @tf.function(input_signature=[tf.TensorSpec([None] + list(job["input_shape"]), tf.uint8),
+    @tf.function(autograph=False,
+                 input_signature=[tf.TensorSpec([None] + list(job["input_shape"]), tf.uint8),
                                   tf.TensorSpec([None], tf.int64)])
     def eval_step(images: Any, labels: Any) -> Any:
         logits = networks.forward(model, images, input_scale, output, training=False)
