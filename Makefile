@@ -19,12 +19,14 @@ install: $(STAMP)
 
 # Three pytest workers on two cores: most tests wait on subprocesses (the trainer worker, the
 # daemon); tests/conftest.py gives the TensorFlow workers they start one thread per pool.
+# `--dist worksteal`: a pytest worker that runs out of tests takes some of another's queue, so
+# the run does not end on one worker working through a batch of slow tests alone.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 3
+	$(BIN)/python -m pytest -q -n 3 --dist worksteal
 
 # The edit loop: everything that starts no TensorFlow worker (tests marked `trains` are left out).
 quick: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 -m "not trains"
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not trains"
 
 # Pre-train DenseNet40 briefly on the built-in synthetic "server" images, then simulate 7 days
 # of 64 new "device" images each through the real session path, and show the result.
@@ -38,12 +40,12 @@ demo: $(STAMP)
 $(COMPAT_STAMP): pyproject.toml
 	@test -x $(COMPAT)/bin/python || $(PYTHON) -m venv $(COMPAT)
 	$(COMPAT)/bin/python -m pip install --quiet --upgrade pip
-	$(COMPAT)/bin/python -m pip install --quiet 'tensorflow==2.15.1' 'numpy<2' 'sqlite-utils>=3.35,<4' pytest pytest-xdist
+	$(COMPAT)/bin/python -m pip install --quiet 'tensorflow==2.15.1' 'numpy<2' 'sqlite-utils>=3.35,<4' pytest 'pytest-xdist>=3.2'
 	$(COMPAT)/bin/python -m pip install --quiet -e .
 	@touch $(COMPAT_STAMP)
 
 test-compat: $(COMPAT_STAMP)
-	$(COMPAT)/bin/python -m pytest -q -n 2 -p no:cacheprovider tests/test_worker.py tests/test_store.py \
+	$(COMPAT)/bin/python -m pytest -q -n 2 --dist worksteal -p no:cacheprovider tests/test_worker.py tests/test_store.py \
 		tests/test_session.py tests/test_learning.py tests/test_ingest.py tests/test_config.py \
 		tests/test_byom.py tests/test_upgrade.py tests/test_suite.py tests/test_batchnorm_choice.py
 

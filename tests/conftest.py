@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -69,19 +72,38 @@ def odtctl_json(*args: str, home: Path | None = None):
     return json.loads(odtctl(*args, "--json", home=home).stdout)
 
 
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """A directory that ``build`` fills once per test run, shared by every pytest-xdist worker.
+
+    For files tests only read or copy (an initialised home, model files, a profile): the first
+    worker to ask builds them under a lock, the others wait and use them (pytest-xdist's recipe
+    for a session fixture that runs once). Each build starts TensorFlow workers; `make test`'s
+    three pytest workers would otherwise each run it.
+    """
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's directory, above each worker's own
+    root = base / name
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / ".built").exists():
+            shutil.rmtree(root, ignore_errors=True)  # a build that failed part-way
+            root.mkdir()
+            build(root)
+            (root / ".built").touch()
+    return root
+
+
 @pytest.fixture(scope="session")
 def _base_home(tmp_path_factory) -> Path:
     """One initialised tinycnn home (a worker run), copied for each test that needs one."""
-    home = tmp_path_factory.mktemp("base") / "home"
-    odtctl("init", "--model", "tinycnn", home=home)
-    return home
+    return built_once(tmp_path_factory, "base",
+                      lambda root: odtctl("init", "--model", "tinycnn", home=root / "home")) / "home"
 
 
 @pytest.fixture
 def home(_base_home, tmp_path) -> Path:
     """A fresh copy of an initialised tinycnn home with the test policy."""
-    import shutil
-
     target = tmp_path / "home"
     shutil.copytree(_base_home, target, symlinks=True)
     shutil.copyfile(REPO / "policies" / "tinycnn-test.yaml", target / "policy.yaml")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, odtctl, odtctl_json
+from conftest import REPO, built_once, odtctl, odtctl_json
 from PIL import Image
 
 from odtd.trainer import model_file
@@ -38,10 +38,9 @@ def other_stack():
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
     """This stack's model files, written by tests/make_keras_models.py (MobileNetV2 too)."""
-    out = tmp_path_factory.mktemp("keras-models")
-    subprocess.run([sys.executable, str(REPO / "tests" / "make_keras_models.py"), str(out),
-                    *CLASSES], check=True, capture_output=True)
-    return out
+    return built_once(tmp_path_factory, "keras-models", lambda out: subprocess.run(
+        [sys.executable, str(REPO / "tests" / "make_keras_models.py"), str(out), *CLASSES],
+        check=True, capture_output=True))
 
 
 def photos(root: Path, classes: str, per_class: int, seed: int) -> Path:

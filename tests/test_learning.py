@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, built_once
 
 from odtd.config import Config
 from odtd.home.create import init_home
@@ -26,17 +26,18 @@ from odtd.trainer.launch import run_job
 DAYS = 3
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pretrained(tmp_path_factory):
     """A tinycnn home pre-trained on server images; its fixed validation set is server images too."""
-    root = tmp_path_factory.mktemp("learning")
-    home = Home(root / "home")
-    options = SimulationOptions(model="tinycnn", pretrain_samples=1500, pretrain_epochs=6)
-    init_home(home, "tinycnn", list(datasets.CLASSES),
-              validation_arrays=datasets.synthetic(400, "server", seed=77))
-    pretrain_base(home, DataSource(options), options, lambda message: None)
-    shutil.copyfile(REPO / "policies" / "tinycnn-test.yaml", home.root / "policy.yaml")
-    return home
+    def build(root: Path) -> None:
+        home = Home(root / "home")
+        options = SimulationOptions(model="tinycnn", pretrain_samples=1500, pretrain_epochs=6)
+        init_home(home, "tinycnn", list(datasets.CLASSES),
+                  validation_arrays=datasets.synthetic(400, "server", seed=77))
+        pretrain_base(home, DataSource(options), options, lambda message: None)
+        shutil.copyfile(REPO / "policies" / "tinycnn-test.yaml", home.root / "policy.yaml")
+
+    return Home(built_once(tmp_path_factory, "learning", build) / "home")
 
 
 def _copy(home: Home, tmp_path: Path) -> Home:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, odtctl, odtctl_json
+from conftest import REPO, built_once, odtctl, odtctl_json
 
 from odtd.policy import load_policy
 
@@ -18,22 +18,27 @@ exec {python} "$@"
 """
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def profiled(_base_home, tmp_path_factory):
     """A tinycnn home profiled at batch 2, 3 (killed) and 4, with the policy it wrote."""
-    root = tmp_path_factory.mktemp("profiled")
-    home = root / "home"
-    shutil.copytree(_base_home, home, symlinks=True)
-    shutil.copyfile(REPO / "policies" / "tinycnn-test.yaml", home / "policy.yaml")
-    killer = root / "python-killer"
-    killer.write_text(KILLER.format(python=sys.executable))
-    killer.chmod(0o755)
-    config = (home / "odtd.yaml").read_text()
-    (home / "odtd.yaml").write_text(config.replace("python: null", f"python: {killer}"))
-    written = root / "written.yaml"
-    proc = odtctl("profile", "--batch-sizes", "2,3,4", "--steps", "3", "--json",
-                  "--write-policy", str(written), "--memory-budget-mb", "4000", home=home)
-    return home, written, yaml.safe_load(proc.stdout), proc.stderr
+    def build(root: Path) -> None:
+        home = root / "home"
+        shutil.copytree(_base_home, home, symlinks=True)
+        shutil.copyfile(REPO / "policies" / "tinycnn-test.yaml", home / "policy.yaml")
+        killer = root / "python-killer"
+        killer.write_text(KILLER.format(python=sys.executable))
+        killer.chmod(0o755)
+        config = (home / "odtd.yaml").read_text()
+        (home / "odtd.yaml").write_text(config.replace("python: null", f"python: {killer}"))
+        proc = odtctl("profile", "--batch-sizes", "2,3,4", "--steps", "3", "--json",
+                      "--write-policy", str(root / "written.yaml"), "--memory-budget-mb", "4000",
+                      home=home)
+        (root / "stdout.json").write_text(proc.stdout)
+        (root / "stderr.txt").write_text(proc.stderr)
+
+    root = built_once(tmp_path_factory, "profiled", build)
+    return (root / "home", root / "written.yaml", yaml.safe_load((root / "stdout.json").read_text()),
+            (root / "stderr.txt").read_text())
 
 
 def test_rows_are_measured_and_the_crash_is_a_data_point(profiled):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import built_once
 
 from odtd.trainer import catalog, worker
 
@@ -67,15 +68,17 @@ def bn_statistics(weights_path, names):
                 if "moving_mean" in name or "moving_variance" in name}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def initial(tmp_path_factory):
     """One init run: (weights path, result event)."""
-    directory = tmp_path_factory.mktemp("init")
-    weights = directory / "init.npz"
-    code, events, stderr = run_worker(write_job(directory, mode="init", weights_out=str(weights),
-                                                seed=7))
-    assert code == 0, stderr
-    return weights, by_event(events, "result")[0]
+    def build(directory: Path) -> None:
+        code, events, stderr = run_worker(write_job(
+            directory, mode="init", weights_out=str(directory / "init.npz"), seed=7))
+        assert code == 0, stderr
+        (directory / "result.json").write_text(json.dumps(by_event(events, "result")[0]))
+
+    directory = built_once(tmp_path_factory, "init", build)
+    return directory / "init.npz", json.loads((directory / "result.json").read_text())
 
 
 @pytest.fixture
