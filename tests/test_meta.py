@@ -1,5 +1,6 @@
 """Project-wide promises: lean imports, help everywhere, README in step, shipped policies valid."""
 
+import re
 import subprocess
 import sys
 
@@ -26,6 +27,15 @@ def test_the_idle_daemon_imports_no_session_machinery():
             " 'odtd.store.database' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[] False False"
+
+
+def test_the_worker_compiles_only_through_networks_compiled():
+    # One place decides how the worker compiles (without AutoGraph); a bare tf.function elsewhere
+    # would bring back the conversion and its source reads.
+    compiling = re.compile(r"@tf\.function|tf\.function\(")
+    uses = {str(path.relative_to(REPO)): len(compiling.findall(path.read_text()))
+            for path in (REPO / "odtd").rglob("*.py")}
+    assert {path: count for path, count in uses.items() if count} == {"odtd/trainer/networks.py": 1}
 
 
 def _commands():

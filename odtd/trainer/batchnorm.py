@@ -52,8 +52,7 @@ def batch_moments(tf: Any, model: Any, job: Any, layers: List[Any], x: np.ndarra
     for layer in layers:
         layer.momentum = 0.0  # after a forward pass, the moving statistics are that batch's
 
-    @tf.function(autograph=False,
-                 input_signature=[tf.TensorSpec([None] + list(job["input_shape"]), tf.uint8)])
+    @networks.compiled([networks.images_spec(job)])
     def batch_statistics(images: Any) -> Any:
         networks.forward(model, images, job["input_scale"], job["output"], training=True)
         return [(tf.identity(tf.convert_to_tensor(layer.moving_mean)),

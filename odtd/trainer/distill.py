@@ -45,8 +45,7 @@ def teacher_targets(tf: Any, model: Any, job: Dict[str, Any], x: np.ndarray,
 
     num_classes = len(job["classes"])
 
-    @tf.function(autograph=False,
-                 input_signature=[tf.TensorSpec([None] + list(job["input_shape"]), tf.uint8)])
+    @networks.compiled([networks.images_spec(job)])
     def logits_of(images: Any) -> Any:
         return networks.forward(model, images, job["input_scale"], job["output"], training=False)
 

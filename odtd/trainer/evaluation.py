@@ -21,9 +21,7 @@ def make_eval_step(tf: Any, model: Any, job: Dict[str, Any]) -> Callable[[Any, A
 
     input_scale, output = job["input_scale"], job["output"]
 
-    @tf.function(autograph=False,
-                 input_signature=[tf.TensorSpec([None] + list(job["input_shape"]), tf.uint8),
-                                  tf.TensorSpec([None], tf.int64)])
+    @networks.compiled([networks.images_spec(job), tf.TensorSpec([None], tf.int64)])
     def eval_step(images: Any, labels: Any) -> Any:
         logits = networks.forward(model, images, input_scale, output, training=False)
         losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)

@@ -5,10 +5,10 @@ of DenseNet40's memory. Here the model is cut into segments at tensors the rest 
 depends on alone (after a dense block's concatenation, a residual addition, a transition), and
 each segment but the last runs under ``tf.recompute_grad``: only the segment boundaries are
 kept, and a segment's activations are recomputed when its gradient is needed. The cost is one
-more forward pass per step, less the last segment's: every segment but the last is recomputed.
-The last one's activations are needed as soon as the backward pass starts, so recomputing them
-would cost a forward pass and lower no peak; the first one's, kept, would stay in memory all
-step long (in a convolutional network the first segments hold the largest activations).
+more forward pass per step, less the last segment's: its activations are needed as soon as the
+backward pass starts, so recomputing them would lower no peak, whereas the first segment's,
+kept, would stay in memory all step (in a convolutional network the first segments hold the
+largest activations).
 
 BatchNormalization in a recomputed segment would update its moving statistics twice per step
 (once in the forward pass, once in the recomputation). ``Checkpointed.restore_statistics``

@@ -147,15 +147,11 @@ def make_train_step(tf: Any, model: Any, optimizer: Any, job: Dict[str, Any]
 
         checkpointed = Checkpointed(tf, model)
     forward_model = checkpointed or model
-    # Every compiled part of the worker (here, batchnorm, distill, evaluation) is traced with
-    # autograph=False: none branches or loops on a tensor's value in Python, so there is nothing
-    # to convert, and conversion cost every worker start about 0.3 s of CPU (5% of a tinycnn
-    # profile run here) and read the trainer's source files while a worker ran.
-    signature = [tf.TensorSpec([None] + list(input_shape), tf.uint8), tf.TensorSpec([None], tf.int64),
+    signature = [networks.images_spec(job), tf.TensorSpec([None], tf.int64),
                  tf.TensorSpec([None, len(job["classes"])], tf.float32),
                  tf.TensorSpec([None], tf.float32), tf.TensorSpec([], tf.float32)]
 
-    @tf.function(autograph=False, input_signature=signature)
+    @networks.compiled(signature)
     def gradients_of(images: Any, labels: Any, teacher: Any, weights: Any, total: Any) -> Any:
         """Gradients of this part's summed loss / ``total`` (the whole batch's size)."""
         if job["augment"]:
@@ -180,7 +176,7 @@ def make_train_step(tf: Any, model: Any, optimizer: Any, job: Dict[str, Any]
             gradients = optimizer.get_unscaled_gradients(gradients)
         return loss, gradients
 
-    @tf.function(autograph=False, input_signature=signature[:4])
+    @networks.compiled(signature[:4])
     def whole_batch(images: Any, labels: Any, teacher: Any, weights: Any) -> Any:
         loss, gradients = gradients_of(images, labels, teacher, weights,
                                        tf.cast(tf.shape(labels)[0], tf.float32))
@@ -191,7 +187,7 @@ def make_train_step(tf: Any, model: Any, optimizer: Any, job: Dict[str, Any]
     if not micro or micro >= job["batch_size"]:
         return whole_batch
 
-    @tf.function(autograph=False)
+    @networks.compiled()
     def apply(gradients: Any) -> None:
         optimizer.apply_gradients(zip(gradients, variables))
 
