@@ -129,11 +129,14 @@ class TrainingPolicy(_Strict):
         "one session's guard add up over days; the device keeps serving current); null = "
         "every session starts from current")
     precision: Literal[PRECISIONS] = "fp32"  # type: ignore[valid-type]
-    recompute: Literal["off", "on", "auto"] = Field(
+    recompute: Union[Literal["off", "on", "auto"], float] = Field(
         default="off", description="gradient checkpointing: recompute activations in the "
-        "backward pass instead of keeping them (less memory, more time); auto = admission "
-        "uses it when it is the cheapest plan that fits the memory budget (profile it with "
-        "`odtctl profile --recompute both`)")
+        "backward pass instead of keeping them (less memory, more time); on = every segment "
+        "but the last, a number from 0 to 1 = the segments in that share of the network from "
+        "the input (they hold a convolutional network's largest activations: most of the "
+        "saving for part of the time), auto = admission uses whichever profiled share, or none, "
+        "is the cheapest plan that fits the memory budget (profile them with "
+        "`odtctl profile --recompute off,0.5,on`)")
     micro_batch_size: Union[Literal["off", "auto"], PositiveInt] = Field(
         default="off", description="run each batch as micro-batches of this many samples and "
         "sum their gradients: the same update at a micro-batch's memory; auto = admission "
@@ -165,6 +168,14 @@ class TrainingPolicy(_Strict):
             return "on"
         if value is False:
             return "off"
+        return value
+
+    @field_validator("recompute")
+    @classmethod
+    def _recompute_share(cls, value: object) -> object:
+        if isinstance(value, float) and not 0 < value <= 1:
+            raise ValueError("must be off, on, auto or a share of the network above 0 and at "
+                             "most 1")
         return value
 
     gpu_memory_limit_mb: Optional[int] = Field(

@@ -71,15 +71,14 @@ def fit_child(model_name: str, batch_size: int, steps: int, data: str) -> None:
 
 
 def parse_plan(name: str) -> dict:
-    """``fp32+recompute+micro8`` -> the worker job's precision, recompute, micro_batch_size."""
-    parts = name.split("+")
-    micro = [int(p[len("micro"):]) for p in parts[1:] if p.startswith("micro")]
-    unknown = [p for p in parts[1:] if p != "recompute" and not p.startswith("micro")]
-    if unknown:
-        raise SystemExit(f"--plans: unknown part {unknown[0]!r} of {name!r}; plans look like "
-                         "fp32, fp32+recompute, fp32+micro8, fp32+recompute+micro16")
-    return {"precision": parts[0], "recompute": "recompute" in parts[1:],
-            "micro_batch_size": micro[0] if micro else None}
+    """``fp32+recompute0.5+micro8`` -> the worker job's precision, recompute, micro_batch_size."""
+    from odtd.profiling.profile import parse_plan as parse
+
+    try:
+        precision, recompute, micro = parse(name)
+    except ValueError as error:
+        raise SystemExit(f"--plans: {error}") from None
+    return {"precision": precision, "recompute": recompute, "micro_batch_size": micro}
 
 
 def run_fit(args, data: Path, env: dict) -> dict:

@@ -174,9 +174,16 @@ def test_learned_limit_is_remembered_in_the_store(tmp_path):
 # -- plans: precision x recomputation x micro-batches at one batch size ----------------------
 
 
-def plans_profile(recompute=True, bf16=False):
-    """Whole batches: 1000 + 50 MB x batch; recomputed: 900 + 20 MB x batch at 3/4 the speed."""
+def plans_profile(recompute=True, bf16=False, half=False):
+    """Whole batches: 1000 + 50 MB x batch; recomputed: 900 + 20 MB x batch at 3/4 the speed;
+    half the network recomputed: 950 + 30 MB x batch at 0.9 of the speed."""
     rows = list(make_profile().rows)
+    if half:
+        rows += [ProfileRow(r.batch_size, "fp32", OK, recompute=0.5,
+                            samples_per_s=r.samples_per_s * 0.9,
+                            energy_per_sample_j=r.energy_per_sample_j / 0.9,
+                            peak_memory_mb=950.0 + 30.0 * r.batch_size, mean_power_w=7.0)
+                 for r in make_profile().rows]
     if recompute:
         rows += [ProfileRow(r.batch_size, "fp32", OK, recompute=True,
                             samples_per_s=r.samples_per_s * 0.75,
@@ -217,6 +224,24 @@ def test_the_whole_batch_stays_when_it_fits_and_recomputation_costs_more():
     assert (a.batch_size, a.recompute, a.changes) == (32, False, ())
     [other] = a.rejected
     assert other["plan"] == "fp32+recompute" and other["reason"].startswith("fits, but costs")
+
+
+def test_auto_weighs_every_profiled_share_and_takes_the_cheapest_that_fits():
+    # Batch 32: whole 2600 MB, half recomputed 1910 MB, all 1540 MB against a 1700 MB cap.
+    a = admit(plan_policy(recompute="auto"), plans_profile(half=True), samples=100)
+    assert (a.batch_size, a.recompute, a.predicted_peak_mb) == (32, 1.0, 1540.0)
+    assert {"fp32", "fp32+recompute0.5"} <= {r["plan"] for r in a.rejected if r["batch_size"] == 32}
+    # A 2300 MB budget (1955 MB cap): half the network is enough, at 0.9 of the speed, not 0.75.
+    b = admit(plan_policy(budget_mb=2300, recompute="auto"), plans_profile(half=True),
+              samples=100)
+    assert (b.batch_size, b.recompute, b.predicted_peak_mb) == (32, 0.5, 1910.0)
+    assert any(r["plan"] == "fp32+recompute" and r["reason"].startswith("fits, but costs")
+               for r in b.rejected)
+    # A share the policy names is the only one it runs.
+    c = admit(plan_policy(budget_mb=2300, recompute=0.5), plans_profile(half=True), samples=100)
+    assert (c.batch_size, c.recompute) == (32, 0.5)
+    d = admit(plan_policy(recompute=0.5), plans_profile(half=True), samples=100)
+    assert (d.batch_size, d.recompute) == (16, 0.5)  # 32 at 1910 MB does not fit 1700 MB
 
 
 def test_without_recomputation_the_batch_shrinks_instead():

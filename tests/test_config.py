@@ -74,6 +74,16 @@ def test_bare_on_and_off_mean_the_words_for_the_plan_switches(tmp_path):
     assert load_policy(path).training.freeze_bn is True
 
 
+def test_recompute_takes_a_share_of_the_network(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("training:\n  recompute: 0.5\n")
+    assert load_policy(path).training.recompute == 0.5
+    for bad in ("0", "1.5", "-0.2", "sometimes"):
+        path.write_text(f"training:\n  recompute: {bad}\n")
+        with pytest.raises(PolicyError, match=r"p.yaml: training.recompute"):
+            load_policy(path)
+
+
 def test_distill_is_a_non_negative_weight(tmp_path):
     path = tmp_path / "p.yaml"
     assert load_policy(path).training.distill == 0.0  # off unless asked for

@@ -46,13 +46,18 @@ for name, shape, classes in cases:
         # No BatchNorm, no dropout: recomputed segments give the very gradients of the plain model.
         labels = tf.constant([1, 5], tf.int64)
         grads = []
-        for forward in (model, recompute.Checkpointed(tf, model)):
+        half = recompute.Checkpointed(tf, model, share=0.5)
+        row["half_cuts"] = half.cuts
+        row["all_cuts"] = recompute.Checkpointed(tf, model).cuts
+        row["layers"] = len(model.layers)
+        for forward in (model, recompute.Checkpointed(tf, model), half):
             with tf.GradientTape() as tape:
                 out = networks.forward(forward, tf.cast(images, tf.uint8), "0-1", "logits", True)
                 loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, out))
             grads.append(tape.gradient(loss, model.trainable_variables))
         row["checkpointed_gradient_gap"] = max(
-            float(tf.reduce_max(tf.abs(a - b))) for a, b in zip(*grads))
+            float(tf.reduce_max(tf.abs(a - b))) for other in grads[1:]
+            for a, b in zip(grads[0], other))
     report.append(row)
 print(json.dumps(report))
 """
@@ -76,6 +81,9 @@ def test_every_suite_network_builds_to_its_catalogue_count_with_logits_and_cuts(
     squeezenet = next(row for row in report if row.get("checkpointed_gradient_gap") is not None)
     assert squeezenet["checkpointed_gradient_gap"] < 1e-5
     assert "fire2_concat" in squeezenet["chosen"]
+    # Half the network recomputed: the cuts in its first half only, the rest one plain segment.
+    half, every = squeezenet["half_cuts"], squeezenet["all_cuts"]
+    assert half == [k for k in every if k <= squeezenet["layers"] / 2] and 0 < len(half) < len(every)
 
 
 def test_catalogue_counts_match_the_published_figures_at_1000_classes():

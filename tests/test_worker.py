@@ -434,7 +434,7 @@ def test_recomputation_trains_the_same_and_moves_batchnorm_statistics_once_per_s
     # moving statistics. Recomputing a segment runs its BatchNorm a second time; without putting
     # back what the forward pass left, the statistics would move twice per step.
     plain, names = _trained_weights(tmp_path, initial, data, "plain")
-    again, _ = _trained_weights(tmp_path, initial, data, "recomputed", recompute=True)
+    again, _ = _trained_weights(tmp_path, initial, data, "recomputed", recompute=1.0)
     with np.load(initial[0]) as arrays:
         start = dict(arrays)
     for key, name in zip(sorted(plain), names):

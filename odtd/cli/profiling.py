@@ -40,6 +40,22 @@ def _precisions(text: str) -> List[str]:
     return list(dict.fromkeys(names))
 
 
+def _recompute_shares(text: str) -> List[float]:
+    """``off,0.5,on`` -> [0.0, 0.5, 1.0]; ``both`` is ``off,on``."""
+    named = {"off": [0.0], "on": [1.0], "both": [0.0, 1.0]}
+    shares: List[float] = []
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            share = named[part] if part in named else [float(part)]
+        except ValueError:
+            share = [-1.0]
+        if not 0 <= share[0] <= 1:
+            raise ConfigError(f"--recompute {text!r}: give off, on, both or shares of the network "
+                              "from 0 to 1, separated by commas (e.g. off,0.5,on)")
+        shares += share
+    return sorted(set(shares))
+
+
 # -- profile ---------------------------------------------------------------------------------
 
 
@@ -68,7 +84,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             else list(policy.batch.candidates)
         precisions = _precisions(args.precisions) if args.precisions \
             else [policy.training.precision]
-        recompute = {"off": (False,), "on": (True,), "both": (False, True)}[args.recompute]
+        recompute = _recompute_shares(args.recompute)
         result = run_profile(home, store, config, model, sizes, args.steps, precisions,
                              progress=progress, training=policy.training, recompute=recompute)
         data = result.to_dict()
@@ -286,9 +302,11 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, reader: argparse.Argu
                         f"{DEFAULT_PROFILE_STEPS})")
     p.add_argument("--precisions", help="comma-separated, from " + ", ".join(PRECISIONS) +
                                         " (default: the policy's training.precision)")
-    p.add_argument("--recompute", choices=["off", "on", "both"], default="off",
+    p.add_argument("--recompute", default="off", metavar="off,on,SHARE",
                    help="profile without (off, default) and/or with gradient checkpointing, so "
-                        "admission can weigh it (training.recompute: auto)")
+                        "admission can weigh it (training.recompute: auto): comma-separated, "
+                        "off, on (every segment but the last), a share of the network from the "
+                        "input (0.5), or both (off,on)")
     p.add_argument("--write-policy", metavar="FILE",
                    help="write the active policy with the best measured batch size to FILE")
     p.add_argument("--objective", choices=["energy", "time", "balanced"],

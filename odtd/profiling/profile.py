@@ -27,7 +27,8 @@ class ProfileRow:
     Attributes:
         batch_size: Samples per step.
         precision: As requested (``auto`` stays ``auto``: it is what a policy names).
-        recompute: Measured with gradient checkpointing (``training.recompute``).
+        recompute: The share of the network measured under gradient checkpointing (0: none,
+            1: every segment but the last; ``training.recompute``).
         status: ``ok``, or ``does_not_fit`` (OOM error, killed, crashed; see ``reason``).
         reason: Why the size does not fit, None when ok.
         precision_resolved: What the worker ran (``auto`` -> ``mixed_bfloat16`` on this CPU).
@@ -45,7 +46,7 @@ class ProfileRow:
     batch_size: int
     precision: str
     status: str
-    recompute: bool = False
+    recompute: float = 0.0
     reason: Optional[str] = None
     precision_resolved: Optional[str] = None
     samples_per_s: Optional[float] = None
@@ -86,28 +87,28 @@ class ProfileResult:
         return cls(newest["profile_id"], model, newest["backend"], newest["board"],
                    newest["steps"], rows)
 
-    def ok_rows(self, precision: str, recompute: bool = False) -> List[ProfileRow]:
-        """Rows that ran at ``precision`` (with or without recomputation), by batch size."""
+    def ok_rows(self, precision: str, recompute: float = 0.0) -> List[ProfileRow]:
+        """Rows that ran at ``precision`` and ``recompute`` share, by batch size."""
         return sorted((r for r in self.rows if r.precision == precision and r.status == OK
                        and r.recompute == recompute), key=lambda r: r.batch_size)
 
-    def smallest_failure(self, precision: str, recompute: bool = False) -> Optional[ProfileRow]:
+    def smallest_failure(self, precision: str, recompute: float = 0.0) -> Optional[ProfileRow]:
         """The smallest size that did not fit at ``precision`` (larger ones will not either)."""
         failed = [r for r in self.rows if r.precision == precision and r.status == DOES_NOT_FIT
                   and r.recompute == recompute]
         return min(failed, key=lambda r: r.batch_size) if failed else None
 
-    def memory_fit(self, precision: str, recompute: bool = False) -> MemoryFit:
+    def memory_fit(self, precision: str, recompute: float = 0.0) -> MemoryFit:
         """Fit peak memory against batch size over the ok rows at ``precision``."""
         return fit_memory((r.batch_size, r.peak_memory_mb)
                           for r in self.ok_rows(precision, recompute)
                           if r.peak_memory_mb is not None)
 
-    def plans(self) -> List[Tuple[str, bool]]:
-        """The (precision, recompute) pairs this profile measured."""
+    def plans(self) -> List[Tuple[str, float]]:
+        """The (precision, recompute share) pairs this profile measured."""
         return sorted({(r.precision, r.recompute) for r in self.rows})
 
-    def estimate_at(self, batch_size: int, precision: str, recompute: bool = False
+    def estimate_at(self, batch_size: int, precision: str, recompute: float = 0.0
                     ) -> Tuple[Optional[float], Optional[float], str]:
         """Throughput and energy per sample at any size, from the measured ones.
 
@@ -147,9 +148,42 @@ class ProfileResult:
                                  for p, r in self.plans()}}
 
 
-def plan_name(precision: str, recompute: bool) -> str:
-    """``fp32``, or ``fp32+recompute``: a measured plan as profiles and admission name it."""
-    return f"{precision}+recompute" if recompute else precision
+def plan_name(precision: str, recompute: float) -> str:
+    """A plan as profiles and admission name it.
+
+    ``fp32``, ``fp32+recompute`` (every segment but the last recomputed) or
+    ``fp32+recompute0.5`` (the first half of the network).
+    """
+    if not recompute:
+        return precision
+    return f"{precision}+recompute" + ("" if recompute >= 1 else format(recompute, "g"))
+
+
+def parse_plan(name: str) -> Tuple[str, float, Optional[int]]:
+    """``fp32+recompute0.5+micro8`` -> (precision, recompute share, micro-batch size or None).
+
+    Raises:
+        ValueError: A part that is not ``recompute``, ``recomputeS`` (0 < S <= 1) or ``microN``.
+    """
+    precision, *parts = name.split("+")
+    recompute, micro = 0.0, None  # type: float, Optional[int]
+    for part in parts:
+        try:
+            if part.startswith("recompute"):
+                recompute = float(part[len("recompute"):] or 1)
+                if not 0 < recompute <= 1:
+                    raise ValueError
+            elif part.startswith("micro"):
+                micro = int(part[len("micro"):])
+                if micro < 1:
+                    raise ValueError
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"unknown part {part!r} of plan {name!r}; plans look like fp32, "
+                             "fp32+recompute, fp32+recompute0.5, fp32+micro8, "
+                             "fp32+recompute+micro16") from None
+    return precision, recompute, micro
 
 
 def profile_table(profile: ProfileResult) -> List[str]:
@@ -159,7 +193,7 @@ def profile_table(profile: ProfileResult) -> List[str]:
     for r in sorted(profile.rows, key=lambda r: (r.precision, r.recompute, r.batch_size)):
         shown = r.precision if r.precision_resolved in (None, r.precision) \
             else f"{r.precision}->{r.precision_resolved}"
-        shown += "+recompute" if r.recompute else ""
+        shown = plan_name(shown, r.recompute)
 
         def num(value: Optional[float], fmt: str) -> str:
             return "-" if value is None else format(value, fmt)

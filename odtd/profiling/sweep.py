@@ -40,7 +40,7 @@ def run_profile(
     steps: int, precisions: Sequence[str] = ("fp32",),
     progress: Optional[Callable[[str], None]] = None,
     training: Optional[TrainingPolicy] = None, root: Path = Path("/"),
-    recompute: Sequence[bool] = (False,),
+    recompute: Sequence[float] = (0.0,),
 ) -> ProfileResult:
     """Profile ``model`` at each (precision, recompute, batch size) and store the rows.
 
@@ -55,7 +55,8 @@ def run_profile(
         progress: Called with one-line progress messages.
         training: Optimizer, augmentation and BatchNorm settings (memory depends on them).
         root: Filesystem root for the board description.
-        recompute: Without and/or with gradient checkpointing (admission's plans).
+        recompute: Shares of the network under gradient checkpointing, 0 for none
+            (admission's plans).
 
     Raises:
         SessionBusy: A session is running.
@@ -109,7 +110,7 @@ def _start_sampler(config: Config, say: Callable[[str], None]) -> Any:
 
 def _profile_one(home: Home, store: Store, config: Config, sampler: Any, job_dir: Path,
                  say: Callable[[str], None], spec: ModelSpec, training: TrainingPolicy,
-                 precision: str, batch_size: int, steps: int, recompute: bool = False
+                 precision: str, batch_size: int, steps: int, recompute: float = 0.0
                  ) -> ProfileRow:
     total_steps = WARMUP_STEPS + steps
     job_dir.mkdir(parents=True, exist_ok=True)

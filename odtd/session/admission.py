@@ -38,12 +38,12 @@ class Plan:
     """
 
     precision: str
-    recompute: bool = False
+    recompute: float = 0.0
     micro_batch_size: Optional[int] = None
 
     @property
     def name(self) -> str:
-        """``fp32``, ``fp32+recompute``, ``mixed_bfloat16+micro8``, ..."""
+        """``fp32``, ``fp32+recompute``, ``fp32+recompute0.5``, ``mixed_bfloat16+micro8``, ..."""
         micro = f"+micro{self.micro_batch_size}" if self.micro_batch_size else ""
         return plan_name(self.precision, self.recompute) + micro
 
@@ -91,7 +91,7 @@ class Admission:
         changes: Each departure from the policy, in order, e.g. ``batch 64 -> 32: ...``.
         precision: The precision to run (one of ``batch.precisions`` when the policy lists
             several).
-        recompute: Run with gradient checkpointing.
+        recompute: The share of the network to run with gradient checkpointing (0: none).
         micro_batch_size: Split each batch into micro-batches of this size; None: whole.
         rejected: Every other plan considered, ``{batch_size, plan, reason}``: why it was not
             chosen (does not fit, not profiled, costs more).
@@ -106,7 +106,7 @@ class Admission:
     reason: str
     changes: Tuple[str, ...] = ()
     precision: str = "fp32"
-    recompute: bool = False
+    recompute: float = 0.0
     micro_batch_size: Optional[int] = None
     rejected: Tuple[Dict[str, Any], ...] = ()
 
@@ -116,7 +116,7 @@ class Admission:
 
 
 def predict(profile: ProfileResult, precision: str, batch_size: int, samples: int,
-            epochs: int, recompute: bool = False, micro_batch_size: Optional[int] = None,
+            epochs: int, recompute: float = 0.0, micro_batch_size: Optional[int] = None,
             accumulator_mb: float = 0.0) -> Prediction:
     """Predict a session's training time, energy and peak memory from a profile.
 
@@ -162,13 +162,27 @@ def memory_problem(prediction: Prediction, batch: BatchPolicy) -> Optional[str]:
             f"({batch.memory_budget_mb:.0f} MB budget less {batch.headroom_pct:g}% headroom)")
 
 
-def plans_at(policy: Policy, size: int, sizes: List[int]) -> List[Plan]:
+def recompute_shares(policy: Policy, profile: Optional[ProfileResult]) -> List[float]:
+    """The recomputed shares admission may run.
+
+    The policy's share; for ``auto``, none and every share the profile measured (none and the
+    whole network when it measured none).
+    """
+    value = policy.training.recompute
+    if value == "auto":
+        measured = sorted({r.recompute for r in profile.rows if r.recompute}) if profile else []
+        return [0.0] + (measured or [1.0])
+    return [{"off": 0.0, "on": 1.0}.get(value, value)]  # type: ignore[arg-type]
+
+
+def plans_at(policy: Policy, size: int, sizes: List[int],
+             profile: Optional[ProfileResult] = None) -> List[Plan]:
     """The plans admission may run a batch of ``size`` with, the policy's own plan first."""
     training = policy.training
     precisions = list(dict.fromkeys([training.precision, *(policy.batch.precisions or [])]))
     if policy.batch.precisions:
         precisions = [p for p in precisions if p in policy.batch.precisions]
-    recomputes = {"off": [False], "on": [True], "auto": [False, True]}[training.recompute]
+    recomputes = recompute_shares(policy, profile)
     micro = training.micro_batch_size
     if micro == "off":
         micros: List[Optional[int]] = [None]
@@ -201,11 +215,12 @@ def choose_plan(policy: Policy, profile: ProfileResult, size: int, sizes: List[i
         ((plan, prediction) or None when none fits, the rejected plans with their reasons).
     """
     fitting, rejected = [], []
-    for plan in plans_at(policy, size, sizes):
+    for plan in plans_at(policy, size, sizes, profile):
         if not profile.ok_rows(plan.precision, plan.recompute):
             rejected.append({"batch_size": size, "plan": plan.name, "reason": (
                 f"not profiled: run `odtctl profile --precisions {plan.precision}"
-                + (" --recompute on`" if plan.recompute else "`"))})
+                + (" --recompute " + ("on" if plan.recompute >= 1 else f"{plan.recompute:g}")
+                   + "`" if plan.recompute else "`"))})
             continue
         p = predict(profile, plan.precision, size, samples, epochs, plan.recompute,
                     plan.micro_batch_size, accumulator_mb)
@@ -222,7 +237,7 @@ def choose_plan(policy: Policy, profile: ProfileResult, size: int, sizes: List[i
     for plan, p in fitting:
         if plan != best[0]:
             rejected.append({"batch_size": size, "plan": plan.name, "reason": (
-                f"fits, but costs {cost(p):.1f} {unit} against {cost(best[1]):.1f} {unit} "
+                f"fits, but costs {cost(p):.3g} {unit} against {cost(best[1]):.3g} {unit} "
                 f"({best[0].name}, objective {policy.objective})")})
     return best, rejected
 
@@ -258,7 +273,7 @@ def admit(policy: Policy, profile: Optional[ProfileResult], samples: int,
                        "earlier session")
         size = below[-1]
         sizes = [s for s in sizes if s < oom_limit] or [size]
-    plans = plans_at(policy, size, sizes)
+    plans = plans_at(policy, size, sizes, profile)
     own = plans[0]
     if profile is None or not any(profile.ok_rows(p.precision, p.recompute) for p in plans):
         what = "no profile" if profile is None else \

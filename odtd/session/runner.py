@@ -267,7 +267,7 @@ class SessionRunner:
             confidence_z=self.policy.acceptance.confidence_z,
             seed=training.seed, parent_pid=os.getpid(),
             precision=plan.get("precision", training.precision),
-            recompute=plan.get("recompute", False), micro_batch_size=plan.get("micro_batch_size"),
+            recompute=float(plan.get("recompute") or 0), micro_batch_size=plan.get("micro_batch_size"),
             gpu_memory_limit_mb=training.gpu_memory_limit_mb,
             eval_batch_size=training.eval_batch_size, eval_cache=str(self.repo.eval_cache_path),
             # The candidate's results, adopted as the eval cache if it is promoted.

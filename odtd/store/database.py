@@ -394,7 +394,7 @@ class Store:
             records = []
             for row in rows:
                 record = {key: row.get(key) for key in keys}
-                record["recompute"] = int(bool(record["recompute"]))
+                record["recompute"] = float(record["recompute"] or 0)
                 by_rail = record["energy_per_sample_by_rail_j"]
                 record["energy_per_sample_by_rail_j"] = (
                     json.dumps(by_rail, sort_keys=True) if by_rail is not None else None)
@@ -417,11 +417,11 @@ class Store:
             return []
         rows = self._rows("profiles", "model = ? AND board IS ?", [model, newest[0]["board"]],
                           order_by="profile_id DESC")
-        latest: dict[tuple[str, int, int], dict[str, Any]] = {}
+        latest: dict[tuple[str, float, int], dict[str, Any]] = {}
         for row in rows:
             key = (row["precision"], row["recompute"], row["batch_size"])
             if key not in latest:
-                row["recompute"] = bool(row["recompute"])
+                row["recompute"] = float(row["recompute"])
                 by_rail = row["energy_per_sample_by_rail_j"]
                 row["energy_per_sample_by_rail_j"] = json.loads(by_rail) if by_rail else None
                 latest[key] = row

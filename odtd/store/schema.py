@@ -174,4 +174,43 @@ MIGRATIONS: list[str] = [
     ALTER TABLE profiles_v4 RENAME TO profiles;
     CREATE INDEX profiles_model ON profiles (model, profile_id);
     """,
+    # 5: a plan may recompute part of the network: ``recompute`` is the share recomputed
+    # (0: off, 1: every segment but the last, 0.5: the first half), no longer 0 or 1. Rebuilt as
+    # in 4 (a CHECK constraint cannot change in place); stored rows keep their values.
+    """
+    CREATE TABLE profiles_v5 (
+        profile_id INTEGER NOT NULL,
+        created_at TEXT NOT NULL,
+        model TEXT NOT NULL,
+        backend TEXT,
+        board TEXT,
+        steps INTEGER NOT NULL,
+        batch_size INTEGER NOT NULL,
+        precision TEXT NOT NULL,
+        recompute REAL NOT NULL DEFAULT 0 CHECK (recompute >= 0 AND recompute <= 1),
+        precision_resolved TEXT,
+        status TEXT NOT NULL CHECK (status IN ('ok', 'does_not_fit')),
+        reason TEXT,
+        samples_per_s REAL,
+        step_s REAL,
+        energy_per_sample_j REAL,
+        energy_per_sample_by_rail_j TEXT,
+        energy_source TEXT,
+        energy_coverage REAL,
+        mean_power_w REAL,
+        peak_memory_mb REAL,
+        PRIMARY KEY (profile_id, precision, recompute, batch_size)
+    );
+    INSERT INTO profiles_v5 (profile_id, created_at, model, backend, board, steps,
+        batch_size, precision, recompute, precision_resolved, status, reason, samples_per_s,
+        step_s, energy_per_sample_j, energy_per_sample_by_rail_j, energy_source,
+        energy_coverage, mean_power_w, peak_memory_mb)
+    SELECT profile_id, created_at, model, backend, board, steps,
+        batch_size, precision, recompute, precision_resolved, status, reason, samples_per_s,
+        step_s, energy_per_sample_j, energy_per_sample_by_rail_j, energy_source,
+        energy_coverage, mean_power_w, peak_memory_mb FROM profiles;
+    DROP TABLE profiles;
+    ALTER TABLE profiles_v5 RENAME TO profiles;
+    CREATE INDEX profiles_model ON profiles (model, profile_id);
+    """,
 ]

@@ -52,7 +52,7 @@ JOB_KEYS = {
     "reference_origin": ("share", None),
     "acceptance_tolerance": ("share", None),
     "confidence_z": ("float", 0.0),
-    "recompute": ("bool", False),
+    "recompute": ("share", 0.0),
     "micro_batch_size": ("positive_int", None),
     "seed": ("int", 0),
     "parent_pid": ("positive_int", None),

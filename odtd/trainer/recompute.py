@@ -10,6 +10,10 @@ backward pass starts, so recomputing them would lower no peak, whereas the first
 kept, would stay in memory all step (in a convolutional network the first segments hold the
 largest activations).
 
+With a ``share`` below 1 only the segments that end within that share of the layers, counted
+from the input, are recomputed and the rest of the network runs as one plain segment: less
+memory saved, for a smaller part of a forward pass.
+
 BatchNormalization in a recomputed segment would update its moving statistics twice per step
 (once in the forward pass, once in the recomputation). ``Checkpointed.restore_statistics``
 puts back what the forward pass left, so they move once per step, as without recomputation.
@@ -36,11 +40,15 @@ def valid_cuts(model: Any) -> List[int]:
     """
     layers = list(model.layers)
     index = {id(layer): position for position, layer in enumerate(layers)}
+    # The model's own graph (both Keras stacks keep ``_nodes_by_depth``): a layer's nodes in
+    # other graphs, such as the segments an earlier ``Checkpointed`` built over it, do not count.
+    own = {id(node) for nodes in getattr(model, "_nodes_by_depth", {}).values() for node in nodes}
     violated = [0] * (len(layers) + 1)
     called_once = []
     for position, layer in enumerate(layers):
         nodes = [node for node in getattr(layer, "_inbound_nodes", [])
-                 if any(id(_owner(parent)) in index for parent in getattr(node, "parent_nodes", []))]
+                 if (not own or id(node) in own)
+                 and any(id(_owner(parent)) in index for parent in getattr(node, "parent_nodes", []))]
         called_once.append(len(nodes) <= 1)
         for node in nodes:
             for parent in node.parent_nodes:
@@ -85,6 +93,8 @@ class Checkpointed:
         tf: TensorFlow.
         model: A functional Keras model.
         segments: How many segments (default: the square root of the layer count).
+        share: Recompute the segments that end within this share (0 to 1) of the layers, from
+            the input (at least the first); 1: every segment but the last.
 
     Attributes:
         cuts: The indices of ``model.layers`` after which the model is cut (empty: no valid cut,
@@ -92,7 +102,8 @@ class Checkpointed:
             the nested models' cuts.
     """
 
-    def __init__(self, tf: Any, model: Any, segments: Optional[int] = None) -> None:
+    def __init__(self, tf: Any, model: Any, segments: Optional[int] = None,
+                 share: float = 1.0) -> None:
         self.tf = tf
         self.model = model
         keras = tf.keras
@@ -105,7 +116,8 @@ class Checkpointed:
             # softmax around its network, a backbone in a wrapper): a nested model's output
             # is not a tensor of this graph, so run the chain layer by layer and checkpoint
             # each nested model inside itself.
-            self.chain = [Checkpointed(tf, layer, segments) if isinstance(layer, keras.Model)
+            self.chain = [Checkpointed(tf, layer, segments, share)
+                          if isinstance(layer, keras.Model)
                           else layer for layer in layers[1:]]
             nested = [part for part in self.chain if isinstance(part, Checkpointed)]
             self.cuts = [cut for part in nested for cut in part.cuts]
@@ -113,8 +125,9 @@ class Checkpointed:
             return
         # Never cut right after a nested model elsewhere either: its ``output`` is a tensor of
         # its own graph, not of this one.
-        self.cuts = choose_cuts([k for k in cuts if not isinstance(layers[k], keras.Model)],
-                                len(layers), segments)
+        chosen = choose_cuts([k for k in cuts if not isinstance(layers[k], keras.Model)],
+                             len(layers), segments)
+        self.cuts = [k for k in chosen if k <= share * len(layers)] or chosen[:1]
         boundaries = [model.inputs[0]] + [layers[k].output for k in self.cuts] + [model.outputs[0]]
         self.parts = [keras.Model(start, end) for start, end in zip(boundaries, boundaries[1:])]
         self._recomputed = [tf.recompute_grad(self._runner(part)) for part in self.parts[:-1]]

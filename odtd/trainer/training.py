@@ -145,7 +145,7 @@ def make_train_step(tf: Any, model: Any, optimizer: Any, job: Dict[str, Any]
     if job["recompute"]:
         from odtd.trainer.recompute import Checkpointed
 
-        checkpointed = Checkpointed(tf, model)
+        checkpointed = Checkpointed(tf, model, share=job["recompute"])
     forward_model = checkpointed or model
     signature = [networks.images_spec(job), tf.TensorSpec([None], tf.int64),
                  tf.TensorSpec([None, len(job["classes"])], tf.float32),
