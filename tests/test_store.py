@@ -105,6 +105,19 @@ def test_last_judged_session_passes_over_skipped_failed_and_running_ones(tmp_pat
     assert (judged.id, judged.outcome) == (2, "rolled_back")
 
 
+def test_a_version_never_promoted_has_the_latest_judged_sessions_measure_of_it(tmp_path):
+    store = Store(tmp_path / "odtd.db")
+    assert store.measured_accuracy(0) is None
+    for outcome, version, before in (("promoted", 0, 0.41), ("rolled_back", 0, 0.43),
+                                     ("failed", 0, 0.99), ("promoted", 1, 0.52)):
+        record = SessionRecord(day="2026-11-26", trigger="schedule", outcome=outcome,
+                               model_version_before=version, accuracy_before=before)
+        store.start_session(record)
+        store.finish_session(record)
+    assert (store.measured_accuracy(0), store.measured_accuracy(1)) == (0.43, 0.52)
+    assert store.measured_accuracy(2) is None
+
+
 def snapshot(path):
     """Every row of every table, read through a connection of its own (what another process sees)."""
     conn = sqlite3.connect(path)

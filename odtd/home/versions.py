@@ -246,6 +246,8 @@ def list_versions(home: Home, store: Store) -> list[dict[str, Any]]:
     rows = store.model_versions(model)
     for row in rows:
         row["current"] = row["version"] == current
+        if row.get("accuracy") is None:  # version 0: as the latest session measured it
+            row["accuracy"] = store.measured_accuracy(row["version"])
     return rows
 
 

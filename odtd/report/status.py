@@ -57,7 +57,7 @@ def model_status(home: Home, store: Store) -> dict[str, Any]:
     """Return the ``model`` section: name, version, accuracy (of the current version), resume.
 
     The accuracy is the one measured when the version was promoted; for a version that was
-    never promoted (version 0) the latest session's measure of it, once a session judged it.
+    never promoted (version 0) the latest session's measure of it (``Store.measured_accuracy``).
 
     ``resume`` is the refused candidate the next session goes on from (``training.resume_within``),
     as ``{"session", "accuracy", "current_accuracy"}`` on the validation set, else None.
@@ -74,10 +74,7 @@ def model_status(home: Home, store: Store) -> dict[str, Any]:
                       "current_accuracy": kept.accuracy_before}
     accuracy = manifest.get("metrics", {}).get("accuracy")
     if accuracy is None:  # version 0 has no figure until a session measures it
-        judged = store.last_judged_session()  # a refusal measured the model it kept
-        if judged is not None and judged.outcome == "rolled_back" and (
-                judged.model_version_before == version):
-            accuracy = judged.accuracy_before
+        accuracy = store.measured_accuracy(version)
     return {"name": name, "version": version, "accuracy": accuracy,
             "param_count": manifest.get("param_count"), "sha256": manifest.get("sha256"),
             "resume": resume}

@@ -305,6 +305,18 @@ class Store:
                           order_by="id DESC", limit=1)
         return SessionRecord.from_row(rows[0]) if rows else None
 
+    def measured_accuracy(self, version: int) -> Optional[float]:
+        """The latest judged session's accuracy of model ``version`` before it trained, or None.
+
+        A version that was never promoted (version 0) has no accuracy of its own until a
+        session measures it.
+        """
+        judged = ", ".join("?" * len(JUDGED))
+        rows = self._rows("sessions", f"state = 'done' AND outcome IN ({judged}) AND "
+                          "model_version_before = ? AND accuracy_before IS NOT NULL",
+                          [*JUDGED, version], order_by="id DESC", limit=1)
+        return rows[0]["accuracy_before"] if rows else None
+
     def running_sessions(self) -> list[SessionRecord]:
         """Return sessions still marked running (by a live or a crashed process)."""
         return [SessionRecord.from_row(row)
