@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 from bench_trainer import step_timer
 
+from odtd.profiling.profile import parse_plan as profile_plan
 from odtd.profiling.sweep import cpu_description
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -72,10 +73,8 @@ def fit_child(model_name: str, batch_size: int, steps: int, data: str) -> None:
 
 def parse_plan(name: str) -> dict:
     """``fp32+recompute0.5+micro8`` -> the worker job's precision, recompute, micro_batch_size."""
-    from odtd.profiling.profile import parse_plan as parse
-
     try:
-        precision, recompute, micro = parse(name)
+        precision, recompute, micro = profile_plan(name)
     except ValueError as error:
         raise SystemExit(f"--plans: {error}") from None
     return {"precision": precision, "recompute": recompute, "micro_batch_size": micro}

@@ -42,18 +42,14 @@ def _precisions(text: str) -> List[str]:
 
 def _recompute_shares(text: str) -> List[float]:
     """``off,0.5,on`` -> [0.0, 0.5, 1.0]; ``both`` is ``off,on``."""
-    named = {"off": [0.0], "on": [1.0], "both": [0.0, 1.0]}
-    shares: List[float] = []
-    for part in (p.strip() for p in text.split(",")):
-        try:
-            share = named[part] if part in named else [float(part)]
-        except ValueError:
-            share = [-1.0]
-        if not 0 <= share[0] <= 1:
-            raise ConfigError(f"--recompute {text!r}: give off, on, both or shares of the network "
-                              "from 0 to 1, separated by commas (e.g. off,0.5,on)")
-        shares += share
-    return sorted(set(shares))
+    from odtd.profiling.profile import recompute_share
+
+    parts = [part.strip() for part in text.replace("both", "off,on").split(",")]
+    try:
+        return sorted({recompute_share(part) for part in parts})
+    except ValueError:
+        raise ConfigError(f"--recompute {text!r}: give off, on, both or shares of the network "
+                          "from 0 to 1, separated by commas (e.g. off,0.5,on)") from None
 
 
 # -- profile ---------------------------------------------------------------------------------

@@ -148,15 +148,31 @@ class ProfileResult:
                                  for p, r in self.plans()}}
 
 
+def recompute_share(value: Any) -> float:
+    """A policy's or ``--recompute``'s value as the share recomputed: off 0, on 1, a share itself.
+
+    Raises:
+        ValueError: Neither off, on nor a number from 0 to 1.
+    """
+    share = {"off": 0.0, "on": 1.0}[value] if value in ("off", "on") else float(value)
+    if not 0 <= share <= 1:
+        raise ValueError(f"recompute {value!r} is not off, on or a share from 0 to 1")
+    return share
+
+
+def recompute_word(share: float) -> str:
+    """The inverse of :func:`recompute_share`: ``off``, ``on`` or the share (``0.35``)."""
+    return "off" if not share else "on" if share >= 1 else format(share, "g")
+
+
 def plan_name(precision: str, recompute: float) -> str:
     """A plan as profiles and admission name it.
 
     ``fp32``, ``fp32+recompute`` (every segment but the last recomputed) or
     ``fp32+recompute0.5`` (the first half of the network).
     """
-    if not recompute:
-        return precision
-    return f"{precision}+recompute" + ("" if recompute >= 1 else format(recompute, "g"))
+    word = recompute_word(recompute)
+    return {"off": precision, "on": f"{precision}+recompute"}.get(word, f"{precision}+recompute{word}")
 
 
 def parse_plan(name: str) -> Tuple[str, float, Optional[int]]:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from odtd.policy import BatchPolicy, Policy
 from odtd.profiling.memory_fit import allowed_mb
-from odtd.profiling.profile import ProfileResult, plan_name
+from odtd.profiling.profile import ProfileResult, plan_name, recompute_share, recompute_word
 from odtd.store.database import Store
 
 logger = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ def recompute_shares(policy: Policy, profile: Optional[ProfileResult]) -> List[f
     if value == "auto":
         measured = sorted({r.recompute for r in profile.rows if r.recompute}) if profile else []
         return [0.0] + (measured or [1.0])
-    return [{"off": 0.0, "on": 1.0}.get(value, value)]  # type: ignore[arg-type]
+    return [recompute_share(value)]
 
 
 def plans_at(policy: Policy, size: int, sizes: List[int],
@@ -219,8 +219,7 @@ def choose_plan(policy: Policy, profile: ProfileResult, size: int, sizes: List[i
         if not profile.ok_rows(plan.precision, plan.recompute):
             rejected.append({"batch_size": size, "plan": plan.name, "reason": (
                 f"not profiled: run `odtctl profile --precisions {plan.precision}"
-                + (" --recompute " + ("on" if plan.recompute >= 1 else f"{plan.recompute:g}")
-                   + "`" if plan.recompute else "`"))})
+                + (f" --recompute {recompute_word(plan.recompute)}`" if plan.recompute else "`"))})
             continue
         p = predict(profile, plan.precision, size, samples, epochs, plan.recompute,
                     plan.micro_batch_size, accumulator_mb)
