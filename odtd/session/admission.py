@@ -162,6 +162,12 @@ def memory_problem(prediction: Prediction, batch: BatchPolicy) -> Optional[str]:
             f"({batch.memory_budget_mb:.0f} MB budget less {batch.headroom_pct:g}% headroom)")
 
 
+def profile_command(plan: Plan) -> str:
+    """The ``odtctl profile`` command that measures ``plan``."""
+    return f"odtctl profile --precisions {plan.precision}" + (
+        f" --recompute {recompute_word(plan.recompute)}" if plan.recompute else "")
+
+
 def recompute_shares(policy: Policy, profile: Optional[ProfileResult]) -> List[float]:
     """The recomputed shares admission may run.
 
@@ -217,9 +223,8 @@ def choose_plan(policy: Policy, profile: ProfileResult, size: int, sizes: List[i
     fitting, rejected = [], []
     for plan in plans_at(policy, size, sizes, profile):
         if not profile.ok_rows(plan.precision, plan.recompute):
-            rejected.append({"batch_size": size, "plan": plan.name, "reason": (
-                f"not profiled: run `odtctl profile --precisions {plan.precision}"
-                + (f" --recompute {recompute_word(plan.recompute)}`" if plan.recompute else "`"))})
+            rejected.append({"batch_size": size, "plan": plan.name,
+                             "reason": f"not profiled: run `{profile_command(plan)}`"})
             continue
         p = predict(profile, plan.precision, size, samples, epochs, plan.recompute,
                     plan.micro_batch_size, accumulator_mb)
@@ -275,10 +280,10 @@ def admit(policy: Policy, profile: Optional[ProfileResult], samples: int,
     plans = plans_at(policy, size, sizes, profile)
     own = plans[0]
     if profile is None or not any(profile.ok_rows(p.precision, p.recompute) for p in plans):
-        what = "no profile" if profile is None else \
-            f"no profiled size at precision {policy.training.precision}"
+        what = "no profile" if profile is None else f"plan {own.name} not profiled"
         return Admission(size, epochs, None, None, None, RUN,
-                         _reason(f"{what}: memory and energy not checked (run `odtctl profile`)",
+                         _reason(f"{what}: memory and energy not checked (run "
+                                 f"`{profile_command(own)}`)",
                                  changes), tuple(changes), own.precision, own.recompute,
                          own.micro_batch_size)
     chosen, rejected = choose_plan(policy, profile, size, sizes, samples, epochs, accumulator_mb)
