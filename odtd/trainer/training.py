@@ -35,6 +35,7 @@ from odtd.trainer.evaluation import (
     refusal_check,
     score_candidate,
 )
+from odtd.trainer.fused_batchnorm import fuse
 from odtd.trainer.imported import leaf_layers
 
 Emit = Callable[..., None]
@@ -243,6 +244,8 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         # moving statistics, gamma and beta all stay as loaded.
         for layer in batchnorm_layers(tf, model):
             layer.trainable = False
+    # Keras 3's BatchNormalization trains with the fused kernel, as tf.keras 2's already does.
+    fields["fused_batchnorm"] = fuse(tf, model)
     profiling = job["mode"] == "profile"
     num_classes = len(job["classes"])
     batch_size = job["batch_size"]
