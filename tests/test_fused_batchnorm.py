@@ -46,7 +46,8 @@ for policy in ("float32", "mixed_bfloat16"):
     tf.keras.utils.set_random_seed(1)
     models = [build(), build()]
     models[1].set_weights(models[0].get_weights())
-    fused = fused_batchnorm.fuse(tf, models[1])
+    default = fused_batchnorm.fuse(tf, models[1])  # what the worker does: mixed precision only
+    fused = fused_batchnorm.fuse(tf, models[1], float32=True)
     losses, ops = [], set()
     for model in models:
         sgd = tf.keras.optimizers.SGD(0.1, momentum=0.9)
@@ -69,8 +70,9 @@ for policy in ("float32", "mixed_bfloat16"):
             float(np.max(np.abs(a.numpy() - b.numpy())) / max(np.max(np.abs(a.numpy())), 0.1))
             for a, b, w in zip(models[0].weights, models[1].weights, models[0].weights)}
     moved = float(np.max(np.abs(models[0].get_layer("bn_default").moving_variance.numpy() - 1.0)))
-    report[policy] = {"fused": fused, "fused_op": sorted(ops), "losses": losses, "gaps": gaps,
-                      "moved": moved, "again": fused_batchnorm.fuse(tf, models[1])}
+    report[policy] = {"default": default, "fused": fused, "fused_op": sorted(ops),
+                      "losses": losses, "gaps": gaps, "moved": moved,
+                      "again": fused_batchnorm.fuse(tf, models[1], float32=True)}
 print(json.dumps(report))
 """
 
@@ -85,11 +87,13 @@ def test_fused_batchnorm_trains_as_keras_own_and_only_where_it_applies():
     for policy, tolerance in (("float32", 1e-4), ("mixed_bfloat16", 2e-2)):
         result = report[policy]
         if report["keras"] == 2:  # tf.keras 2 fuses by itself: both copies run the fused op
-            assert result["fused"] == 0 and result["fused_op"] == [True]
+            assert result["default"] == result["fused"] == 0 and result["fused_op"] == [True]
         else:
             # The 4-D layers with a usable epsilon, the nested one too; not the 2-D one or
             # the one whose epsilon the kernel would raise; fusing twice changes nothing.
             assert result["fused"] == result["again"] == 2
+            # By default the worker fuses under mixed precision only.
+            assert result["default"] == (2 if policy == "mixed_bfloat16" else 0)
             assert result["fused_op"] == [False, True]
         plain, fused = result["losses"]
         assert max(abs(a - b) for a, b in zip(plain, fused)) < tolerance * max(plain), result

@@ -6,17 +6,21 @@ the normalisation, one for the whole gradient. Keras 3 composes it from ``tf.nn.
 ``tf.nn.batch_normalization`` in float32: several full-size elementwise passes each way, and
 their tensors alive in the backward pass. On DenseNet40 (39 BatchNorm layers) that is a large
 part of a step: fused, a mixed_bfloat16 step ran 1.16x, 1.22x and 1.28x the samples/s at batch
-16, 32 and 64 and peaked lower (docs/memory.md, "Fused BatchNorm").
+16, 32 and 64 and peaked lower (docs/memory.md, "Fused BatchNorm under Keras 3").
 
 ``fuse(tf, model)`` makes every Keras 3 BatchNormalization of ``model`` (nested ones too) that
-normalises a 4-D channels-last input run the fused op when it trains. It computes what Keras 3
-computes: the input normalised in float32 by the batch's mean and biased variance, gamma and
-beta applied, the output in the layer's compute dtype, and the moving statistics moved by the
-layer's momentum toward the batch's mean and biased variance (the kernel reports the unbiased
-variance; it is scaled back). Everything else runs the layer's own code: inference, a frozen
-layer, a mask, renorm, synchronized statistics, another axis or rank, and an epsilon below the
-kernel's floor (``tf.nn.fused_batch_norm`` raises it to 1.001e-5). tf.keras 2's layers are left
-as they are: they fuse already.
+normalises a 4-D channels-last input under mixed precision (a float16 or bfloat16 compute
+dtype) run the fused op when it trains. In float32 the worker keeps Keras's code: there the
+fused kernel ran 1.05x the samples/s but peaked 12% higher at batch 64 (DenseNet40 on the
+development CPU, `odtctl profile`: 2,265 MB fused against 2,023), and memory is what a board
+runs out of first. The fused computation is Keras 3's: the input normalised in float32 by
+the batch's mean and biased variance, gamma and beta applied, the output in the layer's
+compute dtype, and the moving statistics moved by the layer's momentum toward the batch's
+mean and biased variance (the kernel reports the unbiased variance; it is scaled back).
+Everything else runs the layer's own code: inference, a frozen layer, a mask, renorm,
+synchronized statistics, another axis or rank, and an epsilon below the kernel's floor
+(``tf.nn.fused_batch_norm`` raises it to 1.001e-5). tf.keras 2's layers are left as they are:
+they fuse already.
 
 TensorFlow is passed in. Python 3.6-compatible; tf.keras 2 and Keras 3 alike.
 """
@@ -28,19 +32,27 @@ from odtd.trainer.imported import keras_major, leaf_layers
 MIN_EPSILON = 1.001e-5  # below it the fused kernel would normalise by another epsilon
 
 
-def fusable(layer: Any) -> bool:
-    """Whether a Keras 3 BatchNormalization's training mode is the fused kernel's computation."""
+REDUCED = ("float16", "bfloat16")  # the compute dtypes fused by default
+
+
+def fusable(layer: Any, float32: bool = False) -> bool:
+    """Whether a Keras 3 BatchNormalization's training mode is the fused kernel's computation.
+
+    Only layers that compute in float16 or bfloat16, unless ``float32`` allows float32 too.
+    """
     return (getattr(layer, "_reduction_axes", None) == [0, 1, 2]
+            and (float32 or str(layer.compute_dtype) in REDUCED)
             and not getattr(layer, "renorm", False)
             and not getattr(layer, "synchronized", False)
             and layer.epsilon >= MIN_EPSILON)
 
 
-def fuse(tf: Any, model: Any) -> int:
+def fuse(tf: Any, model: Any, float32: bool = False) -> int:
     """Train ``model``'s fusable BatchNormalization layers with the fused kernel.
 
     Call it once the model is built (the layers know their input's rank). A layer already fused
-    is left as it is.
+    is left as it is. ``float32`` fuses float32 layers too (the tests compare the two
+    computations there, where rounding does not hide a difference).
 
     Returns:
         How many layers run fused when they train (0 under tf.keras 2).
@@ -49,7 +61,8 @@ def fuse(tf: Any, model: Any) -> int:
         return 0
     count = 0
     for _, layer in leaf_layers(model):
-        if not isinstance(layer, tf.keras.layers.BatchNormalization) or not fusable(layer):
+        if not isinstance(layer, tf.keras.layers.BatchNormalization) \
+                or not fusable(layer, float32):
             continue
         if not getattr(layer.call, "fused_batchnorm", False):
             layer.call = _fused_call(tf, layer, layer.call)
