@@ -340,6 +340,10 @@ def test_profile_runs_full_batches_in_mixed_float16_and_recalibrates(tmp_path):
     assert events[0]["precision"] == "mixed_float16"
     assert [s["batch_size"] for s in by_event(events, "step")] == [16] * 4
     assert events[-1]["recalibrate_seconds"] > 0
+    # Under mixed precision Keras 3's BatchNorm layers train fused; tf.keras 2's fuse by themselves.
+    bn_layers = sum(name.endswith("moving_mean") for name in events[-1]["weight_names"])
+    assert bn_layers > 0 and events[-1]["fused_batchnorm"] == (
+        bn_layers if events[0]["keras"].startswith("3.") else 0)
     assert not by_event(events, "eval") and events[-1]["weights_out"] is None
     assert not (tmp_path / "never.npz").exists()
 

@@ -30,8 +30,6 @@ from typing import Any, Callable
 from odtd.trainer.imported import keras_major, leaf_layers
 
 MIN_EPSILON = 1.001e-5  # below it the fused kernel would normalise by another epsilon
-
-
 REDUCED = ("float16", "bfloat16")  # the compute dtypes fused by default
 
 
@@ -80,7 +78,7 @@ def _fused_call(tf: Any, layer: Any, own: Callable[..., Any]) -> Callable[..., A
         beta = tf.cast(layer.beta, tf.float32) if layer.center else tf.zeros([channels])
         y, mean, variance = tf.compat.v1.nn.fused_batch_norm(
             x, gamma, beta, epsilon=layer.epsilon, data_format="NHWC", is_training=True)
-        count = tf.cast(tf.size(x) // channels, tf.float32)
+        count = tf.cast(tf.size(x, out_type=tf.int64) // channels, tf.float32)
         variance = variance * tf.maximum(count - 1.0, 0.0) / tf.maximum(count, 1.0)
         momentum = layer.momentum
         layer.moving_mean.assign(

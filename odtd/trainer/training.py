@@ -244,7 +244,8 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         # moving statistics, gamma and beta all stay as loaded.
         for layer in batchnorm_layers(tf, model):
             layer.trainable = False
-    # Keras 3's BatchNormalization trains with the fused kernel, as tf.keras 2's already does.
+    # Under mixed precision Keras 3's BatchNormalization trains with the fused kernel, as
+    # tf.keras 2's always does.
     fields["fused_batchnorm"] = fuse(tf, model)
     profiling = job["mode"] == "profile"
     num_classes = len(job["classes"])
