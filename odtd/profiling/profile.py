@@ -171,8 +171,10 @@ def plan_name(precision: str, recompute: float) -> str:
     ``fp32``, ``fp32+recompute`` (every segment but the last recomputed) or
     ``fp32+recompute0.5`` (the first half of the network).
     """
+    if not recompute:
+        return precision
     word = recompute_word(recompute)
-    return {"off": precision, "on": f"{precision}+recompute"}.get(word, f"{precision}+recompute{word}")
+    return f"{precision}+recompute" + ("" if word == "on" else word)
 
 
 def parse_plan(name: str) -> Tuple[str, float, Optional[int]]:

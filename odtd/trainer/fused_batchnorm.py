@@ -27,7 +27,8 @@ TensorFlow is passed in. Python 3.6-compatible; tf.keras 2 and Keras 3 alike.
 
 from typing import Any, Callable
 
-from odtd.trainer.imported import keras_major, leaf_layers
+from odtd.trainer.batchnorm import batchnorm_layers
+from odtd.trainer.imported import keras_major
 
 MIN_EPSILON = 1.001e-5  # below it the fused kernel would normalise by another epsilon
 REDUCED = ("float16", "bfloat16")  # the compute dtypes fused by default
@@ -58,9 +59,8 @@ def fuse(tf: Any, model: Any, float32: bool = False) -> int:
     if keras_major(tf) < 3:
         return 0
     count = 0
-    for _, layer in leaf_layers(model):
-        if not isinstance(layer, tf.keras.layers.BatchNormalization) \
-                or not fusable(layer, float32):
+    for layer in batchnorm_layers(tf, model):
+        if not fusable(layer, float32):
             continue
         if not getattr(layer.call, "fused_batchnorm", False):
             layer.call = _fused_call(tf, layer, layer.call)
