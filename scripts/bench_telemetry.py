@@ -46,8 +46,6 @@ SAMPLES = 512
 PRECISION = "fp32"
 
 
-
-
 def write_job(workdir: Path, model: str, batch_size: int, max_steps: int) -> Path:
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (SAMPLES, *INPUT_SHAPE), dtype=np.uint8)

@@ -21,7 +21,8 @@ Prints ``{"machine", "tensorflow", "worker_precision", "results": [{"batch_size"
 "fit_sps", "fit_sps_by_precision", "ratio"}]}`` with ``--json`` (fit_sps: the fastest fit
 precision; ratio = worker_sps / fit_sps; above 1 means the worker is faster), else a table.
 ``load_average_1m`` (before, after) shows whether something else competed for the CPU
-meanwhile: the numbers are only comparable on an otherwise idle machine.
+meanwhile: the numbers are only comparable on an otherwise idle machine. Each round's figures
+go to stderr as it ends (progress).
 """
 
 import argparse
@@ -163,14 +164,18 @@ def main() -> int:
         for size in batch_sizes:
             worker, fit = [], {precision: [] for precision in fit_precisions}
             # Interleaved rounds, best of each side: background load can only slow a run down.
-            for _ in range(args.rounds):
+            for round_ in range(1, args.rounds + 1):
                 sps, precision = worker_sps(args.model, size, args.warmup_steps, args.steps,
                                             Path(tmp), args.precision)
                 worker.append(sps)
                 resolved.add(precision)
-                for precision in fit_precisions:
-                    fit[precision].append(fit_sps(args.model, size, args.warmup_steps,
-                                                  args.steps, x, y, precision))
+                done = [f"worker {sps:.1f} ({precision})"]
+                for fit_precision in fit_precisions:
+                    fit[fit_precision].append(fit_sps(args.model, size, args.warmup_steps,
+                                                      args.steps, x, y, fit_precision))
+                    done.append(f"fit {fit_precision} {fit[fit_precision][-1]:.1f}")
+                print(f"batch {size}, round {round_}/{args.rounds}: samples/s "
+                      + ", ".join(done), file=sys.stderr, flush=True)
             best_fit = max(max(runs) for runs in fit.values())
             rows.append({"batch_size": size, "worker_sps": round(max(worker), 2),
                          "fit_sps": round(best_fit, 2),

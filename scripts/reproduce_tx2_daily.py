@@ -235,8 +235,6 @@ def run_seed(args, seed: int, arms: list, trial: Trial, data: dict, tests: Scori
     return run
 
 
-
-
 def run(args) -> dict:
     started = time.monotonic()
     shift = get_shift(args.shift) if args.shift else None

@@ -158,7 +158,6 @@ def test_out_of_memory_is_the_error_event_or_the_oom_killers_sigkill():
     assert not worker_ran_out_of_memory(None, 0, None)
 
 
-
 def test_learned_limit_is_remembered_in_the_store(tmp_path):
     store = Store(tmp_path / "odtd.db")
     store.set_meta(model="densenet40")

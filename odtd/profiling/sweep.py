@@ -34,7 +34,6 @@ from odtd.trainer.launch import WARMUP_STEPS, run_job
 logger = logging.getLogger(__name__)
 
 
-
 def run_profile(
     home: Home, store: Store, config: Config, model: str, batch_sizes: Sequence[int],
     steps: int, precisions: Sequence[str] = ("fp32",),

@@ -37,7 +37,6 @@ PARENT_POLL_INTERVAL_S = 0.5
 _STARTED_AT = time.monotonic()
 
 
-
 class BadModel(Exception):
     """The user's model file is refused (``import`` mode); the message names the file and why."""
 
@@ -138,7 +137,6 @@ def resolve_precision(requested: str, gpu_visible: bool, cpuinfo_path: str = "/p
     return "mixed_bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "fp32"
 
 
-
 def write_weights(weights: List[np.ndarray], path: str) -> None:
     """Write weights as ``w0000``, ``w0001``, ... to ``path`` atomically (temp, fsync, rename)."""
     temp_path = path + ".tmp"
@@ -190,12 +188,6 @@ def configure_gpus(tf: Any, memory_limit_mb: Optional[int]) -> bool:
             tf.config.set_logical_device_configuration(
                 gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=memory_limit_mb)])
     return bool(gpus)
-
-
-
-
-
-
 
 
 def without_plotting() -> None:
