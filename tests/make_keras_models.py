@@ -4,7 +4,8 @@ Runs under Keras 3 and tf.keras 2 alike (it is the "server" that trained the use
 subprocess of its own, so the test process never imports TensorFlow. For each model it writes
 ``NAME.keras`` and ``NAME.h5`` and ``NAME.ref.npz`` (probe images and the model's outputs on
 them), then prints a JSON line of what it wrote. tests/fixtures/keras/k2 and k3 hold the small
-ones as tf.keras 2.15 and Keras 3.15 wrote them, so each stack's tests import the other's files.
+ones as tf.keras 2.15 and Keras 3.15 wrote them, so each stack's tests import the other's files
+(``slash_names``: tf.keras 2's only).
 """
 
 import json
@@ -70,6 +71,41 @@ def frozen_augmented():
     return keras.Model(inp, out, name="frozen_augmented")
 
 
+def arithmetic():
+    """Tensor arithmetic outside layers, as Keras's MobileNetV3 writes it.
+
+    Pixels scaled by ``inputs / 255.0``, a hard sigmoid ``relu6(x + 3) * (1 / 6)`` gating a
+    block, ``1 - x``, ``x * y``, ``x - y``, ``-x``, ``2 * x``; a convolutional head (1x1
+    Conv2D, Flatten, softmax) and no Dense layer. 32x32 RGB, 4 classes.
+    """
+    inp = keras.Input((32, 32, 3), name="image")
+    x = inp / 255.0
+    x = L.Conv2D(8, 3, name="conv1")(x)
+    x = L.BatchNormalization(name="bn1")(x)
+    gate = L.ReLU(6.0, name="relu6")(x + 3.0) * (1.0 / 6.0)
+    x = L.Multiply(name="gated")([x, gate])
+    inverse = 1.0 - x
+    x = (x * inverse - x) + (-x) * 2.0
+    x = L.GlobalAveragePooling2D(keepdims=True, name="gap")(x)
+    x = L.Conv2D(4, 1, name="logits")(x)
+    out = L.Activation("softmax", name="probs")(L.Flatten(name="flat")(x))
+    return keras.Model(inp, out, name="arithmetic")
+
+
+def slash_names():
+    """Layer names holding "/", as tf.keras 2's MobileNetV3 has them ("Conv/BatchNorm").
+
+    Keras 3 allows none, so only tf.keras 2 writes this one. 16x16 RGB, 3 classes.
+    """
+    inp = keras.Input((16, 16, 3), name="image")
+    x = L.Rescaling(1.0 / 255, name="pre/scale")(inp)
+    x = L.Conv2D(4, 3, name="Conv/conv")(x)
+    x = L.BatchNormalization(name="Conv/BatchNorm")(x)
+    x = L.GlobalAveragePooling2D(name="pool")(x)
+    return keras.Model(inp, L.Dense(3, activation="softmax", name="Logits/dense")(x),
+                       name="slash_names")
+
+
 def with_lambda():
     inp = keras.Input((16, 16, 3), name="image")
     x = L.Lambda(lambda t: t * 2.0, name="doubler")(inp)
@@ -102,10 +138,13 @@ def four_channels():
 
 
 TRAINABLE = {"cnn_softmax": cnn_softmax, "gray_logits": gray_logits, "mobilenet": mobilenet,
-             "frozen_augmented": frozen_augmented}
+             "frozen_augmented": frozen_augmented, "arithmetic": arithmetic,
+             "slash_names": slash_names}
 REFUSED = {"lambda": with_lambda, "custom_layer": with_custom_layer, "vector_input": vector_input,
            "four_channels": four_channels}
-wanted = sys.argv[2:] or list(TRAINABLE) + list(REFUSED)
+KERAS2_ONLY = {"slash_names"}  # Keras 3 allows no "/" in a layer's name
+wanted = sys.argv[2:] or [name for name in list(TRAINABLE) + list(REFUSED)
+                          if name not in KERAS2_ONLY or keras.__version__.startswith("2.")]
 written = {}
 for name in wanted:
     model = {**TRAINABLE, **REFUSED}[name]()

@@ -20,7 +20,8 @@ from odtd.trainer import model_file
 
 FIXTURES = REPO / "tests" / "fixtures" / "keras"
 CLASSES = {"cnn_softmax": "cat,dog,owl,fox", "gray_logits": "red,green,blue",
-           "mobilenet": "ant,bee,cow,doe,eel", "frozen_augmented": "sun,rain,snow"}
+           "mobilenet": "ant,bee,cow,doe,eel", "frozen_augmented": "sun,rain,snow",
+           "arithmetic": "oak,elm,ash,yew"}
 
 
 def keras_major() -> int:
@@ -195,6 +196,26 @@ def test_the_other_stacks_files_import_export_the_same_and_as_given_for_that_ker
     assert predict_max_diff([(out, other_stack / "cnn_softmax.ref.npz")], python)[0] < 1e-5
 
 
+@pytest.mark.trains
+def test_tf_keras_2_layer_names_with_a_slash_import_there_and_are_refused_in_one_line_by_keras_3(
+        tmp_path):
+    # tf.keras 2's MobileNetV3 names layers "Conv/BatchNorm"; its .h5 keeps weights under them.
+    path = FIXTURES / "k2" / "slash_names.h5"
+    home = tmp_path / "home"
+    if keras_major() == 3:
+        proc = odtctl("init", "--model-file", str(path), "--classes", "a,b,c", home=home,
+                      check=False)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("Error: ")]
+        assert proc.returncode == 1 and len(errors) == 1, proc.stderr
+        assert "layer 'pre/scale': Keras 3 allows no '/' in a layer's name" in errors[0]
+        assert "Traceback" not in proc.stderr and not (home / "odtd.db").exists()
+        return
+    odtctl("init", "--model-file", str(path), "--classes", "a,b,c", home=home)
+    out = tmp_path / "v0.h5"
+    odtctl("models", "export", "0", "--out", str(out), home=home)
+    assert predict_max_diff([(out, FIXTURES / "k2" / "slash_names.ref.npz")])[0] < 1e-5
+
+
 def other_python():
     """The interpreter of the other Keras stack (.venv beside .venv-compat), or None."""
     here = Path(sys.executable).parent.parent.name
@@ -228,7 +249,8 @@ def predict_max_diff(pairs, python=None) -> list:
 
 @pytest.mark.trains
 @pytest.mark.parametrize("name, suffix", [("cnn_softmax", ".keras"), ("gray_logits", ".h5"),
-                                          ("mobilenet", ".keras"), ("frozen_augmented", ".h5")])
+                                          ("mobilenet", ".keras"), ("frozen_augmented", ".h5"),
+                                          ("arithmetic", ".h5")])
 def test_a_session_on_an_imported_model_and_its_export(models, tmp_path, name, suffix):
     home = tmp_path / "home"
     classes = CLASSES[name]

@@ -235,6 +235,11 @@ def init_home(
         summary["notes"].append(
             "the model does not start with a Rescaling or Normalization layer; it is fed pixels "
             "in 0..255: if it was trained on 0..1 or -1..1 pixels, init again with --input-scale")
+    if result.get("arithmetic_layers"):
+        summary["notes"].append(
+            f"{result['arithmetic_layers']} tensor operations of the model (such as x + 3.0 or "
+            f"x * y) are built as the Keras layers that compute the same (Rescaling, Add, "
+            f"Subtract, Multiply); an export holds those layers")
     if spec.imported and input_scale not in (None, "0-255") and result.get("rescales_input"):
         summary["notes"].append(
             f"the model starts with a Rescaling or Normalization layer of its own and "

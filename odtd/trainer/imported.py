@@ -95,7 +95,12 @@ def _h5_weights(handle: Any) -> Dict[Tuple[str, str], List[np.ndarray]]:
                  for n in group[top].attrs["weight_names"]]
         for name in names:
             parts = name.split("/")
-            leaf = parts[-2] if len(parts) >= 2 else top
+            # "<layer>/<variable>"; a layer's own name may hold "/" (tf.keras 2's MobileNetV3:
+            # "Conv/BatchNorm/gamma:0"); a nested model's weights are "<leaf>/<variable>".
+            if len(parts) < 2 or "/".join(parts[:-1]) == top:
+                leaf = top
+            else:
+                leaf = parts[-2]
             out.setdefault((top, leaf), []).append(np.asarray(group[top][name]))
     return out
 

@@ -202,6 +202,11 @@ def _layer_to_k3(layer, nested):
     cls = layer["class_name"]
     cfg = layer["config"]
     name = cfg.get("name")
+    if isinstance(name, str) and "/" in name:
+        raise ConversionError(
+            "layer {!r}: Keras 3 allows no '/' in a layer's name (tf.keras 2's MobileNetV3 "
+            "names its layers so); train it with a tf.keras 2 worker (trainer.python), or "
+            "rename the layers in tf.keras 2 and save it again".format(name))
     if cls in MODEL_CLASSES:
         cfg = _model_to_k3(layer)["config"]
     else:

@@ -10,7 +10,9 @@ read as JSON here and screened against an allowlist of built-in Keras layers and
 configuration that passes is ever built (``imported``), and its weights are copied with h5py.
 ``load_model`` is never called on the user's file.
 
-    read_config(path)   -> {"format", "keras_version", "config"}   (raises ModelFileError)
+    read_config(path)   -> {"format", "keras_version", "config", "arithmetic_layers"}
+                           (raises ModelFileError; tensor arithmetic such as ``x + 3.0`` comes
+                           back as the built-in layers it amounts to: ``arithmetic``)
     screen(config)      -> (layer name, reason) for each refused construct
     model_summary(cfg)  -> dialect, input shape, classes, output convention, nested models
 
@@ -21,8 +23,11 @@ import json
 import os
 import zipfile
 
+from odtd.trainer import arithmetic
+
 # Classes a model file may name. Anything else (a Lambda, TFOpLambda, a custom or registered
-# class, a Keras-3 operation node, a function by module path) is refused.
+# class, a Keras-3 operation node, a function by module path) is refused, except the plain
+# arithmetic ``read_config`` has already rewritten as layers.
 SAFE_LAYERS = frozenset("""
 InputLayer Conv1D Conv2D DepthwiseConv2D SeparableConv2D Conv2DTranspose Dense EinsumDense
 BatchNormalization LayerNormalization GroupNormalization UnitNormalization
@@ -55,6 +60,8 @@ linear relu relu6 sigmoid softmax log_softmax tanh elu selu gelu swish silu hard
 hard_silu hard_swish softplus softsign exponential leaky_relu mish
 """.split())
 MODEL_CLASSES = ("Functional", "Sequential", "Model")
+# Convolutions whose filters can be a classifier's outputs (a convolutional head).
+CLASS_CONVOLUTIONS = ("Conv1D", "Conv2D", "SeparableConv2D")
 # A model that starts with one of these scales its own pixels: it takes 0..255 as they come
 # (after any of INPUT_PREPROCESSING, which do not change the pixels' range).
 INPUT_SCALERS = ("Rescaling", "Normalization")
@@ -67,7 +74,11 @@ class ModelFileError(Exception):
 
 
 def read_config(path):
-    """Return {"format": "keras"|"h5", "keras_version": str|None, "config": dict}."""
+    """Return {"format", "keras_version", "config", "arithmetic_layers"} of a model file.
+
+    ``format`` is "keras" or "h5"; ``config`` has the file's plain tensor arithmetic as layers,
+    and ``arithmetic_layers`` says how many such nodes there were (``arithmetic.as_layers``).
+    """
     if not os.path.exists(path):
         raise ModelFileError("no such file: {}".format(path))
     with open(path, "rb") as handle:
@@ -96,7 +107,8 @@ def read_config(path):
         if isinstance(config, dict):
             # How the server compiled it (optimizer, loss, metrics): odtd trains with its own.
             config.pop("compile_config", None)
-        return {"format": "keras", "keras_version": meta.get("keras_version"), "config": config}
+        return _arithmetic_as_layers(
+            {"format": "keras", "keras_version": meta.get("keras_version"), "config": config})
     if head == b"\x89HDF\r\n\x1a\n":
         try:
             import h5py  # comes with TensorFlow; the daemon's interpreter may lack it
@@ -122,8 +134,14 @@ def read_config(path):
             config = json.loads(raw)
         except ValueError as error:
             raise ModelFileError("{}: model_config is not JSON ({})".format(path, error)) from None
-        return {"format": "h5", "keras_version": version, "config": config}
+        return _arithmetic_as_layers({"format": "h5", "keras_version": version, "config": config})
     raise ModelFileError("{}: neither a .keras zip nor an HDF5 file".format(path))
+
+
+def _arithmetic_as_layers(info):
+    """``info`` with the config's tensor arithmetic (``x + 3.0``) as built-in layers, counted."""
+    info["config"], info["arithmetic_layers"] = arithmetic.as_layers(info["config"])
+    return info
 
 
 def _class_name(obj):
@@ -332,7 +350,11 @@ def output_convention(config):
 
 
 def num_classes(config):
-    """Units of the last Dense (walking back over Activation/Softmax/Dropout layers)."""
+    """The class count: the last Dense's units or the last convolution's filters.
+
+    Walking back from the output; a convolutional head is Keras's MobileNetV3's (a 1x1 Conv2D,
+    Flatten, softmax).
+    """
     kind, units, _, _ = output_convention(config)
     if units:
         return units
@@ -340,6 +362,8 @@ def num_classes(config):
     for layer in reversed(layers):
         if layer.get("class_name") == "Dense":
             return layer["config"]["units"]
+        if layer.get("class_name") in CLASS_CONVOLUTIONS:
+            return layer["config"].get("filters")
     return None
 
 

@@ -287,6 +287,16 @@ def _evaluate_only(tf: Any, job: Dict[str, Any], model: Any,
             "per_class_after": scores["per_class"], "by_group_after": scores["by_group"]}
 
 
+def _check_classes(path: str, outputs: int, classes: List[str]) -> None:
+    """BadModel unless the built model has one output per class name."""
+    if outputs != len(classes):
+        raise BadModel("{}: the model has {} outputs but odtd has {} class names ({}); pass "
+                       "--classes with {} names, in the order of the model's outputs".format(
+                           path, outputs, len(classes),
+                           ",".join(classes[:4]) + (",..." if len(classes) > 4 else ""),
+                           outputs))
+
+
 def import_model(tf: Any, job: Dict[str, Any]) -> Tuple[Any, Dict[str, Any]]:
     """Build the user's model (``model_file``), screened, with its weights; describe it.
 
@@ -303,12 +313,6 @@ def import_model(tf: Any, job: Dict[str, Any]) -> Tuple[Any, Dict[str, Any]]:
         info, summary = model_file.read_screened(path)
     except model_file.ModelFileError as error:
         raise BadModel(str(error)) from None
-    if summary["classes"] != len(job["classes"]):
-        raise BadModel("{}: the model has {} outputs but odtd has {} class names ({}); pass "
-                       "--classes with {} names, in the order of the model's outputs".format(
-                           path, summary["classes"], len(job["classes"]),
-                           ",".join(job["classes"][:4]) + (",..." if len(job["classes"]) > 4
-                                                           else ""), summary["classes"]))
     # Written before building: Keras's deserializer consumes parts of the dict it is given.
     with open(job["architecture_out"], "w") as handle:
         json.dump(info, handle)
@@ -317,11 +321,13 @@ def import_model(tf: Any, job: Dict[str, Any]) -> Tuple[Any, Dict[str, Any]]:
         imported.copy_weights(model, path, info["format"])
     except (ValueError, keras_dialects.ConversionError, model_file.ModelFileError) as error:
         raise BadModel("{}: {}".format(path, error)) from None
+    _check_classes(path, int(model.outputs[0].shape[-1]), job["classes"])
     shutil.copyfile(path, job["original_out"])
     return model, {"input_shape": [int(size) for size in summary["input_shape"]],
                    "output": summary["output"], "file_format": info["format"],
                    "file_keras_version": info["keras_version"], "dialect": summary["dialect"],
-                   "rescales_input": summary["rescales_input"]}
+                   "rescales_input": summary["rescales_input"],
+                   "arithmetic_layers": info["arithmetic_layers"]}
 
 
 def export_model(tf: Any, job: Dict[str, Any], model: Any) -> Dict[str, Any]:
