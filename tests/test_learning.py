@@ -3,11 +3,12 @@
 import json
 import shutil
 import tempfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, built_once
+from conftest import REPO, built_once, odtctl, odtctl_json, write_images
 
 from odtd.config import Config
 from odtd.home.create import init_home
@@ -242,6 +243,46 @@ def test_the_reference_guard_refuses_a_candidate_that_forgets_the_original_domai
     assert session["reason"].startswith("reference (original domain) accuracy")
     assert repo.current() == current
     store.close()
+
+
+def _overflowing_model(path: Path) -> Path:
+    """tests/fixtures/keras/k3/arithmetic.keras with its ``x * 2.0`` made ``x * 1e30``.
+
+    The logits overflow: the first step's gradients and the weights after it are not finite.
+    """
+    source = REPO / "tests" / "fixtures" / "keras" / "k3" / "arithmetic.keras"
+    with zipfile.ZipFile(source) as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    config = json.loads(members["config.json"])
+    doubled = [layer for layer in config["config"]["layers"] if layer["class_name"] == "Multiply"
+               and 2.0 in layer["inbound_nodes"][0]["args"]]
+    assert len(doubled) == 1
+    doubled[0]["inbound_nodes"][0]["args"][1] = 1e30
+    members["config.json"] = json.dumps(config).encode()
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    return path
+
+
+@pytest.mark.trains
+def test_a_diverged_candidate_is_refused_even_by_a_guard_that_lets_anything_through(tmp_path):
+    # A NaN model predicts the first class for every image, so a validation gate of 100 points
+    # would promote it; the worker stops at the first non-finite loss and writes no
+    # candidate, and the session keeps the current model.
+    home = tmp_path / "home"
+    odtctl("init", "--model-file", str(_overflowing_model(tmp_path / "overflow.keras")),
+           "--classes", "a,b,c,d", home=home)
+    write_images(tmp_path / "day", per_class=8, classes=["a", "b", "c", "d"])
+    odtctl("ingest", str(tmp_path / "day"), home=home)
+    text = (REPO / "policies" / "tinycnn-test.yaml").read_text()
+    (home / "policy.yaml").write_text(text.replace("tolerance: 1.0", "tolerance: 100.0"))
+    session = odtctl_json("train-now", "--foreground", home=home)
+    assert session["outcome"] == "rolled_back", session["reason"]
+    assert session["reason"].startswith("training diverged: the loss was not finite at step ")
+    assert session["steps"] <= 2 and session["accuracy_after"] is None
+    assert session["model_version_after"] == 0
+    assert odtctl_json("status", home=home)["model"]["version"] == 0
 
 
 @pytest.mark.parametrize("lost_points, z, tolerance, refused", [

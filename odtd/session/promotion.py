@@ -56,7 +56,11 @@ class Promotion:
         before, after = record.accuracy_before, record.accuracy_after
         acceptance = self.policy.acceptance
         refusal = None
-        if before is not None and after is not None:
+        if result.get("status") == "diverged":  # the worker wrote no candidate
+            refusal = (f"training diverged: the loss was not finite at step "
+                       f"{result.get('diverged_at_step')} (a learning rate too high for this "
+                       f"model?)")
+        elif before is not None and after is not None:
             refusal = refusal_reason(before, after, acceptance.tolerance / 100.0,
                                      acceptance.confidence_z, record.details.paired)
         details = record.details

@@ -237,7 +237,8 @@ def run_job(
         (result event, step events, peak RSS in MB).
 
     Raises:
-        TrainerFailed: the worker reported an error, crashed, was killed or timed out.
+        TrainerFailed: the worker reported an error, crashed, was killed or timed out, or its
+            training diverged.
     """
     worker = WorkerRun(command, write_job(job, job_dir), job_dir / "worker.stderr")
     end = worker.follow(on_message, timeout_s=timeout_s, grace_s=5.0)
@@ -245,6 +246,9 @@ def run_job(
         raise TrainerFailed("worker {}".format(end.stop_reason))
     if end.failure is not None:
         raise TrainerFailed(end.failure, oom=end.oom)
+    if (end.result or {}).get("status") == "diverged":  # it wrote no weights
+        raise TrainerFailed("training diverged: the loss was not finite at step {}".format(
+            end.result.get("diverged_at_step")))
     return end.result, end.steps, end.peak_rss_mb
 
 

@@ -326,8 +326,14 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
              lr=float(rate(steps)) if callable(rate) else rate, start=start, end=end)
         steps += 1
         samples += len(indices)
+        if not profiling and not np.isfinite(loss) and not all(
+                np.isfinite(array).all() for array in model.get_weights()):
+            # No candidate, nothing more to score. (A float16 step that overflowed and was
+            # skipped by loss scaling leaves the weights finite: training goes on.)
+            fields.update(status="diverged", diverged_at_step=steps - 1)
+            break
     fields.update(steps=steps, samples=samples, train_seconds=time.monotonic() - train_started)
-    if should_stop():
+    if should_stop() or fields["status"] == "diverged":
         return fields
     after = None
     # What a try the choosers (``auto``) keep must not lose more than the tolerance against on
