@@ -153,7 +153,7 @@ def test_refused_candidate_is_resumed_and_judged_against_current(pretrained, tmp
     # Current is unchanged: its results on the images scored yesterday come from the cache.
     assert job["eval_cache"] == str(repo.eval_cache_path)
     assert any(m.startswith(f"session {second['id']}: accuracy before training")
-               and m.endswith(f"({scored_before} scored in an earlier session)") for m in messages)
+               and m.endswith(f", {scored_before} scored in an earlier session)") for m in messages)
     assert (job["weights_in"], job["baseline_weights"]) == (str(repo.resume_path),
                                                              str(repo.weights_path(current)))
     # Judged against current, not against the candidate it went on from.
@@ -194,7 +194,7 @@ def test_promotion_clears_the_resumable_candidate(pretrained, tmp_path):
     scored = 400 + len(store.samples("holdout"))
     messages = []
     _day(home, store, tmp_path, 921, progress=messages.append)
-    assert any(m.endswith(f"({scored} scored in an earlier session)") for m in messages), messages
+    assert any(m.endswith(f", {scored} scored in an earlier session)") for m in messages), messages
     store.close()
 
 
