@@ -245,6 +245,14 @@ def test_the_reference_guard_refuses_a_candidate_that_forgets_the_original_domai
     store.close()
 
 
+def test_progress_names_the_accuracy_of_each_evaluation_set():
+    from odtd.session.runner import _accuracies
+
+    assert _accuracies({"accuracy": 0.69, "by_group": {"0": 0.712, "1": 0.64, "2": 0.5}}) == (
+        "71.2% on validation, 64.0% on the device hold-out, 50.0% on the reference")
+    assert _accuracies({"accuracy": 0.703, "by_group": {}}) == "70.3%"
+
+
 def _overflowing_model(path: Path) -> Path:
     """tests/fixtures/keras/k3/arithmetic.keras with its ``x * 2.0`` made ``x * 1e30``.
 
