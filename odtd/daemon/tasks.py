@@ -69,7 +69,7 @@ def _ingest(home: Home, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _recover(home: Home, args: argparse.Namespace) -> dict[str, Any]:
-    from odtd.session.runner import SessionLock, recover_stale_sessions
+    from odtd.session.lock import SessionLock, recover_stale_sessions
 
     store = home.open_store()
     try:

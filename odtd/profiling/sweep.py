@@ -25,7 +25,7 @@ from odtd.home.paths import Home
 from odtd.home.spec import BUILTIN, ModelSpec
 from odtd.policy import TrainingPolicy
 from odtd.profiling.profile import DOES_NOT_FIT, OK, ProfileResult, ProfileRow, plan_name
-from odtd.session.runner import SessionLock
+from odtd.session.lock import SessionLock
 from odtd.store.database import Store, utc_now
 from odtd.trainer import catalog
 from odtd.trainer.job import make_job

@@ -22,6 +22,7 @@ from odtd.session.acceptance import reference_refusal, refusal_reason
 from odtd.session.replay_buffer import update_buffer
 from odtd.store.database import Store
 from odtd.store.records import JUDGED, SessionRecord
+from odtd.trainer.launch import diverged
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +56,8 @@ class Promotion:
         current = record.model_version_before
         before, after = record.accuracy_before, record.accuracy_after
         acceptance = self.policy.acceptance
-        refusal = None
-        if result.get("status") == "diverged":  # the worker wrote no candidate
-            refusal = (f"training diverged: the loss was not finite at step "
-                       f"{result.get('diverged_at_step')} (a learning rate too high for this "
-                       f"model?)")
-        elif before is not None and after is not None:
+        refusal = diverged(result)  # then the worker wrote no candidate
+        if refusal is None and before is not None and after is not None:
             refusal = refusal_reason(before, after, acceptance.tolerance / 100.0,
                                      acceptance.confidence_z, record.details.paired)
         details = record.details

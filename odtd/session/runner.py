@@ -9,7 +9,6 @@ samples as they were.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import time
@@ -21,7 +20,6 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from odtd.config import Config
-from odtd.errors import SessionBusy
 from odtd.home.ingest import load_sample_arrays
 from odtd.home.paths import Home
 from odtd.home.spec import ModelSpec
@@ -35,6 +33,7 @@ from odtd.session.gates import (
     check_gates,
     samples_wanted,
 )
+from odtd.session.lock import SessionLock, recover_stale_sessions
 from odtd.session.promotion import CANDIDATE_EVAL_CACHE, Promotion
 from odtd.session.replay_buffer import choose_replay
 from odtd.store.database import Store
@@ -55,35 +54,10 @@ def _accuracies(evaluation: dict[str, Any]) -> str:
     named = [f"{by_group[group] * 100:.1f}% on {name}" for group, name in GROUP_NAMES.items()
              if by_group.get(group) is not None]
     return ", ".join(named) if named else f"{evaluation.get('accuracy', 0) * 100:.1f}%"
+
+
 _PROGRESS_ROW_S = 2.0
 DEVICE_IMAGES = 512  # the most device images BatchNorm adaptation measures (bn_device_weight)
-
-
-class SessionLock:
-    """An exclusive ``flock`` on ``run/session.lock``: one session at a time across processes."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._fd: Optional[int] = None
-
-    def __enter__(self) -> SessionLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(str(self.path), os.O_RDWR | os.O_CREAT, 0o660)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise SessionBusy(f"a session is already running (pid {holder}); wait for it to finish") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
-        self._fd = fd
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
 
 class SessionRunner:
@@ -428,23 +402,6 @@ def _remove_bulky_files(job_dir: Path) -> None:
     for name in ("train.npz", "evaluation.npz", "candidate.npz", "candidate.npz.tmp",
                  CANDIDATE_EVAL_CACHE):
         (job_dir / name).unlink(missing_ok=True)
-
-
-def recover_stale_sessions(store: Store) -> list[int]:
-    """Mark sessions left ``running`` by a dead process as interrupted; return their ids.
-
-    Call it only while holding the session lock: then no live process can own such a row.
-    Their samples were never marked trained, so they stay pending.
-    """
-    stale = store.running_sessions()
-    for record in stale:
-        record.outcome = "interrupted"
-        record.reason = ("the process running this session died (crash, kill or power loss); "
-                         "its samples stay pending")
-        store.finish_session(record)
-        store.log_event("recovered", f"session {record.id} marked interrupted", session_id=record.id)
-        logger.warning("session %d was left running by a dead process: marked interrupted", record.id)
-    return [record.id for record in stale]
 
 
 def throughput_sps(steps: list[dict[str, Any]]) -> Optional[float]:

@@ -246,10 +246,17 @@ def run_job(
         raise TrainerFailed("worker {}".format(end.stop_reason))
     if end.failure is not None:
         raise TrainerFailed(end.failure, oom=end.oom)
-    if (end.result or {}).get("status") == "diverged":  # it wrote no weights
-        raise TrainerFailed("training diverged: the loss was not finite at step {}".format(
-            end.result.get("diverged_at_step")))
+    if diverged(end.result):  # it wrote no weights
+        raise TrainerFailed(diverged(end.result))
     return end.result, end.steps, end.peak_rss_mb
+
+
+def diverged(result: Optional[Dict[str, Any]]) -> Optional[str]:
+    """Why a train job's result has no candidate when its training diverged, else None."""
+    if (result or {}).get("status") != "diverged":
+        return None
+    return "training diverged: the loss was not finite at step {} (a learning rate too high " \
+           "for this model?)".format(result.get("diverged_at_step"))
 
 
 def read_meminfo_mb(key: str, meminfo: Path = Path("/proc/meminfo")) -> Optional[float]:
