@@ -68,6 +68,16 @@ def odtctl(*args: str, home: Path | None = None, check: bool = True,
     return proc
 
 
+def tensorflow_report(script: str, timeout: float = 240):
+    """Run ``script`` in a child Python (TensorFlow stays out of the test process); the JSON it
+    printed last."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
 def odtctl_json(*args: str, home: Path | None = None):
     return json.loads(odtctl(*args, "--json", home=home).stdout)
 

@@ -6,13 +6,9 @@ the losses, every weight and the moving statistics must agree, and the fused cop
 really contain the fused op (so the comparison can fail). Under tf.keras 2 nothing is changed.
 """
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
-from conftest import REPO
+from conftest import tensorflow_report
 
 SCRIPT = r"""
 import json
@@ -79,11 +75,7 @@ print(json.dumps(report))
 
 @pytest.mark.trains
 def test_fused_batchnorm_trains_as_keras_own_and_only_where_it_applies():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.splitlines()[-1])
+    report = tensorflow_report(SCRIPT)
     for policy, tolerance in (("float32", 1e-4), ("mixed_bfloat16", 2e-2)):
         result = report[policy]
         if report["keras"] == 2:  # tf.keras 2 fuses by itself: both copies run the fused op

@@ -5,13 +5,10 @@ of a real `odtctl init`. The rest needs no TensorFlow.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, odtctl, write_images
+from conftest import odtctl, tensorflow_report, write_images
 
 from odtd.errors import ConfigError
 from odtd.home.create import builtin_input_shape, init_home, parse_input_size
@@ -26,7 +23,7 @@ SUITE = ("squeezenet", "inceptionv1", "resnet50", "vgg16", "xception", "mobilene
 BUILD_SCRIPT = """
 import json
 import tensorflow as tf
-from odtd.trainer import catalog, networks, recompute
+from odtd.trainer import catalog, dense_blocks, networks, recompute
 
 cases = [(name, [info.min_input_size, info.min_input_size + 8, 3], 7)
          for name, info in ((n, catalog.get(n)) for n in {suite!r})]
@@ -41,7 +38,8 @@ for name, shape, classes in cases:
     row = dict(name=name, shape=shape, classes=classes, params=int(model.count_params()),
                logits_shape=list(logits.shape), logits_dtype=logits.dtype.name,
                last_layer=model.layers[-1].name, finite=bool(tf.reduce_all(tf.math.is_finite(logits))),
-               cuts=len(cuts), chosen=[model.layers[k].name for k in chosen])
+               cuts=len(cuts), chosen=[model.layers[k].name for k in chosen],
+               dense_blocks=[len(b.units) for b in dense_blocks.find_blocks(tf, model)])
     if name == "squeezenet" and shape[2] == 3:
         # No BatchNorm, no dropout: recomputed segments give the very gradients of the plain model.
         labels = tf.constant([1, 5], tf.int64)
@@ -65,11 +63,7 @@ print(json.dumps(report))
 
 @pytest.mark.trains
 def test_every_suite_network_builds_to_its_catalogue_count_with_logits_and_cuts():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, "-c", BUILD_SCRIPT.format(suite=SUITE)],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.splitlines()[-1])
+    report = tensorflow_report(BUILD_SCRIPT.format(suite=SUITE))
     assert sorted({row["name"] for row in report}) == sorted(SUITE)
     for row in report:
         where = "{name} at {shape}".format(**row)
@@ -78,6 +72,10 @@ def test_every_suite_network_builds_to_its_catalogue_count_with_logits_and_cuts(
         assert row["logits_dtype"] == "float32" and row["last_layer"] == "logits", where
         assert row["finite"], where
         assert row["cuts"] > 0 and row["chosen"], where
+        # keras.applications' DenseNet-121: four dense blocks of 6, 12, 24 and 16 bottleneck
+        # layers; the others have none (Inception's and SqueezeNet's concatenations join
+        # parallel branches, not a growing stack).
+        assert row["dense_blocks"] == ([6, 12, 24, 16] if row["name"] == "densenet121" else []), where
     squeezenet = next(row for row in report if row.get("checkpointed_gradient_gap") is not None)
     assert squeezenet["checkpointed_gradient_gap"] < 1e-5
     assert "fire2_concat" in squeezenet["chosen"]

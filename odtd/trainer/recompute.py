@@ -14,6 +14,13 @@ With a ``share`` below 1 only the segments that end within that share of the lay
 from the input, are recomputed and the rest of the network runs as one plain segment: less
 memory saved, for a smaller part of a forward pass.
 
+Where the model has dense blocks (DenseNets: ``dense_blocks.find_blocks``), cutting at tensors
+saves little, because those tensors are the blocks' growing concatenations; each dense block
+then runs with its own gradient (``dense_blocks.dense_block``: only the layers' narrow outputs
+kept, memory linear in the block's depth), the layers before and between blocks as recomputed
+segments, whatever follows the last block plainly. With a ``share`` below 1, only the blocks
+that end within it.
+
 BatchNormalization in a recomputed segment would update its moving statistics twice per step
 (once in the forward pass, once in the recomputation). ``Checkpointed.restore_statistics``
 puts back what the forward pass left, so they move once per step, as without recomputation.
@@ -22,9 +29,15 @@ TensorFlow is passed in. Python 3.6-compatible; tf.keras 2 and Keras 3 alike.
 """
 
 import math
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+from odtd.trainer.dense_blocks import Block, dense_block, find_blocks
 from odtd.trainer.imported import leaf_layers
+
+
+def _leaves(part: Any) -> List[Any]:
+    """The leaf layers of a segment: a sub-model's, or a dense block's own."""
+    return list(part.layers) if isinstance(part, Block) else [leaf for _, leaf in leaf_layers(part)]
 
 
 def _owner(node: Any) -> Any:
@@ -99,7 +112,9 @@ class Checkpointed:
     Attributes:
         cuts: The indices of ``model.layers`` after which the model is cut (empty: no valid cut,
             the model runs whole and nothing is recomputed); for a chain around nested models,
-            the nested models' cuts.
+            the nested models' cuts. With dense blocks, where the blocks start and end.
+        dense_blocks: How many dense blocks run with their own gradient (0: none found, the
+            model is cut into segments).
     """
 
     def __init__(self, tf: Any, model: Any, segments: Optional[int] = None,
@@ -110,6 +125,8 @@ class Checkpointed:
         layers = list(model.layers)
         cuts = valid_cuts(model)
         self.chain = None  # type: Optional[List[Any]]
+        self.steps: List[Callable[[Any], Any]] = []
+        self.dense_blocks = 0
         if any(isinstance(layer, keras.Model) for layer in layers) \
                 and cuts == list(range(1, len(layers) - 1)):
             # A chain of layers around nested models (an exported model's rescaling and
@@ -122,16 +139,45 @@ class Checkpointed:
             nested = [part for part in self.chain if isinstance(part, Checkpointed)]
             self.cuts = [cut for part in nested for cut in part.cuts]
             self.batchnorm = [layer for part in nested for layer in part.batchnorm]
+            self.dense_blocks = sum(part.dense_blocks for part in nested)
             return
         # Never cut right after a nested model elsewhere either: its ``output`` is a tensor of
         # its own graph, not of this one.
-        chosen = choose_cuts([k for k in cuts if not isinstance(layers[k], keras.Model)],
-                             len(layers), segments)
-        self.cuts = [k for k in chosen if k <= share * len(layers)] or chosen[:1]
-        boundaries = [model.inputs[0]] + [layers[k].output for k in self.cuts] + [model.outputs[0]]
-        self.parts = [keras.Model(start, end) for start, end in zip(boundaries, boundaries[1:])]
-        self._recomputed = [tf.recompute_grad(self._runner(part)) for part in self.parts[:-1]]
-        self.batchnorm = [layer for part in self.parts[:-1] for _, layer in leaf_layers(part)
+        cuts = [k for k in cuts if not isinstance(layers[k], keras.Model)]
+        position = {id(layer.output): k for k, layer in enumerate(layers)
+                    if not isinstance(layer.output, (list, tuple))}
+        ends = {id(layers[k].output) for k in cuts} | {id(model.outputs[0])}
+        blocks = [block for block in find_blocks(tf, model)
+                  if (block.start is model.inputs[0] or id(block.start) in ends)
+                  and id(block.end) in ends
+                  and position[id(block.end)] <= max(share * len(layers), 1)]
+        if blocks:
+            # Dense blocks (DenseNets): each runs with its own lean gradient, the layers
+            # between them as recomputed segments, whatever follows the last one plainly.
+            self.dense_blocks = len(blocks)
+            recomputed = []  # type: List[Any]
+            start = model.inputs[0]
+            for block in blocks:
+                if block.start is not start:
+                    recomputed.append(keras.Model(start, block.start))
+                    self.steps.append(tf.recompute_grad(self._runner(recomputed[-1])))
+                self.steps.append(dense_block(tf, block))
+                recomputed.append(block)
+                start = block.end
+            self.cuts = sorted({position[id(t)] for b in blocks for t in (b.start, b.end)
+                                if id(t) in position and t is not model.outputs[0]})
+            if start is not model.outputs[0]:
+                self.steps.append(self._runner(keras.Model(start, model.outputs[0])))
+        else:
+            chosen = choose_cuts(cuts, len(layers), segments)
+            self.cuts = [k for k in chosen if k <= share * len(layers)] or chosen[:1]
+            boundaries = ([model.inputs[0]] + [layers[k].output for k in self.cuts]
+                          + [model.outputs[0]])
+            parts = [keras.Model(start, end) for start, end in zip(boundaries, boundaries[1:])]
+            recomputed = parts[:-1]
+            self.steps = [tf.recompute_grad(self._runner(part)) for part in recomputed]
+            self.steps.append(self._runner(parts[-1]))
+        self.batchnorm = [layer for part in recomputed for layer in _leaves(part)
                           if isinstance(layer, keras.layers.BatchNormalization)
                           and layer.trainable]
 
@@ -151,9 +197,9 @@ class Checkpointed:
                 hidden = part(hidden, training=True)
             return hidden
         hidden = images
-        for run in self._recomputed:
-            hidden = run(hidden)
-        return self.parts[-1](hidden, training=True)
+        for step in self.steps:
+            hidden = step(hidden)
+        return hidden
 
     def save_statistics(self) -> List[Tuple[Any, Any]]:
         """The recomputed BatchNorm layers' moving statistics as the forward pass left them."""

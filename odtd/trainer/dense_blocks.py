@@ -1,0 +1,192 @@
+"""Densely connected blocks trained in memory linear in their depth (memory-efficient DenseNet).
+
+In a dense block each layer reads the concatenation of everything before it: layer l computes
+``y_l = f_l(concat(x0, y_1, ..., y_l-1))`` (f: BatchNorm, ReLU, convolution; in a bottleneck
+DenseNet two of those) and the block ends in ``concat(x0, y_1, ..., y_L)``. A training step
+keeps, for every layer, its concatenated input and the BatchNorm and ReLU outputs of that
+width: memory quadratic in the depth. Gradient checkpointing by segments cannot help much
+there, because the tensors a segment starts from are those concatenations themselves.
+
+``dense_block`` runs a block, and the layers after it up to the next tensor the rest of the
+network depends on alone (a transition, or the classifier), as one function with its own
+gradient, after Pleiss et al., "Memory-Efficient Implementation of DenseNets" (2017): the
+forward pass keeps only ``x0`` and the narrow ``y_l``; the backward pass goes through the layers
+last to first, rebuilds each layer's concatenated input, recomputes ``f_l`` on it and takes its
+gradient, and carries one running gradient of the concatenation, narrowed layer by layer. The
+recomputation waits for the gradient it serves (a control dependency), so one layer's
+recomputed tensors are alive at a time. The cost is a forward pass of the block.
+
+``find_blocks`` finds such blocks in any functional Keras model from its graph: the built-in
+DenseNet-40, keras.applications' DenseNets, or a user's own. A layer in a block or after it
+must be called once, take one input, and feed only the next; nothing random (dropout, noise,
+random augmentation layers: a recomputation would draw other numbers).
+
+BatchNormalization layers in a block update their moving statistics again in the
+recomputation; the caller (``recompute.Checkpointed``) puts back what the forward pass left.
+
+TensorFlow is passed in. Python 3.6-compatible; tf.keras 2 and Keras 3 alike.
+"""
+
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+
+# Layers that draw random numbers in training: a recomputation would not reproduce them.
+RANDOM_LAYERS = ("Dropout", "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D",
+                 "GaussianNoise", "GaussianDropout", "AlphaDropout")
+MIN_LAYERS = 2  # a block of one layer keeps as much as the plain model
+
+
+class Block(NamedTuple):
+    """A dense block found in a model's graph.
+
+    Attributes:
+        start: The tensor the block starts from (``x0``).
+        units: Per dense layer, the layers of ``f_l`` in order.
+        tail: The single-input layers after the block's last concatenation, in order.
+        end: The block's result: the tail's output, or the last concatenation without a tail.
+        layers: Every layer of the block and its tail (for ``Checkpointed``'s BatchNorm list).
+    """
+
+    start: Any
+    units: List[List[Any]]
+    tail: List[Any]
+    end: Any
+    layers: List[Any]
+
+
+def _producer(tensor: Any) -> Any:
+    return tensor._keras_history[0]
+
+
+def _inputs(layer: Any) -> List[Any]:
+    value = layer.input
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _random(layer: Any) -> bool:
+    name = layer.__class__.__name__
+    return name in RANDOM_LAYERS or name.startswith("Random")
+
+
+def _graph(model: Any) -> Optional[Dict[str, Any]]:
+    """Per tensor (by id) its consumers, for a model whose layers are each called once."""
+    own = {id(node) for nodes in getattr(model, "_nodes_by_depth", {}).values() for node in nodes}
+    consumers = {}  # type: Dict[int, List[Any]]
+    for layer in model.layers:
+        nodes = [node for node in getattr(layer, "_inbound_nodes", []) if id(node) in own]
+        if len(nodes) > 1:
+            return None  # a shared layer: its input and output are not one tensor each
+        if not nodes or layer.__class__.__name__ == "InputLayer":
+            continue
+        for tensor in _inputs(layer):
+            consumers.setdefault(id(tensor), []).append(layer)
+    return consumers
+
+
+def find_blocks(tf: Any, model: Any) -> List[Block]:
+    """The dense blocks of ``model`` (at least ``MIN_LAYERS`` layers each), input to output."""
+    consumers = _graph(model)
+    if consumers is None:
+        return []
+    outputs = {id(tensor) for tensor in model.outputs}
+    concatenate = tf.keras.layers.Concatenate
+
+    def single_chain(start: Any, end: Any) -> Optional[List[Any]]:
+        """The layers from ``start`` to ``end``, each with one input that feeds only it."""
+        chain, tensor = [], end
+        while tensor is not start:
+            layer = _producer(tensor)
+            inputs = _inputs(layer)
+            if (len(inputs) != 1 or _random(layer) or isinstance(layer, concatenate)
+                    or isinstance(layer, tf.keras.Model) or len(chain) > 16):
+                return None
+            if inputs[0] is not start and len(consumers.get(id(inputs[0]), [])) != 1:
+                return None
+            chain.insert(0, layer)
+            tensor = inputs[0]
+        return chain or None
+
+    # A link: concat([a, f(a)]) on the last axis where a feeds exactly f's first layer and it.
+    links = {}  # type: Dict[int, Any]  # id(a) -> (concat layer, f's layers)
+    for layer in model.layers:
+        if not isinstance(layer, concatenate) or id(layer.output) in outputs:
+            continue
+        inputs = _inputs(layer)
+        rank = len(layer.output.shape)
+        if len(inputs) != 2 or layer.axis not in (-1, rank - 1) or rank < 2:
+            continue
+        head, new = inputs
+        chain = single_chain(head, new)
+        if chain is None or {id(c) for c in consumers.get(id(head), [])} != {id(layer), id(chain[0])}:
+            continue
+        links[id(head)] = (layer, chain)
+    starts = set(links) - {id(link[0].output) for link in links.values()}
+    blocks = []
+    for layer in model.layers:  # in graph order, so the blocks come input to output
+        for tensor in [layer.output] if not isinstance(layer.output, (list, tuple)) else []:
+            if id(tensor) not in starts:
+                continue
+            units, current = [], tensor
+            while id(current) in links:
+                concat, chain = links[id(current)]
+                units.append(chain)
+                current = concat.output
+            tail = []
+            while id(current) not in outputs and len(consumers.get(id(current), [])) == 1:
+                after = consumers[id(current)][0]
+                if len(_inputs(after)) != 1 or _random(after) or isinstance(after, tf.keras.Model):
+                    break
+                tail.append(after)
+                current = after.output
+            if len(units) >= MIN_LAYERS:
+                members = [part for unit in units for part in unit] + tail
+                blocks.append(Block(tensor, units, tail, current, members))
+    return blocks
+
+
+def _run(layers: Sequence[Any], tensor: Any) -> Any:
+    for layer in layers:
+        tensor = layer(tensor, training=True)
+    return tensor
+
+
+def dense_block(tf: Any, block: Block) -> Callable[[Any], Any]:
+    """``x0 -> end``, computing what the block and its tail compute, with the lean gradient."""
+    units, tail = block.units, block.tail
+
+    @tf.custom_gradient
+    def run(start: Any) -> Any:
+        parts = [start]
+        for unit in units:
+            parts.append(_run(unit, tf.concat(parts, -1) if len(parts) > 1 else start))
+        end = _run(tail, tf.concat(parts, -1))
+        widths = [int(part.shape[-1]) for part in parts]
+
+        def gradient(d_end: Any, variables: Optional[List[Any]] = None) -> Any:
+            variables = list(variables or [])
+            summed = [None] * len(variables)  # type: List[Any]
+
+            def backward(layers: Sequence[Any], count: int, d_out: Any) -> Any:
+                """Recompute ``layers`` on the first ``count`` parts once ``d_out`` exists."""
+                with tf.control_dependencies([d_out]):
+                    kept = [tf.identity(part) for part in parts[:count]]
+                with tf.GradientTape() as tape:
+                    joined = tf.concat(kept, -1) if count > 1 else kept[0]
+                    tape.watch(joined)
+                    out = _run(layers, joined)
+                found = tape.gradient(out, [joined] + variables, output_gradients=d_out)
+                for index, grad in enumerate(found[1:]):
+                    if grad is not None:
+                        summed[index] = grad if summed[index] is None else summed[index] + grad
+                return found[0]
+
+            d_joined = backward(tail, len(parts), d_end) if tail else d_end
+            for layer in reversed(range(len(units))):
+                width = sum(widths[:layer + 1])
+                d_new = d_joined[..., width:width + widths[layer + 1]]
+                d_joined = d_joined[..., :width] + backward(units[layer], layer + 1, d_new)
+            return d_joined, [tf.zeros_like(variable) if grad is None else grad
+                              for variable, grad in zip(variables, summed)]
+
+        return end, gradient
+
+    return run

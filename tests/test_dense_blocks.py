@@ -1,0 +1,136 @@
+"""Dense blocks trained with their lean gradient: found in any DenseNet's graph, the same step.
+
+TensorFlow runs in one child process: it builds small DenseNet-like models (a plain block and a
+bottleneck block, as keras.applications' DenseNets have), the built-in DenseNet-40, and one
+model with dropout inside a block; it reports what ``find_blocks`` finds and one training step's
+gradients and BatchNorm statistics with and without ``recompute.Checkpointed``.
+"""
+
+
+import pytest
+from conftest import tensorflow_report
+
+SCRIPT = r"""
+import json
+import numpy as np
+import tensorflow as tf
+from odtd.trainer import dense_blocks, networks, recompute
+from odtd.trainer.fused_batchnorm import fuse
+
+L = tf.keras.layers
+
+
+def small(dropout=False, name="small"):
+    inputs = tf.keras.Input((8, 8, 3))
+    x = L.Conv2D(6, 3, padding="same", name="stem")(inputs)
+    for i in range(3):  # BatchNorm, ReLU, 3x3 convolution; growth 4
+        y = L.BatchNormalization(name="a%d_bn" % i)(x)
+        y = L.Activation("relu", name="a%d_relu" % i)(y)
+        if dropout and i == 1:
+            y = L.Dropout(0.2, name="a%d_drop" % i)(y)
+        y = L.Conv2D(4, 3, padding="same", name="a%d_conv" % i)(y)
+        x = L.Concatenate(name="a%d_cat" % i)([x, y])
+    x = L.BatchNormalization(name="t_bn")(x)
+    x = L.Activation("relu", name="t_relu")(x)
+    x = L.Conv2D(9, 1, name="t_conv")(x)
+    x = L.AveragePooling2D(2, name="t_pool")(x)
+    for i in range(2):  # the bottleneck layer of DenseNet-121
+        y = L.BatchNormalization(name="b%d_bn1" % i)(x)
+        y = L.Activation("relu", name="b%d_relu1" % i)(y)
+        y = L.Conv2D(8, 1, name="b%d_conv1" % i)(y)
+        y = L.BatchNormalization(name="b%d_bn2" % i)(y)
+        y = L.Activation("relu", name="b%d_relu2" % i)(y)
+        y = L.Conv2D(4, 3, padding="same", name="b%d_conv2" % i)(y)
+        x = L.Concatenate(name="b%d_cat" % i)([x, y])
+    x = L.BatchNormalization(name="f_bn")(x)
+    x = L.Activation("relu", name="f_relu")(x)
+    x = L.GlobalAveragePooling2D(name="f_pool")(x)
+    return tf.keras.Model(inputs, L.Dense(3, name="logits")(x), name=name)
+
+
+def step(model, forward, images, labels):
+    # One SGD step's gradients as the worker takes them: a graph, statistics put back.
+    statistics = [v for v in model.weights if "moving" in v.name]
+    start = [np.array(v) for v in statistics]
+
+    @tf.function(autograph=False)
+    def gradients():
+        with tf.GradientTape() as tape:
+            logits = forward(images, training=True)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
+        saved = forward.save_statistics() if hasattr(forward, "save_statistics") else None
+        grads = tape.gradient(loss, model.trainable_variables)
+        if saved is not None:
+            forward.restore_statistics(saved)
+        return loss, grads
+
+    loss, grads = gradients()
+    moved = [np.array(v) for v in statistics]
+    for variable, value in zip(statistics, start):
+        variable.assign(value)
+    return float(loss), [np.array(g) for g in grads], moved
+
+
+def describe(blocks):
+    return [dict(start=b.start._keras_history[0].name, units=[[l.name for l in u] for u in b.units],
+                 tail=[l.name for l in b.tail], end=b.end._keras_history[0].name) for b in blocks]
+
+
+tf.keras.utils.set_random_seed(0)
+images = tf.random.uniform([6, 8, 8, 3], seed=2)
+labels = tf.constant([0, 1, 2, 0, 1, 2], tf.int64)
+report = {}
+model = small()
+report["small"] = describe(dense_blocks.find_blocks(tf, model))
+checkpointed = recompute.Checkpointed(tf, model)
+report["dense_blocks"] = checkpointed.dense_blocks
+report["batchnorm"] = sorted(layer.name for layer in checkpointed.batchnorm)
+plain = step(model, model, images, labels)
+lean = step(model, checkpointed, images, labels)
+report["losses"] = [plain[0], lean[0]]
+report["gradient_gap"] = max(float(np.max(np.abs(a - b))) for a, b in zip(plain[1], lean[1]))
+report["gradient_scale"] = max(float(np.max(np.abs(a))) for a in plain[1])
+report["statistics_gap"] = max(float(np.max(np.abs(a - b))) for a, b in zip(plain[2], lean[2]))
+report["statistics_moved"] = max(
+    float(np.max(np.abs(a - np.array(v)))) for a, v in
+    zip(plain[2], [v for v in model.weights if "moving" in v.name]))
+# The same with Keras 3's BatchNormalization on the fused kernel, as the worker trains it when
+# recomputing (tf.keras 2 fuses by itself: nothing to patch there).
+report["fused"] = fuse(tf, model, float32=True)
+plain, lean = step(model, model, images, labels), step(model, checkpointed, images, labels)
+report["fused_gradient_gap"] = max(float(np.max(np.abs(a - b))) for a, b in zip(plain[1], lean[1]))
+report["fused_statistics_gap"] = max(float(np.max(np.abs(a - b))) for a, b in zip(plain[2], lean[2]))
+# Only the first block within half the layers: the second runs plainly.
+report["half_blocks"] = recompute.Checkpointed(tf, model, share=0.5).dense_blocks
+report["dropout"] = describe(dense_blocks.find_blocks(tf, small(dropout=True, name="drop")))
+report["densenet40"] = [len(b.units) for b in dense_blocks.find_blocks(
+    tf, networks.build("densenet40", 10, [16, 16, 3]))]
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.trains
+def test_dense_blocks_are_found_and_train_with_the_same_gradients_and_statistics():
+    report = tensorflow_report(SCRIPT)
+    first, second = report["small"]
+    assert first == {"start": "stem", "end": "t_pool",
+                     "units": [[f"a{i}_bn", f"a{i}_relu", f"a{i}_conv"] for i in range(3)],
+                     "tail": ["t_bn", "t_relu", "t_conv", "t_pool"]}
+    assert second["start"] == "t_pool" and second["end"] == "logits"
+    assert second["units"][1] == ["b1_bn1", "b1_relu1", "b1_conv1", "b1_bn2", "b1_relu2",
+                                  "b1_conv2"]
+    assert second["tail"] == ["f_bn", "f_relu", "f_pool", "logits"]
+    assert report["dense_blocks"] == 2 and report["half_blocks"] == 1
+    assert len(report["batchnorm"]) == 3 + 1 + 4 + 1  # every BatchNorm is in a block or a tail
+    # The same step: loss, every gradient, and the moving statistics moved once.
+    assert report["losses"][0] == pytest.approx(report["losses"][1], rel=1e-6)
+    assert report["gradient_gap"] < 1e-5 * max(1.0, report["gradient_scale"])
+    assert report["statistics_moved"] > 1e-4  # the step did move them
+    assert report["statistics_gap"] < 1e-6
+    assert report["fused"] in (0, 9)  # 0 under tf.keras 2
+    assert report["fused_gradient_gap"] < 1e-5 * max(1.0, report["gradient_scale"])
+    assert report["fused_statistics_gap"] < 1e-6
+    # Dropout inside the first block: a recomputation would draw another mask, so only the
+    # second block is taken.
+    assert [block["start"] for block in report["dropout"]] == ["t_pool"]
+    assert report["densenet40"] == [12, 12, 12]
