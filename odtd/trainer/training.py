@@ -245,8 +245,9 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         for layer in batchnorm_layers(tf, model):
             layer.trainable = False
     # Under mixed precision Keras 3's BatchNormalization trains with the fused kernel, as
-    # tf.keras 2's always does.
-    fields["fused_batchnorm"] = fuse(tf, model)
+    # tf.keras 2's always does; in float32 too when recomputing, where it is the leaner of the
+    # two (docs/memory.md, "Dense blocks").
+    fields["fused_batchnorm"] = fuse(tf, model, float32=bool(job["recompute"]))
     profiling = job["mode"] == "profile"
     num_classes = len(job["classes"])
     batch_size = job["batch_size"]

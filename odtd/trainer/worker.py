@@ -389,6 +389,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             if mask is not None and job["distill"]:
                 data["rehearsed"] = ~mask
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        # TensorFlow's own best-fit allocator for CPU tensors, not malloc's: freed activations
+        # are reused in place rather than spread over malloc's arenas (docs/memory.md).
+        os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
         run(job, data, stop_requested.is_set)
     except BadJob as error:
         emit("error", kind="bad_job", message=str(error))
