@@ -100,6 +100,16 @@ report["fused"] = fuse(tf, model, float32=True)
 plain, lean = step(model, model, images, labels), step(model, checkpointed, images, labels)
 report["fused_gradient_gap"] = max(float(np.max(np.abs(a - b))) for a, b in zip(plain[1], lean[1]))
 report["fused_statistics_gap"] = max(float(np.max(np.abs(a - b))) for a, b in zip(plain[2], lean[2]))
+# A frozen first block (a head-only scope): nothing in it trains, the rest does as before.
+for layer in model.layers:
+    if layer.name.startswith(("a", "stem")):
+        layer.trainable = False
+frozen = recompute.Checkpointed(tf, model)
+plain, lean = step(model, model, images, labels), step(model, frozen, images, labels)
+report["frozen_gradients"] = len(plain[1])
+report["frozen_gradient_gap"] = max(float(np.max(np.abs(a - b))) for a, b in zip(plain[1], lean[1]))
+for layer in model.layers:
+    layer.trainable = True
 # Only the first block within half the layers: the second runs plainly.
 report["half_blocks"] = recompute.Checkpointed(tf, model, share=0.5).dense_blocks
 report["dropout"] = describe(dense_blocks.find_blocks(tf, small(dropout=True, name="drop")))
@@ -130,6 +140,7 @@ def test_dense_blocks_are_found_and_train_with_the_same_gradients_and_statistics
     assert report["fused"] in (0, 9)  # 0 under tf.keras 2
     assert report["fused_gradient_gap"] < 1e-5 * max(1.0, report["gradient_scale"])
     assert report["fused_statistics_gap"] < 1e-6
+    assert report["frozen_gradients"] == 4 + 2 * 8 + 4 and report["frozen_gradient_gap"] < 1e-5
     # Dropout inside the first block: a recomputation would draw another mask, so only the
     # second block is taken.
     assert [block["start"] for block in report["dropout"]] == ["t_pool"]
