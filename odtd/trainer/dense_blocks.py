@@ -67,7 +67,7 @@ def _random(layer: Any) -> bool:
     return name in RANDOM_LAYERS or name.startswith("Random")
 
 
-def _graph(model: Any) -> Optional[Dict[str, Any]]:
+def _graph(model: Any) -> Optional[Dict[int, List[Any]]]:
     """Per tensor (by id) its consumers, for a model whose layers are each called once."""
     own = {id(node) for nodes in getattr(model, "_nodes_by_depth", {}).values() for node in nodes}
     consumers = {}  # type: Dict[int, List[Any]]

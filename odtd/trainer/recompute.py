@@ -150,7 +150,7 @@ class Checkpointed:
         blocks = [block for block in find_blocks(tf, model)
                   if (block.start is model.inputs[0] or id(block.start) in ends)
                   and id(block.end) in ends
-                  and position[id(block.end)] <= max(share * len(layers), 1)]
+                  and position.get(id(block.end), len(layers)) <= max(share * len(layers), 1)]
         if blocks:
             # Dense blocks (DenseNets): each runs with its own lean gradient, the layers
             # between them as recomputed segments, whatever follows the last one plainly.
