@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 RANDOM_LAYERS = ("Dropout", "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D",
                  "GaussianNoise", "GaussianDropout", "AlphaDropout")
 MIN_LAYERS = 2  # a block of one layer keeps as much as the plain model
+MAX_UNIT_LAYERS = 17  # longer single-input chains between concatenations are not a dense layer
 
 
 class Block(NamedTuple):
@@ -97,7 +98,7 @@ def find_blocks(tf: Any, model: Any) -> List[Block]:
             layer = _producer(tensor)
             inputs = _inputs(layer)
             if (len(inputs) != 1 or _random(layer) or isinstance(layer, concatenate)
-                    or isinstance(layer, tf.keras.Model) or len(chain) > 16):
+                    or isinstance(layer, tf.keras.Model) or len(chain) >= MAX_UNIT_LAYERS):
                 return None
             if inputs[0] is not start and len(consumers.get(id(inputs[0]), [])) != 1:
                 return None
@@ -122,24 +123,24 @@ def find_blocks(tf: Any, model: Any) -> List[Block]:
     starts = set(links) - {id(link[0].output) for link in links.values()}
     blocks = []
     for layer in model.layers:  # in graph order, so the blocks come input to output
-        for tensor in [layer.output] if not isinstance(layer.output, (list, tuple)) else []:
-            if id(tensor) not in starts:
-                continue
-            units, current = [], tensor
-            while id(current) in links:
-                concat, chain = links[id(current)]
-                units.append(chain)
-                current = concat.output
-            tail = []
-            while id(current) not in outputs and len(consumers.get(id(current), [])) == 1:
-                after = consumers[id(current)][0]
-                if len(_inputs(after)) != 1 or _random(after) or isinstance(after, tf.keras.Model):
-                    break
-                tail.append(after)
-                current = after.output
-            if len(units) >= MIN_LAYERS:
-                members = [part for unit in units for part in unit] + tail
-                blocks.append(Block(tensor, units, tail, current, members))
+        tensor = layer.output
+        if isinstance(tensor, (list, tuple)) or id(tensor) not in starts:
+            continue
+        units, current = [], tensor
+        while id(current) in links:
+            concat, chain = links[id(current)]
+            units.append(chain)
+            current = concat.output
+        tail = []
+        while id(current) not in outputs and len(consumers.get(id(current), [])) == 1:
+            after = consumers[id(current)][0]
+            if len(_inputs(after)) != 1 or _random(after) or isinstance(after, tf.keras.Model):
+                break
+            tail.append(after)
+            current = after.output
+        if len(units) >= MIN_LAYERS:
+            members = [part for unit in units for part in unit] + tail
+            blocks.append(Block(tensor, units, tail, current, members))
     return blocks
 
 
