@@ -246,8 +246,9 @@ def run_job(
         raise TrainerFailed("worker {}".format(end.stop_reason))
     if end.failure is not None:
         raise TrainerFailed(end.failure, oom=end.oom)
-    if diverged(end.result):  # it wrote no weights
-        raise TrainerFailed(diverged(end.result))
+    reason = diverged(end.result)
+    if reason is not None:  # it wrote no weights
+        raise TrainerFailed(reason)
     return end.result, end.steps, end.peak_rss_mb
 
 
