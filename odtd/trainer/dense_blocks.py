@@ -185,8 +185,6 @@ def dense_block(tf: Any, block: Block) -> Callable[[Any], Any]:
                 width = sum(widths[:layer + 1])
                 d_new = d_joined[..., width:width + widths[layer + 1]]
                 d_joined = d_joined[..., :width] + backward(units[layer], layer + 1, d_new)
-            if not variables:  # nothing in the block trains (a frozen backbone)
-                return d_joined
             return d_joined, [tf.zeros_like(variable) if grad is None else grad
                               for variable, grad in zip(variables, summed)]
 
