@@ -112,6 +112,16 @@ report["frozen_gradients"] = len(plain[1])
 report["frozen_gradient_gap"] = max(float(np.max(np.abs(a - b))) for a, b in zip(plain[1], lean[1]))
 for layer in model.layers:
     layer.trainable = True
+# Every BatchNorm frozen (the worker's freeze_bn): they normalise by their moving statistics, so
+# the convolutions' biases, which a training BatchNorm after them cancels, get a gradient.
+for layer in model.layers:
+    layer.trainable = not isinstance(layer, L.BatchNormalization)
+plain, lean = step(model, model, images, labels), step(model, checkpointed, images, labels)
+report["frozen_bn_gradient_gap"] = max(float(np.max(np.abs(a - b))) for a, b in zip(plain[1], lean[1]))
+report["frozen_bn_bias_gradient"] = min(float(np.max(np.abs(g))) for g, v in
+                                        zip(plain[1], model.trainable_variables) if "bias" in v.name)
+for layer in model.layers:
+    layer.trainable = True
 # A block without BatchNorm, frozen: it reads no variable the tape watches.
 inputs = tf.keras.Input((8, 8, 3))
 x = L.Conv2D(6, 3, padding="same", name="stem", trainable=False)(inputs)
@@ -153,6 +163,7 @@ def test_dense_blocks_are_found_and_train_with_the_same_gradients_and_statistics
     assert report["fused_gradient_gap"] < 1e-5 * max(1.0, report["gradient_scale"])
     assert report["fused_statistics_gap"] < 1e-6
     assert report["frozen_gradients"] == 4 + 2 * 8 + 4 and report["frozen_gradient_gap"] < 1e-5
+    assert report["frozen_bn_bias_gradient"] > 1e-4 and report["frozen_bn_gradient_gap"] < 1e-5
     assert report["bare_blocks"] == 1 and report["bare_gradient_gap"] < 1e-6
     # Dropout inside the first block: a recomputation would draw another mask, so only the
     # second block is taken.
