@@ -21,7 +21,8 @@ from odtd.trainer.imported import keras_major
 L = tf.keras.layers
 
 
-def small(dropout=False, name="small"):
+def small(dropout=False, name="small", flip=()):
+    # flip: the layers whose concatenation puts the new features first, as concat([f(x), x])
     inputs = tf.keras.Input((8, 8, 3))
     x = L.Conv2D(6, 3, padding="same", name="stem")(inputs)
     for i in range(3):  # BatchNorm, ReLU, 3x3 convolution; growth 4
@@ -30,7 +31,7 @@ def small(dropout=False, name="small"):
         if dropout and i == 1:
             y = L.Dropout(0.2, name="a%d_drop" % i)(y)
         y = L.Conv2D(4, 3, padding="same", name="a%d_conv" % i)(y)
-        x = L.Concatenate(name="a%d_cat" % i)([x, y])
+        x = L.Concatenate(name="a%d_cat" % i)([y, x] if "a%d" % i in flip else [x, y])
     x = L.BatchNormalization(name="t_bn")(x)
     x = L.Activation("relu", name="t_relu")(x)
     x = L.Conv2D(9, 1, name="t_conv")(x)
@@ -42,7 +43,7 @@ def small(dropout=False, name="small"):
         y = L.BatchNormalization(name="b%d_bn2" % i)(y)
         y = L.Activation("relu", name="b%d_relu2" % i)(y)
         y = L.Conv2D(4, 3, padding="same", name="b%d_conv2" % i)(y)
-        x = L.Concatenate(name="b%d_cat" % i)([x, y])
+        x = L.Concatenate(name="b%d_cat" % i)([y, x] if "b%d" % i in flip else [x, y])
     x = L.BatchNormalization(name="f_bn")(x)
     x = L.Activation("relu", name="f_relu")(x)
     x = L.GlobalAveragePooling2D(name="f_pool")(x)
@@ -135,6 +136,15 @@ report["bare_blocks"] = recompute.Checkpointed(tf, bare).dense_blocks
 # Only the first block within half the layers: the second runs plainly.
 report["half_blocks"] = recompute.Checkpointed(tf, model, share=0.5).dense_blocks
 report["dropout"] = describe(dense_blocks.find_blocks(tf, small(dropout=True, name="drop")))
+# The new features first in some concatenations: the same blocks, the same step.
+flipped = small(name="flipped", flip=("a1", "b0", "b1"))
+flipped.set_weights(model.get_weights())
+report["flipped"] = describe(dense_blocks.find_blocks(tf, flipped))
+report["flipped_first"] = [b.first for b in dense_blocks.find_blocks(tf, flipped)]
+plain = step(flipped, flipped, images, labels)
+lean = step(flipped, recompute.Checkpointed(tf, flipped), images, labels)
+report["flipped_losses"] = [plain[0], lean[0]]
+report["flipped_gradient_gap"] = max(float(np.max(np.abs(a - b))) for a, b in zip(plain[1], lean[1]))
 report["densenet40"] = [len(b.units) for b in dense_blocks.find_blocks(
     tf, networks.build("densenet40", 10, [16, 16, 3]))]
 print(json.dumps(report))
@@ -169,3 +179,8 @@ def test_dense_blocks_are_found_and_train_with_the_same_gradients_and_statistics
     # second block is taken.
     assert [block["start"] for block in report["dropout"]] == ["t_pool"]
     assert report["densenet40"] == [12, 12, 12]
+    # concat([f(x), x]) is a dense layer too, in any mix with concat([x, f(x)]).
+    assert report["flipped"] == report["small"]
+    assert report["flipped_first"] == [[False, True, False], [True, True]]
+    assert report["flipped_losses"][0] == pytest.approx(report["flipped_losses"][1], rel=1e-6)
+    assert report["flipped_gradient_gap"] < 1e-5 * max(1.0, report["gradient_scale"])

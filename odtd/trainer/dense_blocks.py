@@ -17,7 +17,9 @@ recomputation waits for the gradient it serves (a control dependency), so one la
 recomputed tensors are alive at a time. The cost is a forward pass of the block.
 
 ``find_blocks`` finds such blocks in any functional Keras model from its graph: the built-in
-DenseNet-40, keras.applications' DenseNets, or a user's own. A layer in a block or after it
+DenseNet-40, keras.applications' DenseNets, or a user's own, whichever side of the concatenation
+the new features are on (``concat([x, f(x)])`` or ``concat([f(x), x])``, as a port from another
+framework may write it; the order may change from layer to layer). A layer in a block or after it
 must be called once, take one input, and feed only the next; nothing random (dropout, noise,
 random augmentation layers: a recomputation would draw other numbers).
 
@@ -42,6 +44,7 @@ class Block(NamedTuple):
     Attributes:
         start: The tensor the block starts from (``x0``).
         units: Per dense layer, the layers of ``f_l`` in order.
+        first: Per dense layer, whether its concatenation puts ``f_l``'s output first.
         tail: The single-input layers after the block's last concatenation, in order.
         end: The block's result: the tail's output, or the last concatenation without a tail.
         layers: Every layer of the block and its tail (for ``Checkpointed``'s BatchNorm list).
@@ -49,6 +52,7 @@ class Block(NamedTuple):
 
     start: Any
     units: List[List[Any]]
+    first: List[bool]
     tail: List[Any]
     end: Any
     layers: List[Any]
@@ -106,8 +110,9 @@ def find_blocks(tf: Any, model: Any) -> List[Block]:
             tensor = inputs[0]
         return chain or None
 
-    # A link: concat([a, f(a)]) on the last axis where a feeds exactly f's first layer and it.
-    links = {}  # type: Dict[int, Any]  # id(a) -> (concat layer, f's layers)
+    # A link: concat([a, f(a)]) or concat([f(a), a]) on the last axis where a feeds exactly f's
+    # first layer and the concatenation.
+    links = {}  # type: Dict[int, Any]  # id(a) -> (concat layer, f's layers, f(a) first)
     for layer in model.layers:
         if not isinstance(layer, concatenate) or id(layer.output) in outputs:
             continue
@@ -115,21 +120,23 @@ def find_blocks(tf: Any, model: Any) -> List[Block]:
         rank = len(layer.output.shape)
         if len(inputs) != 2 or layer.axis not in (-1, rank - 1) or rank < 2:
             continue
-        head, new = inputs
-        chain = single_chain(head, new)
-        if chain is None or {id(c) for c in consumers.get(id(head), [])} != {id(layer), id(chain[0])}:
-            continue
-        links[id(head)] = (layer, chain)
+        for first, (head, new) in ((False, inputs), (True, inputs[::-1])):
+            chain = single_chain(head, new)
+            if chain is not None and ({id(c) for c in consumers.get(id(head), [])}
+                                      == {id(layer), id(chain[0])}):
+                links[id(head)] = (layer, chain, first)
+                break
     starts = set(links) - {id(link[0].output) for link in links.values()}
     blocks = []
     for layer in model.layers:  # in graph order, so the blocks come input to output
         tensor = layer.output
         if isinstance(tensor, (list, tuple)) or id(tensor) not in starts:
             continue
-        units, current = [], tensor
+        units, first, current = [], [], tensor
         while id(current) in links:
-            concat, chain = links[id(current)]
+            concat, chain, new_first = links[id(current)]
             units.append(chain)
+            first.append(new_first)
             current = concat.output
         tail = []
         while id(current) not in outputs and len(consumers.get(id(current), [])) == 1:
@@ -140,7 +147,7 @@ def find_blocks(tf: Any, model: Any) -> List[Block]:
             current = after.output
         if len(units) >= MIN_LAYERS:
             members = [part for unit in units for part in unit] + tail
-            blocks.append(Block(tensor, units, tail, current, members))
+            blocks.append(Block(tensor, units, first, tail, current, members))
     return blocks
 
 
@@ -153,25 +160,31 @@ def _run(layers: Sequence[Any], tensor: Any) -> Any:
 def dense_block(tf: Any, block: Block) -> Callable[[Any], Any]:
     """``x0 -> end``, computing what the block and its tail compute, with the lean gradient."""
     units, tail = block.units, block.tail
+    # Which parts (0: x0, l: layer l's output) each layer's input concatenates, in order; the
+    # tail's last. Each layer's output joins its input at one end, so every gradient split
+    # below is a slice from one end of the running gradient.
+    orders = [[0]]
+    for index, first in enumerate(block.first):
+        orders.append([index + 1] + orders[-1] if first else orders[-1] + [index + 1])
 
     @tf.custom_gradient
     def run(start: Any) -> Any:
         parts = [start]
-        for unit in units:
-            parts.append(_run(unit, tf.concat(parts, -1) if len(parts) > 1 else start))
-        end = _run(tail, tf.concat(parts, -1))
-        widths = [int(part.shape[-1]) for part in parts]
+        for unit, order in zip(units, orders):
+            parts.append(_run(unit, tf.concat([parts[i] for i in order], -1)
+                              if len(order) > 1 else start))
+        end = _run(tail, tf.concat([parts[i] for i in orders[-1]], -1))
 
         def gradient(d_end: Any, variables: Optional[List[Any]] = None) -> Any:
             variables = list(variables or [])
             summed = [None] * len(variables)  # type: List[Any]
 
-            def backward(layers: Sequence[Any], count: int, d_out: Any) -> Any:
-                """Recompute ``layers`` on the first ``count`` parts once ``d_out`` exists."""
+            def backward(layers: Sequence[Any], order: Sequence[int], d_out: Any) -> Any:
+                """Recompute ``layers`` on the parts in ``order`` once ``d_out`` exists."""
                 with tf.control_dependencies([d_out]):
-                    kept = [tf.identity(part) for part in parts[:count]]
+                    kept = [tf.identity(parts[i]) for i in order]
                 with tf.GradientTape() as tape:
-                    joined = tf.concat(kept, -1) if count > 1 else kept[0]
+                    joined = tf.concat(kept, -1) if len(kept) > 1 else kept[0]
                     tape.watch(joined)
                     out = _run(layers, joined)
                 found = tape.gradient(out, [joined] + variables, output_gradients=d_out)
@@ -180,11 +193,14 @@ def dense_block(tf: Any, block: Block) -> Callable[[Any], Any]:
                         summed[index] = grad if summed[index] is None else summed[index] + grad
                 return found[0]
 
-            d_joined = backward(tail, len(parts), d_end) if tail else d_end
+            d_joined = backward(tail, orders[-1], d_end) if tail else d_end
             for layer in reversed(range(len(units))):
-                width = sum(widths[:layer + 1])
-                d_new = d_joined[..., width:width + widths[layer + 1]]
-                d_joined = d_joined[..., :width] + backward(units[layer], layer + 1, d_new)
+                width = int(parts[layer + 1].shape[-1])
+                if block.first[layer]:
+                    d_new, d_rest = d_joined[..., :width], d_joined[..., width:]
+                else:
+                    d_rest, d_new = d_joined[..., :-width], d_joined[..., -width:]
+                d_joined = d_rest + backward(units[layer], orders[layer], d_new)
             return d_joined, [tf.zeros_like(variable) if grad is None else grad
                               for variable, grad in zip(variables, summed)]
 
