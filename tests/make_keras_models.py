@@ -5,7 +5,7 @@ subprocess of its own, so the test process never imports TensorFlow. For each mo
 ``NAME.keras`` and ``NAME.h5`` and ``NAME.ref.npz`` (probe images and the model's outputs on
 them), then prints a JSON line of what it wrote. tests/fixtures/keras/k2 and k3 hold the small
 ones as tf.keras 2.15 and Keras 3.15 wrote them, so each stack's tests import the other's files
-(``slash_names``: tf.keras 2's only).
+(``slash_names`` and ``slash_nested``: tf.keras 2's only).
 """
 
 import json
@@ -106,6 +106,22 @@ def slash_names():
                        name="slash_names")
 
 
+def slash_nested():
+    """A base whose layer names hold "/" inside the user's model, as a transfer-learning head on
+    tf.keras 2's MobileNetV3Small is built. 16x16 RGB, 3 classes; tf.keras 2's only."""
+    base_in = keras.Input((16, 16, 3), name="base_in")
+    x = L.Conv2D(4, 3, name="Conv/conv")(base_in)
+    x = L.BatchNormalization(name="Conv/BatchNorm")(x)
+    x = L.ReLU(name="Conv/relu")(x)
+    y = L.Conv2D(4, 1, name="block/expand")(x)
+    x = L.Add(name="block/Add")([x, y])
+    base = keras.Model(base_in, x, name="MobilenetV3small")
+    inp = keras.Input((16, 16, 3), name="image")
+    x = L.Rescaling(1.0 / 255, name="rescale")(inp)
+    x = L.GlobalAveragePooling2D(name="pool")(base(x))
+    return keras.Model(inp, L.Dense(3, activation="softmax", name="head")(x), name="slash_nested")
+
+
 def with_lambda():
     inp = keras.Input((16, 16, 3), name="image")
     x = L.Lambda(lambda t: t * 2.0, name="doubler")(inp)
@@ -139,10 +155,10 @@ def four_channels():
 
 TRAINABLE = {"cnn_softmax": cnn_softmax, "gray_logits": gray_logits, "mobilenet": mobilenet,
              "frozen_augmented": frozen_augmented, "arithmetic": arithmetic,
-             "slash_names": slash_names}
+             "slash_names": slash_names, "slash_nested": slash_nested}
 REFUSED = {"lambda": with_lambda, "custom_layer": with_custom_layer, "vector_input": vector_input,
            "four_channels": four_channels}
-KERAS2_ONLY = {"slash_names"}  # Keras 3 allows no "/" in a layer's name
+KERAS2_ONLY = {"slash_names", "slash_nested"}  # Keras 3 allows no "/" in a layer's name
 wanted = sys.argv[2:] or [name for name in list(TRAINABLE) + list(REFUSED)
                           if name not in KERAS2_ONLY or keras.__version__.startswith("2.")]
 written = {}

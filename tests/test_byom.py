@@ -197,23 +197,30 @@ def test_the_other_stacks_files_import_export_the_same_and_as_given_for_that_ker
 
 
 @pytest.mark.trains
-def test_tf_keras_2_layer_names_with_a_slash_import_there_and_are_refused_in_one_line_by_keras_3(
-        tmp_path):
-    # tf.keras 2's MobileNetV3 names layers "Conv/BatchNorm"; its .h5 keeps weights under them.
-    path = FIXTURES / "k2" / "slash_names.h5"
+@pytest.mark.parametrize("name", ["slash_names", "slash_nested"])
+def test_tf_keras_2_layer_names_with_a_slash_train_on_either_keras_and_export_as_given(
+        tmp_path, name):
+    # tf.keras 2's MobileNetV3 names layers "Conv/BatchNorm"; its .h5 keeps weights under them,
+    # as "Conv/BatchNorm/gamma:0" inside a nested base (slash_nested: a head on such a base).
+    # Keras 3 allows no "/" in a name: it builds them as "Conv_BatchNorm", weights matched so.
+    path, classes = FIXTURES / "k2" / f"{name}.h5", "a,b,c"
     home = tmp_path / "home"
-    if keras_major() == 3:
-        proc = odtctl("init", "--model-file", str(path), "--classes", "a,b,c", home=home,
-                      check=False)
-        errors = [line for line in proc.stderr.splitlines() if line.startswith("Error: ")]
-        assert proc.returncode == 1 and len(errors) == 1, proc.stderr
-        assert "layer 'pre/scale': Keras 3 allows no '/' in a layer's name" in errors[0]
-        assert "Traceback" not in proc.stderr and not (home / "odtd.db").exists()
-        return
-    odtctl("init", "--model-file", str(path), "--classes", "a,b,c", home=home)
-    out = tmp_path / "v0.h5"
-    odtctl("models", "export", "0", "--out", str(out), home=home)
-    assert predict_max_diff([(out, FIXTURES / "k2" / "slash_names.ref.npz")])[0] < 1e-5
+    odtctl("init", "--model-file", str(path), "--classes", classes, "--validation",
+           str(photos(tmp_path / "validation", classes, 2, seed=1)), home=home)
+    (home / "policy.yaml").write_text((REPO / "policies" / "tinycnn-test.yaml").read_text())
+    odtctl_json("ingest", str(photos(tmp_path / "day1", classes, 5, seed=2)), home=home)
+    session = odtctl_json("train-now", "--foreground", home=home)
+    assert session["outcome"] in ("promoted", "rolled_back") and session["steps"] > 0, session
+    native, given = tmp_path / "v0.h5", tmp_path / "v0-as-given.h5"
+    odtctl("models", "export", "0", "--out", str(native), home=home)
+    odtctl("models", "export", "0", "--as-given", "--out", str(given), home=home)
+    ref = FIXTURES / "k2" / f"{name}.ref.npz"
+    assert predict_max_diff([(native, ref)])[0] < 1e-5  # this stack's Keras opens its own
+    python = other_python() if keras_major() == 3 else None
+    if keras_major() == 3 and python is None:
+        pytest.skip("the other Keras stack is not installed here (make test-compat builds it)")
+    # The copy of the user's file, their names kept: tf.keras 2 opens it, the same model.
+    assert predict_max_diff([(given, ref)], python)[0] < 1e-5
 
 
 def other_python():

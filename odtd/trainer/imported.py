@@ -86,23 +86,58 @@ def leaf_layers(model: Any, prefix: Tuple[str, ...] = ()) -> Iterator[Tuple[Tupl
             yield prefix + (layer.name,), layer
 
 
-def _h5_weights(handle: Any) -> Dict[Tuple[str, str], List[np.ndarray]]:
-    """Legacy .h5: {(top_layer, leaf_layer): [arrays in order]} (Keras 2 and Keras 3 writers)."""
-    group = handle["model_weights"] if "model_weights" in handle else handle
-    out = {}
+def _leaf_keys(model: Any) -> Dict[Tuple[str, str], Tuple[Tuple[str, ...], Any]]:
+    """Every leaf layer by (top-level name, leaf name), each as Keras 3 names it (no "/").
+
+    A tf.keras 2 file's names may hold "/" (MobileNetV3's ``Conv/BatchNorm``): Keras 3 builds
+    those layers as ``Conv_BatchNorm`` (``keras_dialects.keras3_name``); tf.keras 2 keeps them.
+    Keyed so, a file's names match the model's under either.
+    """
+    keys = {}  # type: Dict[Tuple[str, str], Tuple[Tuple[str, ...], Any]]
+    for names, layer in leaf_layers(model):
+        key = (keras_dialects.keras3_name(names[0]), keras_dialects.keras3_name(names[-1]))
+        if key in keys:
+            raise ValueError("layers {} and {} have one name once '/' is '_'".format(
+                "/".join(keys[key][0]), "/".join(names)))
+        keys[key] = (names, layer)
+    return keys
+
+
+def _h5_leaf(top: str, weight: str, leaves: Any) -> str:
+    """The leaf layer a legacy .h5 weight name belongs to, among ``leaves`` (keys of the top).
+
+    "<layer>/<variable>", where a layer's own name may hold "/" (tf.keras 2's MobileNetV3:
+    "Conv/BatchNorm/gamma:0"); a nested model's weights are "<leaf>/<variable>", the leaf's
+    name perhaps with "/" too, perhaps under the nested model's scope.
+    """
+    parts = weight.split("/")
+    if len(parts) < 2 or "/".join(parts[:-1]) == top:
+        return top
+    for start in range(len(parts) - 1):  # the longest name the model has
+        candidate = "/".join(parts[start:-1])
+        if keras_dialects.keras3_name(candidate) in leaves:
+            return candidate
+    return parts[-2]
+
+
+def _h5_weight_names(group: Any, keys: Any) -> Iterator[Tuple[str, Tuple[str, str], List[str]]]:
+    """Each leaf layer's weights in a legacy .h5 (Keras 2 and Keras 3 writers).
+
+    Yields:
+        The layer's top-level group, its key (as ``_leaf_keys``'s), its weights' names in order.
+    """
+    leaves = {}  # type: Dict[str, set]
+    for top, leaf in keys:
+        leaves.setdefault(top, set()).add(leaf)
     for top in [n.decode() if isinstance(n, bytes) else n for n in group.attrs["layer_names"]]:
         names = [n.decode() if isinstance(n, bytes) else n
                  for n in group[top].attrs["weight_names"]]
+        per_leaf = {}  # type: Dict[str, List[str]]
+        known = leaves.get(keras_dialects.keras3_name(top), set())
         for name in names:
-            parts = name.split("/")
-            # "<layer>/<variable>"; a layer's own name may hold "/" (tf.keras 2's MobileNetV3:
-            # "Conv/BatchNorm/gamma:0"); a nested model's weights are "<leaf>/<variable>".
-            if len(parts) < 2 or "/".join(parts[:-1]) == top:
-                leaf = top
-            else:
-                leaf = parts[-2]
-            out.setdefault((top, leaf), []).append(np.asarray(group[top][name]))
-    return out
+            per_leaf.setdefault(_h5_leaf(top, name, known), []).append(name)
+        for leaf, weights in per_leaf.items():
+            yield top, (keras_dialects.keras3_name(top), keras_dialects.keras3_name(leaf)), weights
 
 
 _SNAKE1 = re.compile("(.)([A-Z][a-z]+)")
@@ -145,12 +180,15 @@ def copy_weights(model: Any, path: str, fmt: str) -> int:
     import h5py
     assigned = 0
     if fmt == "h5":
+        keys = _leaf_keys(model)
+        stored = {}
         with h5py.File(path, "r") as handle:
-            stored = _h5_weights(handle)
-        for names, layer in leaf_layers(model):
+            group = handle["model_weights"] if "model_weights" in handle else handle
+            for top, key, weights in _h5_weight_names(group, keys):
+                stored.setdefault(key, []).extend(np.asarray(group[top][w]) for w in weights)
+        for key, (names, layer) in keys.items():
             if not layer.weights:
                 continue
-            key = (names[0], names[-1])
             arrays = stored.pop(key, None)
             if arrays is None:
                 raise ValueError("no weights for layer {} in {}".format("/".join(names), path))
@@ -224,22 +262,17 @@ def export_like_original(model: Any, original_path: str, out_path: str) -> None:
                 del handle["optimizer_weights"]
             if "training_config" in handle.attrs:
                 del handle.attrs["training_config"]
-            layers = dict(((names[0], names[-1]), layer) for names, layer in leaf_layers(model))
-            for top in [n.decode() if isinstance(n, bytes) else n
-                        for n in group.attrs["layer_names"]]:
-                names = [n.decode() if isinstance(n, bytes) else n
-                         for n in group[top].attrs["weight_names"]]
-                per_leaf = {}
-                for name in names:
-                    parts = name.split("/")
-                    per_leaf.setdefault(parts[-2] if len(parts) >= 2 else top, []).append(name)
-                for leaf, wnames in per_leaf.items():
-                    values = layers[(top, leaf)].get_weights()
-                    if len(values) != len(wnames):
-                        raise ValueError("layer {}/{}: {} weights in the model, {} in {}".format(
-                            top, leaf, len(values), len(wnames), original_path))
-                    for wname, value in zip(wnames, values):
-                        group[top][wname][...] = value
+            keys = _leaf_keys(model)
+            for top, key, wnames in list(_h5_weight_names(group, keys)):
+                if key not in keys:
+                    raise ValueError("layer {} of {}: not in the model".format(
+                        "/".join(key), original_path))
+                values = keys[key][1].get_weights()
+                if len(values) != len(wnames):
+                    raise ValueError("layer {}: {} weights in the model, {} in {}".format(
+                        "/".join(key), len(values), len(wnames), original_path))
+                for wname, value in zip(wnames, values):
+                    group[top][wname][...] = value
         os.replace(tmp, out_path)
         return
     with zipfile.ZipFile(original_path) as archive:

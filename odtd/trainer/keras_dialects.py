@@ -17,6 +17,9 @@ What differs between the dialects (found by loading each stack's files on the ot
 - node_index of a nested model: Keras 2 counts the nested model's own construction as node 0,
   so the outer model's first call is node 1; Keras 3 counts it as node 0.
 - input_layers/output_layers: Keras 3 writes a bare ``[name, 0, 0]`` for a single tensor.
+- layer names: Keras 2 allows "/" in a name (tf.keras 2's MobileNetV3: ``Conv/BatchNorm``),
+  Keras 3 does not; such a layer is renamed with "_" for Keras 3 (``keras3_name``), and weights
+  are matched to the file's by that name (``imported``).
 - per-layer keys: Keras 2 DepthwiseConv2D writes ``groups`` (Keras 3 rejects it), Keras 3 Dense
   writes ``quantization_config``/lora keys, BatchNormalization ``synchronized`` (not in TF 2.7),
   Normalization ``invert`` (not in TF 2.7), the module/registered_name/build_config metadata.
@@ -185,7 +188,38 @@ def _dtype_k3(dtype):
             "registered_name": None}
 
 
-def _k2_nodes_fix(inbound, nested):
+def keras3_name(name):
+    """A layer's name as Keras 3 takes it: "/" (allowed by Keras 2) becomes "_"."""
+    return name.replace("/", "_")
+
+
+def _keras3_names(layers):
+    """{name: new name} for the layers whose names hold "/"."""
+    names = set(layer["config"].get("name") for layer in layers)
+    renamed = {}
+    for name in sorted(n for n in names if isinstance(n, str) and "/" in n):
+        new = keras3_name(name)
+        if new in names or new in renamed.values():
+            raise ConversionError(
+                "layer {!r}: Keras 3 allows no '/' in a layer's name, and {!r} is taken; "
+                "train it with a tf.keras 2 worker (trainer.python)".format(name, new))
+        renamed[name] = new
+    return renamed
+
+
+def _renamed_refs(value, renamed):
+    """A call's kwargs with the [layer, node, tensor] references to renamed layers renamed."""
+    if isinstance(value, dict):
+        return dict((key, _renamed_refs(item, renamed)) for key, item in value.items())
+    if isinstance(value, list):
+        if len(value) >= 3 and isinstance(value[0], str) and value[0] in renamed \
+                and isinstance(value[1], int):
+            return [renamed[value[0]]] + value[1:]
+        return [_renamed_refs(item, renamed) for item in value]
+    return value
+
+
+def _k2_nodes_fix(inbound, nested, renamed):
     out = []
     for node in inbound:
         fixed = []
@@ -193,20 +227,18 @@ def _k2_nodes_fix(inbound, nested):
             ref = list(ref)
             if ref[0] in nested:
                 ref[1] -= 1
+            ref[0] = renamed.get(ref[0], ref[0])
+            if len(ref) > 3:
+                ref[3] = _renamed_refs(ref[3], renamed)
             fixed.append(ref)
         out.append(fixed)
     return out
 
 
-def _layer_to_k3(layer, nested):
+def _layer_to_k3(layer, nested, renamed):
     cls = layer["class_name"]
     cfg = layer["config"]
     name = cfg.get("name")
-    if isinstance(name, str) and "/" in name:
-        raise ConversionError(
-            "layer {!r}: Keras 3 allows no '/' in a layer's name (tf.keras 2's MobileNetV3 "
-            "names its layers so); train it with a tf.keras 2 worker (trainer.python), or "
-            "rename the layers in tf.keras 2 and save it again".format(name))
     if cls in MODEL_CLASSES:
         cfg = _model_to_k3(layer)["config"]
     else:
@@ -215,11 +247,13 @@ def _layer_to_k3(layer, nested):
         _drop(cls, cfg, DROP_FOR_KERAS3, name)
         if "dtype" in cfg and cls != "InputLayer":
             cfg["dtype"] = _dtype_k3(cfg["dtype"])
+    if name in renamed:
+        cfg["name"] = renamed[name]
     out = {"class_name": cls, "config": cfg}
     if "name" in layer:
-        out["name"] = layer["name"]
+        out["name"] = renamed.get(layer["name"], layer["name"])
     if "inbound_nodes" in layer:
-        out["inbound_nodes"] = _k2_nodes_fix(layer["inbound_nodes"], nested)
+        out["inbound_nodes"] = _k2_nodes_fix(layer["inbound_nodes"], nested, renamed)
     return out
 
 
@@ -227,10 +261,14 @@ def _model_to_k3(model):
     cfg = model["config"]
     layers = cfg.get("layers") or []
     nested = _nested_names(layers)
-    cfg["layers"] = [_layer_to_k3(layer, nested) for layer in layers]
+    renamed = _keras3_names(layers)
+    if isinstance(cfg.get("name"), str):
+        cfg["name"] = keras3_name(cfg["name"])
+    cfg["layers"] = [_layer_to_k3(layer, nested, renamed) for layer in layers]
     if model["class_name"] != "Sequential":
         for key in ("input_layers", "output_layers"):
-            cfg[key] = [[n, i - (1 if n in nested else 0), t] for n, i, t in cfg[key]]
+            cfg[key] = [[renamed.get(n, n), i - (1 if n in nested else 0), t]
+                        for n, i, t in cfg[key]]
     return {"class_name": model["class_name"], "config": cfg}
 
 
