@@ -122,6 +122,33 @@ def slash_nested():
     return keras.Model(inp, L.Dense(3, activation="softmax", name="head")(x), name="slash_nested")
 
 
+def dialect_details():
+    """Layers each Keras writes in its own way, and activations named alike that differ.
+
+    A SeparableConv2D (tf.keras 2 writes its Conv base's unused kernel_* settings, which Keras 3
+    refuses), an ``Activation("hard_sigmoid")`` (clip(0.2 x + 0.5) in tf.keras 2, clip(x / 6 +
+    0.5) in Keras 3), a LeakyReLU layer (``alpha`` against ``negative_slope``) and, as each
+    writes it: tf.keras 2 a bias initializer of TensorFlow's own (``tf.constant_initializer``,
+    as its EfficientNetV2 has), Keras 3 the activations tf.keras 2 lacks (``hard_silu``,
+    ``relu6``, ``leaky_relu``, ``silu``). Pixels scaled to -2..2, where the two hard sigmoids
+    part. 16x16 RGB, 3 classes.
+    """
+    keras3 = int(tf.__version__.split(".")[1]) >= 16  # tf.keras is Keras 3 from TF 2.16
+    inp = keras.Input((16, 16, 3), name="image")
+    x = L.Rescaling(1.0 / 64, offset=-2.0, name="rescale")(inp)
+    x = L.SeparableConv2D(6, 3, name="sep", **({} if keras3 else {"kernel_initializer": "he_normal"}))(x)
+    x = L.Activation("hard_sigmoid", name="gate")(x)
+    x = L.Conv2D(6, 1, name="mix")(x)
+    x = L.LeakyReLU(name="leaky")(x)
+    if keras3:
+        for act in ("hard_silu", "relu6", "leaky_relu", "silu"):
+            x = L.Activation(act, name=act + "_act")(L.Conv2D(6, 1, name=act + "_conv")(x))
+    x = L.GlobalAveragePooling2D(name="pool")(x)
+    bias = "zeros" if keras3 else tf.constant_initializer(0.1)
+    out = L.Dense(3, activation="softmax", bias_initializer=bias, name="probs")(x)
+    return keras.Model(inp, out, name="dialect_details")
+
+
 def with_lambda():
     inp = keras.Input((16, 16, 3), name="image")
     x = L.Lambda(lambda t: t * 2.0, name="doubler")(inp)
@@ -155,7 +182,8 @@ def four_channels():
 
 TRAINABLE = {"cnn_softmax": cnn_softmax, "gray_logits": gray_logits, "mobilenet": mobilenet,
              "frozen_augmented": frozen_augmented, "arithmetic": arithmetic,
-             "slash_names": slash_names, "slash_nested": slash_nested}
+             "slash_names": slash_names, "slash_nested": slash_nested,
+             "dialect_details": dialect_details}
 REFUSED = {"lambda": with_lambda, "custom_layer": with_custom_layer, "vector_input": vector_input,
            "four_channels": four_channels}
 KERAS2_ONLY = {"slash_names", "slash_nested"}  # Keras 3 allows no "/" in a layer's name

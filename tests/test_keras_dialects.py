@@ -1,12 +1,20 @@
-"""Keras 2 configurations translated for Keras 3: layer names that hold "/" (no TensorFlow)."""
+"""Configurations translated between the Keras 2 and 3 dialects: layer names that hold "/",
+keys one dialect writes and the other refuses, activations named alike that differ (no
+TensorFlow)."""
+
+from pathlib import Path
 
 import pytest
 
-from odtd.trainer.keras_dialects import ConversionError, to_keras3
+from odtd.trainer import model_file
+from odtd.trainer.keras_dialects import ConversionError, to_keras2, to_keras3
+
+FIXTURES = Path(__file__).parent / "fixtures" / "keras"
 
 
-def _layer(cls, name, *sources, kwargs=None):
-    return {"class_name": cls, "name": name, "config": {"name": name, "dtype": "float32"},
+def _layer(cls, name, *sources, kwargs=None, **settings):
+    return {"class_name": cls, "name": name,
+            "config": dict({"name": name, "dtype": "float32"}, **settings),
             "inbound_nodes": [[[source, 0, 0, kwargs or {}] for source in sources]]
             if sources else []}
 
@@ -59,3 +67,89 @@ def test_a_slash_name_whose_underscore_name_is_taken_is_refused_naming_both():
                                _layer("Dense", "a_b", "a/b")], ["image"], ["a_b"])
     with pytest.raises(ConversionError, match=r"layer 'a/b': .* 'a_b' is taken"):
         to_keras3(config)
+
+
+def _keras3_layer(cls, name, source=None, **settings):
+    """A layer as Keras 3 writes it: its call's tensors as ``__keras_tensor__`` arguments."""
+    layer = _layer(cls, name, **settings)
+    if source is not None:
+        layer["inbound_nodes"] = [{"args": [{"class_name": "__keras_tensor__", "config": {
+            "shape": [None, 8], "dtype": "float32", "keras_history": [source, 0, 0]}}],
+            "kwargs": {}}]
+    return layer
+
+
+def _by_name(config):
+    return {layer["name"]: layer for layer in config["config"]["layers"]}
+
+
+def test_tf_keras_2_hard_sigmoid_is_built_for_keras_3_as_what_tf_keras_2_computes():
+    # tf.keras 2: clip(0.2 x + 0.5, 0, 1); Keras 3's hard_sigmoid is clip(x / 6 + 0.5, 0, 1).
+    config = _functional("m", [_layer("InputLayer", "image"),
+                               _layer("Activation", "gate", "image", activation="hard_sigmoid"),
+                               _layer("Dense", "probs", "gate", activation="softmax")],
+                         ["image"], ["probs"])
+    layers = _by_name(to_keras3(config))
+    assert list(layers) == ["image", "gate_scale", "gate", "probs"]
+    scale = layers["gate_scale"]
+    assert scale["class_name"] == "Rescaling"
+    assert (scale["config"]["scale"], scale["config"]["offset"]) == (0.2, 0.5)
+    assert scale["inbound_nodes"] == [[["image", 0, 0, {}]]]
+    gate = layers["gate"]  # keeps the name every reference uses
+    assert gate["class_name"] == "ReLU" and gate["config"]["max_value"] == 1.0
+    assert gate["inbound_nodes"] == [[["gate_scale", 0, 0, {}]]]
+    assert layers["probs"]["inbound_nodes"] == [[["gate", 0, 0, {}]]]
+
+
+def test_keras_3_activations_tf_keras_2_lacks_are_built_from_its_layers():
+    config = _functional("m", [
+        _keras3_layer("InputLayer", "image"),
+        _keras3_layer("Activation", "hswish", "image", activation="hard_silu"),
+        _keras3_layer("Activation", "gate", "hswish", activation="hard_sigmoid"),
+        _keras3_layer("Activation", "six", "gate", activation="relu6"),
+        _keras3_layer("Activation", "leaky", "six", activation="leaky_relu"),
+        _keras3_layer("Activation", "silu", "leaky", activation="silu"),
+        _keras3_layer("LeakyReLU", "leaky_layer", "silu", negative_slope=0.3),
+    ], ["image"], ["leaky_layer"])
+    layers = _by_name(to_keras2(config))
+    assert [layers[n]["class_name"] for n in ("hswish_scale", "hswish_clip", "hswish")] == [
+        "Rescaling", "ReLU", "Multiply"]
+    assert layers["hswish_scale"]["config"]["scale"] == pytest.approx(1 / 6)
+    assert layers["hswish"]["inbound_nodes"] == [[["image", 0, 0, {}], ["hswish_clip", 0, 0, {}]]]
+    assert layers["gate_scale"]["config"]["scale"] == pytest.approx(1 / 6)
+    assert layers["gate_scale"]["inbound_nodes"] == [[["hswish", 0, 0, {}]]]
+    assert layers["six"]["class_name"] == "ReLU" and layers["six"]["config"]["max_value"] == 6
+    assert layers["leaky"]["class_name"] == "LeakyReLU" and layers["leaky"]["config"]["alpha"] == 0.2
+    assert layers["silu"]["config"]["activation"] == "swish"
+    assert layers["leaky_layer"]["config"] == {"name": "leaky_layer", "dtype": "float32",
+                                               "alpha": 0.3}
+
+
+@pytest.mark.parametrize("convert, activation, match", [
+    (to_keras3, "hard_sigmoid", r"layer probs: activation 'hard_sigmoid' computes differently "
+                                r"in Keras 3 \(rebuilt only as an Activation layer"),
+    (to_keras2, "hard_silu", r"layer probs: activation 'hard_silu' computes differently in "
+                             r"tf.keras 2"),
+    (to_keras2, "log_softmax", r"layer probs: activation 'log_softmax' is not in tf.keras 2; "
+                               r"train it with a Keras 3 worker"),
+])
+def test_an_activation_that_cannot_be_translated_is_refused_naming_the_layer(
+        convert, activation, match):
+    layer = _keras3_layer if convert is to_keras2 else _layer
+    config = _functional("m", [layer("InputLayer", "image"),
+                               layer("Dense", "probs", "image", activation=activation)],
+                         ["image"], ["probs"])
+    with pytest.raises(ConversionError, match=match):
+        convert(config)
+
+
+def test_tf_keras_2_files_keys_keras_3_refuses_and_tensorflows_initializers():
+    # tf.keras 2's SeparableConv2D writes its Conv base's unused kernel_* settings; a bias
+    # initializer of TensorFlow's own is written under TensorFlow's module.
+    info = model_file.read_config(str(FIXTURES / "k2" / "dialect_details.h5"))
+    assert "tensorflow.python" not in str(info["config"])
+    assert list(model_file.screen(info["config"])) == []
+    layers = _by_name(to_keras3(info["config"]))
+    sep = layers["sep"]["config"]
+    assert "depthwise_initializer" in sep and "kernel_initializer" not in sep
+    assert layers["probs"]["config"]["bias_initializer"]["class_name"] == "Constant"

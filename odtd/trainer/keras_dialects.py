@@ -20,9 +20,11 @@ What differs between the dialects (found by loading each stack's files on the ot
 - layer names: Keras 2 allows "/" in a name (tf.keras 2's MobileNetV3: ``Conv/BatchNorm``),
   Keras 3 does not; such a layer is renamed with "_" for Keras 3 (``keras3_name``), and weights
   are matched to the file's by that name (``imported``).
-- per-layer keys: Keras 2 DepthwiseConv2D writes ``groups`` (Keras 3 rejects it), Keras 3 Dense
-  writes ``quantization_config``/lora keys, BatchNormalization ``synchronized`` (not in TF 2.7),
-  Normalization ``invert`` (not in TF 2.7), the module/registered_name/build_config metadata.
+- per-layer keys: Keras 2 DepthwiseConv2D writes ``groups`` and SeparableConv2D the unused
+  ``kernel_initializer``/``_regularizer``/``_constraint`` of its Conv base (Keras 3 rejects
+  them), Keras 3 Dense writes ``quantization_config``/lora keys, BatchNormalization
+  ``synchronized`` (not in TF 2.7), Normalization ``invert`` (not in TF 2.7), the
+  module/registered_name/build_config metadata.
 """
 import copy
 
@@ -36,6 +38,8 @@ DROP_FOR_KERAS2 = {
     "Conv2D": {"lora_rank": None, "lora_alpha": None},
     "DepthwiseConv2D": {"lora_rank": None, "lora_alpha": None},
 }
+# Keys Keras 3 renamed: (class, Keras 3 key, Keras 2 key).
+RENAMED_FOR_KERAS2 = [("LeakyReLU", "negative_slope", "alpha")]
 # Arguments older tf.keras lacks: (first TF version with it, class, key, default). From the
 # versioned API docs: BatchNormalization(synchronized=) appears in r2.12 (SyncBatchNormalization
 # before); Normalization(invert=) is not in the r2.7-era signature (axis, mean, variance).
@@ -46,6 +50,13 @@ DROP_FOR_KERAS3 = {
     "SeparableConv2D": {"groups": 1},
     "BatchNormalization": {"renorm": False, "renorm_clipping": None, "renorm_momentum": 0.99,
                            "fused": None, "virtual_batch_size": None, "adjustment": None},
+}
+# Keys a Keras 2 layer writes but never uses, which Keras 3 refuses: dropped whatever their
+# value. tf.keras 2's SeparableConv2D inherits Conv's kernel_* settings into its config (every
+# such layer has them, NASNet's `kernel_initializer="he_normal"` too); its kernels are the
+# depthwise and pointwise ones, with their own initializers, regularizers and constraints.
+INERT_FOR_KERAS3 = {
+    "SeparableConv2D": ("kernel_initializer", "kernel_regularizer", "kernel_constraint"),
 }
 KERAS3_EMPTY_DEFAULT = {"fused": True}  # fused=True is also harmless for Keras 3 (dropped)
 
@@ -127,6 +138,9 @@ def _layer_to_k2(layer, nested, tf_version):
             if "batch_shape" in cfg:
                 cfg["batch_input_shape"] = cfg.pop("batch_shape")
         _drop(cls, cfg, DROP_FOR_KERAS2, name)
+        for klass, key, old in RENAMED_FOR_KERAS2:
+            if cls == klass and key in cfg:
+                cfg[old] = cfg.pop(key)
         for since, klass, key, default in NEWER_KEYS:
             if tf_version < since and cls == klass:
                 _drop(cls, cfg, {cls: {key: default}}, name)
@@ -146,7 +160,9 @@ def _model_to_k2(model, tf_version):
     cfg = model["config"]
     layers = cfg.get("layers") or []
     nested = _nested_names(layers)
-    cfg["layers"] = [_layer_to_k2(layer, nested, tf_version) for layer in layers]
+    cfg["layers"] = translate_activations(
+        [_layer_to_k2(layer, nested, tf_version) for layer in layers], "keras3", "keras2",
+        tf_version)
     if model["class_name"] != "Sequential":
         cfg["input_layers"] = _k3_io_to_k2(cfg["input_layers"], nested)
         cfg["output_layers"] = _k3_io_to_k2(cfg["output_layers"], nested)
@@ -245,6 +261,8 @@ def _layer_to_k3(layer, nested, renamed):
         if cls == "InputLayer" and "batch_input_shape" in cfg:
             cfg["batch_shape"] = cfg.pop("batch_input_shape")
         _drop(cls, cfg, DROP_FOR_KERAS3, name)
+        for key in INERT_FOR_KERAS3.get(cls, ()):
+            cfg.pop(key, None)
         if "dtype" in cfg and cls != "InputLayer":
             cfg["dtype"] = _dtype_k3(cfg["dtype"])
     if name in renamed:
@@ -264,7 +282,8 @@ def _model_to_k3(model):
     renamed = _keras3_names(layers)
     if isinstance(cfg.get("name"), str):
         cfg["name"] = keras3_name(cfg["name"])
-    cfg["layers"] = [_layer_to_k3(layer, nested, renamed) for layer in layers]
+    cfg["layers"] = translate_activations(
+        [_layer_to_k3(layer, nested, renamed) for layer in layers], "keras2", "keras3")
     if model["class_name"] != "Sequential":
         for key in ("input_layers", "output_layers"):
             cfg[key] = [[renamed.get(n, n), i - (1 if n in nested else 0), t]
@@ -275,3 +294,131 @@ def _model_to_k3(model):
 def to_keras3(config):
     """A Keras-2-dialect config (tf.keras 2.x, .h5 or .keras) -> a config Keras 3 builds."""
     return _model_to_k3(_strip_meta(copy.deepcopy(config)))
+
+
+# tf.keras 2 writes an initializer made by TensorFlow itself (tf.constant_initializer, as
+# keras.applications' EfficientNetV2 sets a bias) under TensorFlow's module. These TF 2 classes
+# are what tf.keras's own initializers are built on, with the same configuration; an imported
+# model's weights come from the file, so only its building needs them.
+TF_INITIALIZER_MODULE = "tensorflow.python.ops.init_ops_v2"
+TF_INITIALIZERS = frozenset("""
+Constant Zeros Ones RandomNormal RandomUniform TruncatedNormal VarianceScaling Orthogonal
+Identity GlorotUniform GlorotNormal
+""".split())
+
+
+def tf_initializers_as_keras(obj):
+    """Name TensorFlow's own initializers in ``obj`` (in place) as the Keras ones they equal."""
+    if isinstance(obj, list):
+        for item in obj:
+            tf_initializers_as_keras(item)
+    elif isinstance(obj, dict):
+        if obj.get("module") == TF_INITIALIZER_MODULE and obj.get("class_name") in TF_INITIALIZERS:
+            obj["module"] = "keras.initializers"
+            obj["registered_name"] = None
+            return
+        for value in obj.values():
+            tf_initializers_as_keras(value)
+
+
+# ------------------------------------------------------------------ activations
+# An activation named alike in both dialects but computed differently, or one the target lacks,
+# is built from layers both have. tf.keras 2's hard_sigmoid is clip(0.2 x + 0.5, 0, 1), Keras
+# 3's clip(x / 6 + 0.5, 0, 1): (Rescaling(scale, offset), then ReLU(max_value=1)) either way.
+# Keras 3's hard_silu (alias hard_swish) is x * hard_sigmoid(x); tf.keras 2 has none.
+HARD_SIGMOID = {"keras2": (0.2, 0.5), "keras3": (1.0 / 6.0, 0.5)}
+# Keras 3 activations tf.keras 2 lacks, as the tf.keras 2 layer that computes the same.
+KERAS3_ONLY_AS_LAYER = {"relu6": ("ReLU", {"max_value": 6.0, "negative_slope": 0.0,
+                                           "threshold": 0.0}),
+                        "leaky_relu": ("LeakyReLU", {"alpha": 0.2})}
+KERAS3_RENAMED_FOR_KERAS2 = {"silu": "swish"}
+# The activations tf.keras 2 (2.7 and later) has; mish since 2.13.
+KERAS2_ACTIVATIONS = frozenset("""
+linear relu sigmoid softmax tanh elu selu softplus softsign exponential swish gelu hard_sigmoid
+""".split())
+
+
+def _layer_config(name, dtype, **settings):
+    cfg = {"name": name, "trainable": True}
+    if dtype is not None:
+        cfg["dtype"] = dtype
+    cfg.update(settings)
+    return cfg
+
+
+def _keras2_layer(cls, cfg, inbound):
+    return {"class_name": cls, "config": cfg, "name": cfg["name"], "inbound_nodes": [inbound]}
+
+
+def _hard_sigmoid_layers(layer, source, swish, taken):
+    """``layer``, an Activation called once, as Rescaling then ReLU(max_value=1).
+
+    For a hard swish, then Multiply by its input. The last keeps its name, so every reference
+    to it holds.
+    """
+    cfg = layer["config"]
+    name, dtype = cfg["name"], cfg.get("dtype")
+    nodes = layer.get("inbound_nodes")
+    if not nodes or len(nodes) != 1 or len(nodes[0]) != 1:
+        raise ConversionError("layer {}: activation {!r} called more than once; not "
+                              "translated".format(name, cfg["activation"]))
+    for suffix in ("_scale", "_clip"):
+        if name + suffix in taken:
+            raise ConversionError("layer {}: {!r} is taken".format(name, name + suffix))
+    scale, offset = HARD_SIGMOID[source]
+    x = nodes[0][0]
+    clip = name + "_clip" if swish else name
+    out = [_keras2_layer("Rescaling", _layer_config(name + "_scale", dtype, scale=scale,
+                                                    offset=offset), [x]),
+           _keras2_layer("ReLU", _layer_config(clip, dtype, max_value=1.0, negative_slope=0.0,
+                                               threshold=0.0),
+                         [[name + "_scale", 0, 0, {}]])]
+    if swish:
+        out.append(_keras2_layer("Multiply", _layer_config(name, dtype),
+                                 [list(x[:3]) + [{}], [clip, 0, 0, {}]]))
+    return out
+
+
+def translate_activations(layers, source, target, tf_version=(2, 15)):
+    """A model's layers (Keras 2 node format) with their activations translated to ``target``.
+
+    Every activation computed differently in ``target`` than in ``source``, or missing there,
+    is rebuilt from layers ``target`` has.
+
+    Raises ConversionError for such an activation inside another layer (Conv2D(activation=...))
+    or in a Sequential model, and for one ``target`` has no equivalent for.
+    """
+    taken = set(layer["config"].get("name") for layer in layers)
+    have = KERAS2_ACTIVATIONS | (frozenset(["mish"]) if tf_version >= (2, 13) else frozenset())
+    out = []
+    for layer in layers:
+        cfg = layer["config"]
+        act = cfg.get("activation")
+        if layer["class_name"] in MODEL_CLASSES or not isinstance(act, str):
+            out.append(layer)
+            continue
+        if target == "keras2":
+            act = cfg["activation"] = KERAS3_RENAMED_FOR_KERAS2.get(act, act)
+        hard = act in ("hard_silu", "hard_swish", "hard_sigmoid")
+        standalone = layer["class_name"] == "Activation" and "inbound_nodes" in layer
+        if hard and standalone:
+            out.extend(_hard_sigmoid_layers(layer, source, act != "hard_sigmoid", taken))
+        elif target == "keras2" and act in KERAS3_ONLY_AS_LAYER and standalone:
+            cls, settings = KERAS3_ONLY_AS_LAYER[act]
+            new = dict(layer, class_name=cls)
+            new["config"] = _layer_config(cfg["name"], cfg.get("dtype"), **settings)
+            out.append(new)
+        elif hard or target == "keras2" and act not in have:
+            raise ConversionError(
+                "layer {}: activation {!r} {} {}{}; train it with a {} worker "
+                "(trainer.python)".format(
+                    cfg["name"], act, "computes differently in" if hard else "is not in",
+                    _DIALECT_NAMES[target],
+                    " (rebuilt only as an Activation layer of a functional model)"
+                    if hard or act in KERAS3_ONLY_AS_LAYER else "", _DIALECT_NAMES[source]))
+        else:
+            out.append(layer)
+    return out
+
+
+_DIALECT_NAMES = {"keras2": "tf.keras 2", "keras3": "Keras 3"}

@@ -23,7 +23,7 @@ import json
 import os
 import zipfile
 
-from odtd.trainer import arithmetic
+from odtd.trainer import arithmetic, keras_dialects
 
 # Classes a model file may name. Anything else (a Lambda, TFOpLambda, a custom or registered
 # class, a Keras-3 operation node, a function by module path) is refused, except the plain
@@ -139,8 +139,13 @@ def read_config(path):
 
 
 def _arithmetic_as_layers(info):
-    """``info`` with the config's tensor arithmetic (``x + 3.0``) as built-in layers, counted."""
+    """``info`` with the config's tensor arithmetic (``x + 3.0``) as built-in layers, counted.
+
+    TensorFlow's own initializers are named as the Keras ones they equal, too
+    (``keras_dialects.tf_initializers_as_keras``).
+    """
     info["config"], info["arithmetic_layers"] = arithmetic.as_layers(info["config"])
+    keras_dialects.tf_initializers_as_keras(info["config"])
     return info
 
 
