@@ -320,8 +320,9 @@ def main() -> int:
     parser.add_argument("--days", type=int, default=17)
     parser.add_argument("--per-day", type=int, default=64)
     parser.add_argument("--shift", metavar="NAME",
-                        help="the device's camera: a camera shift ('--shift help' lists them) of the "
-                             "daily images, the hold-out and the validation set")
+                        help="the device's camera: a camera shift ('--shift help' lists them), "
+                             "your own (FILE.py:NAME) or several in turn (A+B), of the daily "
+                             "images, the hold-out and the validation set")
     parser.add_argument("--arms", help="comma-separated arms, names or letters: "
                         + "; ".join(f"{name} {text}" for name, text in ARMS.items())
                         + " (default: all that apply)")

@@ -146,6 +146,68 @@ def test_help_and_an_unknown_name_list_the_shifts_in_one_line():
     assert all(f"{shift.name} ({shift.description})" in message for shift in SHIFTS.values())
 
 
+CAMERA = """
+import numpy as np
+from odtd.sim.shifts import Shift
+
+
+def vignette(batch, rng):
+    \"\"\"Dark corners and a little noise.
+
+    More words.
+    \"\"\"
+    h, w = batch.shape[1:3]
+    y, x = np.mgrid[:h, :w]
+    fall = 1 - 0.6 * (((y - h / 2) / h) ** 2 + ((x - w / 2) / w) ** 2) * 2
+    return batch * fall[None, :, :, None] + rng.normal(0, 3, batch.shape)
+
+
+PINK = Shift("pink", "a pink filter", lambda batch, rng: batch * np.array([1.0, 0.8, 0.9]))
+NOT_A_SHIFT = 3
+"""
+
+
+def test_shifts_in_turn_apply_each_to_the_stored_result_of_the_last():
+    both = get_shift("fog+jpeg")
+    assert both.name == "fog+jpeg"
+    assert both.description == "low contrast, a light grey haze, then JPEG at quality 12"
+    assert np.array_equal(both(IMAGES, seed=2), SHIFTS["jpeg"](SHIFTS["fog"](IMAGES)))
+    # Each stage is stored as uint8 (clipped), so the order matters.
+    assert not np.array_equal(get_shift("colour_cast+fog")(IMAGES), get_shift("fog+colour_cast")(IMAGES))
+    with pytest.raises(ConfigError, match=r"--shift 'sepia' is not a camera shift"):
+        get_shift("fog+sepia")
+
+
+def test_a_camera_of_your_own_from_a_python_file_or_module(tmp_path, monkeypatch):
+    path = tmp_path / "camera.py"
+    path.write_text(CAMERA)
+    mine = get_shift(f"{path}:vignette")
+    assert mine.description == "Dark corners and a little noise."
+    out = mine(IMAGES, seed=[1, 2])
+    assert out.dtype == np.uint8 and out.shape == IMAGES.shape
+    assert np.array_equal(out, mine(IMAGES, seed=[1, 2]))
+    assert not np.array_equal(out, mine(IMAGES, seed=[1, 3]))
+    assert out[:, :4, :4].mean() < 0.8 * IMAGES[:, :4, :4].mean()  # the corners darkened
+    assert abs(out[:, 14:18, 14:18].mean() - IMAGES[:, 14:18, 14:18].mean()) < 5  # not the centre
+    pink = get_shift(f"{path}:PINK")
+    assert pink.name == f"{path}:PINK" and pink.description == "a pink filter"
+    assert np.array_equal(get_shift(f"fog+{path}:PINK")(IMAGES), pink(SHIFTS["fog"](IMAGES)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert np.array_equal(get_shift("camera:PINK")(IMAGES), pink(IMAGES))
+    for spec, message in ((f"{path}:NOT_A_SHIFT", "has no shift or function 'NOT_A_SHIFT'"),
+                          (f"{path}:missing", "has no shift or function 'missing'"),
+                          (f"{tmp_path}/nowhere.py:x", "no such file"),
+                          ("no_such_module_here:x", "loading no_such_module_here failed: "
+                                                    "ModuleNotFoundError")):
+        with pytest.raises(ConfigError, match=message) as refused:
+            get_shift(spec)
+        assert "\n" not in str(refused.value)
+    broken = tmp_path / "broken.py"
+    broken.write_text("1 / 0\n")
+    with pytest.raises(ConfigError, match=r"loading .*broken.py failed: ZeroDivisionError"):
+        get_shift(f"{broken}:x")
+
+
 # --- odtctl simulate --shift ------------------------------------------------------------------
 
 def read_folder(root):
@@ -188,6 +250,10 @@ def test_odtctl_simulate_shift_help_is_one_line_and_creates_nothing(tmp_path):
     assert proc.stderr.startswith("Error: --shift takes one of: low_light (")
     proc = odtctl("simulate", "--shift", "Dusk", home=tmp_path / "home", check=False)
     assert proc.returncode == 1 and "use one of low_light, dusk," in proc.stderr
+    proc = odtctl("simulate", "--shift", f"{tmp_path}/camera.py:night", home=tmp_path / "home",
+                  check=False)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith(f"Error: --shift '{tmp_path}/camera.py:night': no such file")
     assert not (tmp_path / "home").exists()
 
 

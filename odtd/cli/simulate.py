@@ -44,5 +44,7 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     p.add_argument("--policy", help="policy file to install when the home is created")
     p.add_argument("--shift", metavar="NAME",
                    help="the device's camera differs from the server's: a named camera shift "
-                        "('--shift help' lists them) applied to the daily images and the validation "
-                        "set, never to pre-training; chosen when the home is created")
+                        "('--shift help' lists them), your own (FILE.py:NAME, a function of a "
+                        "uint8 batch and a numpy Generator) or several in turn (A+B), applied to "
+                        "the daily images and the validation set, never to pre-training; chosen "
+                        "when the home is created")

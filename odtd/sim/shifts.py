@@ -20,14 +20,22 @@ The suite, in ``SHIFTS`` (figures in grey levels of 0-255):
   corner is empty (bilinear).
 - ``jpeg``: JPEG at quality 12 (Pillow's encoder), its 8x8 blocks and lost detail.
 
-Numpy and Pillow only: this runs in the CLI process, which never imports TensorFlow.
+A camera not in the suite: ``A+B`` applies shifts in turn (``dusk+jpeg``), and
+``FILE.py:NAME`` (or ``module:NAME``) is your own, a ``Shift`` or a function
+``(batch, rng) -> batch`` (``get_shift``).
+
+Numpy and Pillow only: this runs in the CLI process, which never imports TensorFlow (a shift of
+your own runs there too).
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import io
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence, Union
 
 import numpy as np
@@ -161,16 +169,65 @@ SHIFTS = {shift.name: shift for shift in (
 
 
 def get_shift(name: str) -> Shift:
-    """The shift called ``name``.
+    """The shift ``name`` names: one of ``SHIFTS``, your own, or several in turn.
+
+    - ``NAME``: a built-in shift.
+    - ``FILE.py:NAME`` or ``package.module:NAME``: your own camera, a ``Shift`` or a function
+      ``(batch uint8 (n, h, w, c), rng) -> batch`` (any dtype holding 0-255) in that file or
+      module; the function's docstring's first line is its description.
+    - ``A+B``: ``A``, then ``B`` on its result (each rounded and clipped to uint8 first, as a
+      camera's pipeline stores each stage): ``dusk+jpeg`` is a dim camera that compresses hard.
 
     Raises:
-        ConfigError: ``help`` or an unknown name; one line that lists the shifts (with ``help``,
-            each with its description).
+        ConfigError: ``help`` or an unknown name, a file or module that cannot be loaded, or a
+            name in it that is not a shift; one line (with ``help``, the built-in shifts each with
+            its description).
     """
     if name in SHIFTS:
         return SHIFTS[name]
     if name == "help":
         listed = "; ".join(f"{shift.name} ({shift.description})" for shift in SHIFTS.values())
-        raise ConfigError(f"--shift takes one of: {listed}")
-    raise ConfigError(f"--shift {name!r} is not a camera shift; use one of {', '.join(SHIFTS)} "
-                      "(--shift help describes them)")
+        raise ConfigError(f"--shift takes one of: {listed}; or FILE.py:NAME (your own), "
+                          "or A+B (A, then B)")
+    if "+" in name:
+        return _in_turn(name, [get_shift(part) for part in name.split("+")])
+    if ":" in name:
+        return _user_shift(name)
+    raise ConfigError(f"--shift {name!r} is not a camera shift; use one of {', '.join(SHIFTS)}, "
+                      "FILE.py:NAME or A+B (--shift help describes them)")
+
+
+def _in_turn(name: str, parts: Sequence[Shift]) -> Shift:
+    def transform(batch: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        for part in parts:
+            batch = np.clip(np.rint(part.transform(batch, rng)), 0, 255).astype(np.uint8)
+        return batch
+
+    return Shift(name, ", then ".join(part.description for part in parts), transform)
+
+
+def _user_shift(spec: str) -> Shift:
+    """``FILE.py:NAME`` or ``module:NAME``: a ``Shift`` or a transform function there."""
+    where, _, attribute = spec.rpartition(":")
+    try:
+        if where.endswith(".py"):
+            path = Path(where).expanduser()
+            if not path.is_file():
+                raise ConfigError(f"--shift {spec!r}: no such file {path}")
+            loader = importlib.util.spec_from_file_location(f"odtd_user_shift_{path.stem}", path)
+            module = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ConfigError:
+        raise
+    except Exception as error:  # the user's code: whatever it raised, in one line
+        raise ConfigError(f"--shift {spec!r}: loading {where} failed: "
+                          f"{type(error).__name__}: {error}") from None
+    found = getattr(module, attribute, None)
+    if isinstance(found, Shift):
+        return Shift(spec, found.description, found.transform)
+    if not callable(found):
+        raise ConfigError(f"--shift {spec!r}: {where} has no shift or function {attribute!r}")
+    doc = (getattr(found, "__doc__", None) or "").strip().splitlines()
+    return Shift(spec, doc[0] if doc else f"{attribute} from {where}", found)
