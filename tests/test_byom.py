@@ -115,22 +115,31 @@ def test_input_shape_and_output_convention_are_read_from_the_file(stack):
             assert summary["dialect"] == ("keras3" if stack == "k3" else "keras2")
 
 
-def test_augmentation_becomes_identity_and_preprocessing_does_not_hide_a_rescaling():
+# Both Kerases' RandomFlip, tf.keras 2's RandomHeight, Keras 3's newer RandomGrayscale and
+# RandAugment: each returns its input at inference.
+@pytest.mark.parametrize("augmentation", ["RandomFlip", "RandomHeight", "RandomGrayscale",
+                                          "RandAugment"])
+def test_augmentation_becomes_identity_and_preprocessing_does_not_hide_a_rescaling(augmentation):
     def layer(cls, **config):
         return {"module": "keras.layers", "class_name": cls, "registered_name": None,
                 "config": dict(name=cls.lower(), trainable=False, **config)}
 
     config = {"class_name": "Sequential", "config": {"name": "m", "layers": [
         layer("InputLayer", batch_shape=[None, 40, 40, 3]),
-        layer("RandomFlip", mode="horizontal", seed=3),
+        layer(augmentation, seed=3),
         layer("Resizing", height=32, width=32), layer("Rescaling", scale=1 / 255),
         layer("Dense", units=3, activation="softmax")]}}
     summary = model_file.model_summary(config)
     assert summary["rescales_input"] is True and summary["classes"] == 3
+    assert list(model_file.screen(config)) == []
     flip = model_file.without_augmentation(config)["config"]["layers"][1]
     assert flip["class_name"] == "Activation" and flip["registered_name"] is None
-    assert flip["config"] == {"name": "randomflip", "trainable": False, "activation": "linear"}
-    assert config["config"]["layers"][1]["class_name"] == "RandomFlip"  # a copy was changed
+    assert flip["config"] == {"name": augmentation.lower(), "trainable": False,
+                              "activation": "linear"}
+    assert config["config"]["layers"][1]["class_name"] == augmentation  # a copy was changed
+    # RandomCrop is not the identity at inference under tf.keras 2 (it crops the centre).
+    config["config"]["layers"][1] = layer("RandomCrop", height=8, width=8)
+    assert list(model_file.screen(config)) == [("randomcrop", "class RandomCrop not on the allowlist")]
     config["config"]["layers"][2:4] = [layer("Resizing", height=32, width=32)]
     assert model_file.model_summary(config)["rescales_input"] is False
 

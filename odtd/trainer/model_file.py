@@ -42,9 +42,16 @@ Rescaling Normalization Resizing CenterCrop
 Functional Sequential Model
 """.split())
 # Random augmentation: the identity at inference, so odtd builds each as an identity layer
-# (``without_augmentation``) and augments by its own policy (``training.augment``).
+# (``without_augmentation``) and augments by its own policy (``training.augment``). Both
+# Kerases', then tf.keras 2's RandomHeight/Width and Keras 3's newer ones (each checked to return
+# its input at inference: tf.keras 2.15, Keras 3.15). Not RandomCrop: tf.keras 2 crops the
+# centre at inference, Keras 3 returns its input.
 AUGMENTATION_LAYERS = frozenset("""
 RandomFlip RandomRotation RandomZoom RandomTranslation RandomContrast RandomBrightness
+RandomHeight RandomWidth
+RandomColorDegeneration RandomColorJitter RandomElasticTransform RandomErasing RandomGaussianBlur
+RandomGrayscale RandomHue RandomInvert RandomPerspective RandomPosterization RandomSaturation
+RandomSharpness RandomShear Solarization Equalization AugMix RandAugment CutMix MixUp
 """.split())
 SAFE_LAYERS = SAFE_LAYERS | AUGMENTATION_LAYERS
 SAFE_OBJECTS = frozenset("""
