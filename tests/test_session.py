@@ -139,6 +139,7 @@ def test_init_writes_the_models_own_recipe(_base_home, tmp_path):
     assert (_base_home / "policy.yaml").read_text() == (policies / "default.yaml").read_text()
 
 
+@pytest.mark.trains  # init and a session start TensorFlow workers
 def test_init_replay_seed_is_rehearsed_from_the_first_session(tmp_path):
     write_images(tmp_path / "seed", per_class=3, seed=1)
     home = tmp_path / "home"
