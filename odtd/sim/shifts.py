@@ -209,18 +209,16 @@ def _in_turn(name: str, parts: Sequence[Shift]) -> Shift:
 def _user_shift(spec: str) -> Shift:
     """``FILE.py:NAME`` or ``module:NAME``: a ``Shift`` or a transform function there."""
     where, _, attribute = spec.rpartition(":")
+    path = Path(where).expanduser()
+    if where.endswith(".py") and not path.is_file():
+        raise ConfigError(f"--shift {spec!r}: no such file {path}")
     try:
         if where.endswith(".py"):
-            path = Path(where).expanduser()
-            if not path.is_file():
-                raise ConfigError(f"--shift {spec!r}: no such file {path}")
             loader = importlib.util.spec_from_file_location(f"odtd_user_shift_{path.stem}", path)
             module = importlib.util.module_from_spec(loader)
             loader.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
-    except ConfigError:
-        raise
     except Exception as error:  # the user's code: whatever it raised, in one line
         raise ConfigError(f"--shift {spec!r}: loading {where} failed: "
                           f"{type(error).__name__}: {error}") from None

@@ -38,8 +38,8 @@ DROP_FOR_KERAS2 = {
     "Conv2D": {"lora_rank": None, "lora_alpha": None},
     "DepthwiseConv2D": {"lora_rank": None, "lora_alpha": None},
 }
-# Keys Keras 3 renamed: (class, Keras 3 key, Keras 2 key).
-RENAMED_FOR_KERAS2 = [("LeakyReLU", "negative_slope", "alpha")]
+# Layer settings Keras 3 renamed: (class, Keras 3 key, Keras 2 key).
+KEYS_RENAMED_FOR_KERAS2 = [("LeakyReLU", "negative_slope", "alpha")]
 # Arguments older tf.keras lacks: (first TF version with it, class, key, default). From the
 # versioned API docs: BatchNormalization(synchronized=) appears in r2.12 (SyncBatchNormalization
 # before); Normalization(invert=) is not in the r2.7-era signature (axis, mean, variance).
@@ -138,7 +138,7 @@ def _layer_to_k2(layer, nested, tf_version):
             if "batch_shape" in cfg:
                 cfg["batch_input_shape"] = cfg.pop("batch_shape")
         _drop(cls, cfg, DROP_FOR_KERAS2, name)
-        for klass, key, old in RENAMED_FOR_KERAS2:
+        for klass, key, old in KEYS_RENAMED_FOR_KERAS2:
             if cls == klass and key in cfg:
                 cfg[old] = cfg.pop(key)
         for since, klass, key, default in NEWER_KEYS:
@@ -327,11 +327,12 @@ def tf_initializers_as_keras(obj):
 # 3's clip(x / 6 + 0.5, 0, 1): (Rescaling(scale, offset), then ReLU(max_value=1)) either way.
 # Keras 3's hard_silu (alias hard_swish) is x * hard_sigmoid(x); tf.keras 2 has none.
 HARD_SIGMOID = {"keras2": (0.2, 0.5), "keras3": (1.0 / 6.0, 0.5)}
+_DIALECT_NAMES = {"keras2": "tf.keras 2", "keras3": "Keras 3"}
 # Keras 3 activations tf.keras 2 lacks, as the tf.keras 2 layer that computes the same.
 KERAS3_ONLY_AS_LAYER = {"relu6": ("ReLU", {"max_value": 6.0, "negative_slope": 0.0,
                                            "threshold": 0.0}),
                         "leaky_relu": ("LeakyReLU", {"alpha": 0.2})}
-KERAS3_RENAMED_FOR_KERAS2 = {"silu": "swish"}
+ACTIVATIONS_RENAMED_FOR_KERAS2 = {"silu": "swish"}
 # The activations tf.keras 2 (2.7 and later) has; mish since 2.13.
 KERAS2_ACTIVATIONS = frozenset("""
 linear relu sigmoid softmax tanh elu selu softplus softsign exponential swish gelu hard_sigmoid
@@ -346,7 +347,8 @@ def _layer_config(name, dtype, **settings):
     return cfg
 
 
-def _keras2_layer(cls, cfg, inbound):
+def _new_layer(cls, cfg, inbound):
+    """A layer called once, in Keras 2's node format (both conversions' output)."""
     return {"class_name": cls, "config": cfg, "name": cfg["name"], "inbound_nodes": [inbound]}
 
 
@@ -368,13 +370,13 @@ def _hard_sigmoid_layers(layer, source, swish, taken):
     scale, offset = HARD_SIGMOID[source]
     x = nodes[0][0]
     clip = name + "_clip" if swish else name
-    out = [_keras2_layer("Rescaling", _layer_config(name + "_scale", dtype, scale=scale,
+    out = [_new_layer("Rescaling", _layer_config(name + "_scale", dtype, scale=scale,
                                                     offset=offset), [x]),
-           _keras2_layer("ReLU", _layer_config(clip, dtype, max_value=1.0, negative_slope=0.0,
+           _new_layer("ReLU", _layer_config(clip, dtype, max_value=1.0, negative_slope=0.0,
                                                threshold=0.0),
                          [[name + "_scale", 0, 0, {}]])]
     if swish:
-        out.append(_keras2_layer("Multiply", _layer_config(name, dtype),
+        out.append(_new_layer("Multiply", _layer_config(name, dtype),
                                  [list(x[:3]) + [{}], [clip, 0, 0, {}]]))
     return out
 
@@ -398,7 +400,7 @@ def translate_activations(layers, source, target, tf_version=(2, 15)):
             out.append(layer)
             continue
         if target == "keras2":
-            act = cfg["activation"] = KERAS3_RENAMED_FOR_KERAS2.get(act, act)
+            act = cfg["activation"] = ACTIVATIONS_RENAMED_FOR_KERAS2.get(act, act)
         hard = act in ("hard_silu", "hard_swish", "hard_sigmoid")
         standalone = layer["class_name"] == "Activation" and "inbound_nodes" in layer
         if hard and standalone:
@@ -419,6 +421,3 @@ def translate_activations(layers, source, target, tf_version=(2, 15)):
         else:
             out.append(layer)
     return out
-
-
-_DIALECT_NAMES = {"keras2": "tf.keras 2", "keras3": "Keras 3"}

@@ -114,7 +114,7 @@ def read_config(path):
         if isinstance(config, dict):
             # How the server compiled it (optimizer, loss, metrics): odtd trains with its own.
             config.pop("compile_config", None)
-        return _arithmetic_as_layers(
+        return _in_built_in_terms(
             {"format": "keras", "keras_version": meta.get("keras_version"), "config": config})
     if head == b"\x89HDF\r\n\x1a\n":
         try:
@@ -141,11 +141,11 @@ def read_config(path):
             config = json.loads(raw)
         except ValueError as error:
             raise ModelFileError("{}: model_config is not JSON ({})".format(path, error)) from None
-        return _arithmetic_as_layers({"format": "h5", "keras_version": version, "config": config})
+        return _in_built_in_terms({"format": "h5", "keras_version": version, "config": config})
     raise ModelFileError("{}: neither a .keras zip nor an HDF5 file".format(path))
 
 
-def _arithmetic_as_layers(info):
+def _in_built_in_terms(info):
     """``info`` with the config's tensor arithmetic (``x + 3.0``) as built-in layers, counted.
 
     TensorFlow's own initializers are named as the Keras ones they equal, too
