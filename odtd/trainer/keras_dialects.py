@@ -371,13 +371,13 @@ def _hard_sigmoid_layers(layer, source, swish, taken):
     x = nodes[0][0]
     clip = name + "_clip" if swish else name
     out = [_new_layer("Rescaling", _layer_config(name + "_scale", dtype, scale=scale,
-                                                    offset=offset), [x]),
+                                                 offset=offset), [x]),
            _new_layer("ReLU", _layer_config(clip, dtype, max_value=1.0, negative_slope=0.0,
-                                               threshold=0.0),
-                         [[name + "_scale", 0, 0, {}]])]
+                                            threshold=0.0),
+                      [[name + "_scale", 0, 0, {}]])]
     if swish:
         out.append(_new_layer("Multiply", _layer_config(name, dtype),
-                                 [list(x[:3]) + [{}], [clip, 0, 0, {}]]))
+                              [list(x[:3]) + [{}], [clip, 0, 0, {}]]))
     return out
 
 
