@@ -40,6 +40,33 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.trains)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _worker_server(request, tmp_path_factory):
+    """A process that imported TensorFlow once, whose forks run the workers the tests start.
+
+    Started by each pytest worker whose run has tests marked `trains` (so not by `make quick`):
+    ``ODTD_WORKER_SERVER`` in the environment hands each worker's job to it
+    (odtd/trainer/forkserver.py), saving the 4 to 6 s of CPU a worker spends importing
+    TensorFlow and Keras. Until it listens, and for a test that starts a worker with an
+    environment of its own, workers run themselves as the daemon's do. ``ODTD_TEST_FORK=0``
+    turns it off.
+    """
+    if os.environ.get("ODTD_TEST_FORK") == "0" or not any(
+            item.get_closest_marker("trains") for item in request.session.items):
+        yield None
+        return
+    directory = tmp_path_factory.mktemp("server")
+    with open(directory / "server.log", "wb") as log:
+        server = subprocess.Popen([sys.executable, "-m", "odtd.trainer.forkserver",
+                                   str(directory / "sock")], stdout=subprocess.DEVNULL,
+                                  stderr=log, stdin=subprocess.DEVNULL, cwd=REPO)
+    os.environ["ODTD_WORKER_SERVER"] = str(directory / "sock")
+    yield directory / "sock"
+    del os.environ["ODTD_WORKER_SERVER"]
+    server.terminate()
+    server.wait(timeout=60)
+
+
 def write_images(root: Path, per_class: int = 2, classes=CLASSES, seed: int = 0, size: int = 32,
                  fmt: str = "png") -> list[Path]:
     """Write distinct random images under root/<class>/ and return their paths."""

@@ -35,6 +35,10 @@ EXIT_ERROR = 2
 EXIT_PARENT_GONE = 3
 PARENT_POLL_INTERVAL_S = 0.5
 _STARTED_AT = time.monotonic()
+# Set before TensorFlow is imported, unless the environment already has them: TensorFlow's log
+# kept to warnings, and its own best-fit allocator for CPU tensors rather than malloc, so freed
+# activations are reused in place rather than spread over malloc's arenas (docs/memory.md).
+ENVIRONMENT_DEFAULTS = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_CPU_ALLOCATOR_USE_BFC": "true"}
 
 
 class BadModel(Exception):
@@ -60,15 +64,22 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def watch_parent(parent_pid: int) -> None:
+def watch_parent(parent_pid: int, current_parent: Optional[Callable[[], Optional[int]]] = None
+                 ) -> None:
     """Exit with status 3 when the parent process is no longer ``parent_pid``.
 
     Checks once now, then from a daemon thread every ``PARENT_POLL_INTERVAL_S``. On Linux it also
     asks the kernel for SIGKILL on parent death (``PR_SET_PDEATHSIG``), whichever comes first.
     That "parent" is the thread that spawned us (prctl(2)), so the spawning thread must live as
     long as the worker.
+
+    Args:
+        parent_pid: The process that must stay the parent.
+        current_parent: Who the parent is now; default ``os.getppid``. A worker forked by the
+            fork server (``forkserver``) passes its client's parent instead, and no
+            ``PR_SET_PDEATHSIG`` is asked (its parent is the server).
     """
-    if sys.platform.startswith("linux"):
+    if current_parent is None and sys.platform.startswith("linux"):
         try:
             import ctypes
 
@@ -81,7 +92,7 @@ def watch_parent(parent_pid: int) -> None:
             print("odtd worker: no prctl ({}); polling only".format(error), file=sys.stderr)
 
     def parent_gone() -> bool:
-        if os.getppid() == parent_pid:
+        if (os.getppid() if current_parent is None else current_parent()) == parent_pid:
             return False
         print("odtd worker: parent {} is gone, exiting".format(parent_pid), file=sys.stderr)
         return True
@@ -362,8 +373,13 @@ def export_model(tf: Any, job: Dict[str, Any], model: Any) -> Dict[str, Any]:
     return {"export": "native"}
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """Run the job named on the command line; return the exit status (0, 2 or 3)."""
+def main(argv: Optional[List[str]] = None,
+         watch: Callable[[int], None] = watch_parent) -> int:
+    """Run the job named on the command line; return the exit status (0, 2 or 3).
+
+    ``watch(parent_pid)`` starts watching the job's ``parent_pid`` (the fork server passes its
+    own way of seeing the parent).
+    """
     stop_requested = threading.Event()
     # First thing, so a SIGUSR1 during TensorFlow's import does not kill the process.
     signal.signal(signal.SIGUSR1, lambda signum, frame: stop_requested.set())
@@ -373,7 +389,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise BadJob("usage: python -m odtd.trainer.worker JOB.json")
         job = load_job(args[0])
         if job["parent_pid"] is not None:
-            watch_parent(job["parent_pid"])
+            watch(job["parent_pid"])
         data = {}
         if job["mode"] in ("train", "profile", "evaluate"):
             for key in ("train_data", "validation_data"):
@@ -388,10 +404,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                          data["train_data"][0], mask)
             if mask is not None and job["distill"]:
                 data["rehearsed"] = ~mask
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        # TensorFlow's own best-fit allocator for CPU tensors, not malloc's: freed activations
-        # are reused in place rather than spread over malloc's arenas (docs/memory.md).
-        os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+        for name, value in ENVIRONMENT_DEFAULTS.items():
+            os.environ.setdefault(name, value)
         run(job, data, stop_requested.is_set)
     except BadJob as error:
         emit("error", kind="bad_job", message=str(error))
@@ -414,4 +428,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from odtd.trainer import forkserver
+
+    # With ODTD_WORKER_SERVER set, a fork of a process that imported TensorFlow once runs the
+    # job; without it, or if that server cannot, this process does.
+    handed_over = forkserver.handed_over(sys.argv[1:])
+    sys.exit(main() if handed_over is None else handed_over)

@@ -1,0 +1,305 @@
+"""Workers forked from one process that imported TensorFlow once (``ODTD_WORKER_SERVER``).
+
+Importing TensorFlow and Keras is most of what a short job costs: 4 to 6 s of CPU on the
+development machine, where the test suite starts about 180 workers. ``python -m
+odtd.trainer.forkserver SOCKET`` imports them once, with the worker's environment defaults, and
+listens on the Unix socket SOCKET. With ``ODTD_WORKER_SERVER=SOCKET`` in its environment,
+``python -m odtd.trainer.worker JOB.json`` hands its job to the server (``handed_over``) and
+stays as its stand-in: the server forks, the fork takes over the stand-in's standard input,
+output and error, working directory, environment and arguments, and runs the worker's ``main``;
+the stand-in passes on the signals it gets (the stop request, SIGTERM) and exits as the fork
+did, so whoever started it (``launch.WorkerRun``) sees a worker. The fork exits 3 when the
+stand-in dies, and watches the job's ``parent_pid`` as the stand-in's parent.
+
+The server runs a job only for a worker it could be: the same Python and the same
+TensorFlow-related environment (``IMPORT_ENVIRONMENT``, read at import). Otherwise, or with no
+server listening yet, the worker runs the job itself, as without the variable. The daemon never
+sets it: one session a day does not pay for a TensorFlow process kept in memory all day. The
+test suite does (``tests/conftest.py``); a worker's peak memory is then the fork's, which shares
+the server's pages. Standard library only; Python 3.6-compatible.
+"""
+
+import array
+import importlib
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Dict, List, Optional
+
+SERVER_VARIABLE = "ODTD_WORKER_SERVER"
+# Environment variables TensorFlow, Keras, oneDNN, the loader or Python read when they are
+# imported: a fork runs with the server's reading of them, so a worker whose own differ runs itself.
+IMPORT_ENVIRONMENT = ("TF_", "KERAS_", "CUDA_", "XLA_", "OMP_", "MKL", "ONEDNN", "LD_", "PYTHON")
+FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# The worker's modules that import TensorFlow or Keras, imported by the server before it forks.
+WORKER_MODULES = ("averaging", "batchnorm", "dense_blocks", "distill", "fused_batchnorm",
+                  "imported", "networks", "recompute", "suite")
+_FD_COUNT = 4  # stdin, stdout, stderr, and the read end of the stand-in's liveness pipe
+_MAX_REQUEST = 1 << 20
+
+
+def import_environment(env: Dict[str, str]) -> Dict[str, str]:
+    """The variables of ``env`` that importing TensorFlow reads, with the worker's defaults."""
+    from odtd.trainer.worker import ENVIRONMENT_DEFAULTS
+
+    chosen = dict(ENVIRONMENT_DEFAULTS)
+    chosen.update(env)
+    return {name: value for name, value in chosen.items() if name.startswith(IMPORT_ENVIRONMENT)}
+
+
+# --- the stand-in: the worker process that hands its job over ---
+
+def handed_over(args: List[str]) -> Optional[int]:
+    """Run this worker's job in a fork of the server named by ``ODTD_WORKER_SERVER``.
+
+    Returns:
+        The fork's exit status, to exit with (a fork killed by a signal: this process kills
+        itself with the same signal); None when no server took the job, which this process then
+        runs itself.
+    """
+    path = os.environ.get(SERVER_VARIABLE)
+    if not path:
+        return None
+    target = []  # type: List[int]  # the fork's pid, once known
+    pending = []  # type: List[int]  # signals that came before it
+
+    def forward(signum: int, frame: Any) -> None:
+        if target:
+            _kill(target[0], signum)
+        else:
+            pending.append(signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in FORWARDED_SIGNALS}
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    alive_read, alive_write = os.pipe()  # the fork sees end-of-file on it when we are gone
+    try:
+        connection.connect(path)
+        request = {"args": list(args), "env": dict(os.environ), "cwd": os.getcwd(),
+                   "executable": sys.executable, "pid": os.getpid(), "parent": os.getppid()}
+        connection.sendmsg([json.dumps(request).encode("utf-8") + b"\n"], [(
+            socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2, alive_read]))])
+        replies = connection.makefile("rb")
+        reply = json.loads(replies.readline().decode("utf-8") or "{}")
+    except (OSError, ValueError):
+        reply = {}
+    finally:
+        os.close(alive_read)
+    if "pid" not in reply:  # no server, or it refused
+        if "refused" in reply:
+            print("odtd worker: the worker server cannot run this job ({}); running it here"
+                  .format(reply["refused"]), file=sys.stderr, flush=True)
+        connection.close()
+        os.close(alive_write)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in pending:
+            os.kill(os.getpid(), signum)
+        return None
+    target.append(int(reply["pid"]))
+    for signum in pending:
+        _kill(target[0], signum)
+    try:
+        ended = json.loads(replies.readline().decode("utf-8") or "{}")
+    except (OSError, ValueError):
+        ended = {}
+    if "returncode" not in ended:
+        print("odtd worker: the worker server closed before worker {} ended".format(target[0]),
+              file=sys.stderr)
+        return 1
+    code = int(ended["returncode"])
+    if code < 0:
+        sys.stdout.flush()
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        return 128 - code  # a signal whose default is not to end the process
+    return code
+
+
+def _kill(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass  # it has ended; the server reports how
+
+
+# --- the server ---
+
+def serve(path: str) -> None:
+    """Import what a worker imports, then fork a worker for each job handed over on ``path``."""
+    from odtd.trainer import worker
+
+    for name, value in worker.ENVIRONMENT_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    worker.without_plotting()
+    import tensorflow  # noqa: F401  (what the forks save)
+
+    for module in WORKER_MODULES:
+        importlib.import_module("odtd.trainer." + module)
+
+    expected = import_environment(dict(os.environ))
+    # The waiters below are reaped by the kernel; a stop request before the worker's own
+    # handler is set is ignored, as it is before a fresh worker's.
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    if os.path.exists(path):
+        os.unlink(path)
+    listener.bind(path + ".new")
+    listener.listen(64)
+    os.replace(path + ".new", path)  # clients connect only once it listens
+    print("odtd worker server: listening on {} (pid {})".format(path, os.getpid()),
+          file=sys.stderr, flush=True)
+    try:
+        while True:
+            connection, _ = listener.accept()
+            fds = []  # type: List[int]
+            try:
+                request, fds = _receive(connection)
+                refusal = _refusal(request, expected)
+                if refusal is not None:
+                    _send(connection, refused=refusal)
+                elif os.fork() == 0:
+                    listener.close()
+                    _supervise(connection, request, fds)  # never returns
+            except (OSError, ValueError) as error:
+                print("odtd worker server: {}".format(error), file=sys.stderr, flush=True)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+                connection.close()
+    finally:
+        listener.close()
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def _receive(connection: socket.socket):
+    """The request (a JSON line) and the four descriptors that came with it."""
+    fds = array.array("i")
+    size = socket.CMSG_LEN(_FD_COUNT * fds.itemsize)
+    data, ancillary, _, _ = connection.recvmsg(_MAX_REQUEST, size)
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+    received = list(fds)
+    while not data.endswith(b"\n"):
+        more = connection.recv(_MAX_REQUEST)
+        if not more or len(data) > _MAX_REQUEST:
+            break
+        data += more
+    if len(received) != _FD_COUNT:
+        for fd in received:
+            os.close(fd)
+        raise ValueError("a request came with {} descriptors, not {}".format(
+            len(received), _FD_COUNT))
+    try:
+        return json.loads(data.decode("utf-8")), received
+    except ValueError:
+        for fd in received:
+            os.close(fd)
+        raise
+
+
+def _refusal(request: Dict[str, Any], expected: Dict[str, str]) -> Optional[str]:
+    """Why this server cannot run the request as that worker would run itself, or None."""
+    if request.get("executable") != sys.executable:
+        return "another Python ({})".format(request.get("executable"))
+    differing = sorted(set(expected.items()) ^ set(import_environment(request["env"]).items()))
+    if differing:
+        return "another environment for TensorFlow ({})".format(
+            ", ".join(sorted({name for name, _ in differing})))
+    return None
+
+
+def _send(connection: socket.socket, **fields: Any) -> None:
+    connection.sendall(json.dumps(fields).encode("utf-8") + b"\n")
+
+
+def _supervise(connection: socket.socket, request: Dict[str, Any], fds: List[int]) -> None:
+    """In a fork of the server: fork the worker, tell the stand-in its pid, then how it ended."""
+    code = 1
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # this process waits for its worker
+        pid = os.fork()
+        if pid == 0:
+            connection.close()
+            _become_worker(request, fds)  # never returns
+        for fd in fds:
+            os.close(fd)
+        _send(connection, pid=pid)
+        _, status = os.waitpid(pid, 0)
+        _send(connection, returncode=(-os.WTERMSIG(status) if os.WIFSIGNALED(status)
+                                      else os.WEXITSTATUS(status)))
+        code = 0
+    except BaseException:  # nothing may unwind into the server's loop in a fork
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _become_worker(request: Dict[str, Any], fds: List[int]) -> None:
+    """In the worker's fork: take on the stand-in's files, place and environment; run the job."""
+    code = 1
+    try:
+        from odtd.trainer import worker
+
+        os.setsid()
+        for fd, standard in zip(fds[:3], (0, 1, 2)):
+            os.dup2(fd, standard)
+        for fd in fds[:3]:
+            if fd > 2:
+                os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = [worker.__file__] + request["args"]
+        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        worker._STARTED_AT = time.monotonic()  # the job's clock starts at the fork
+        stand_in, alive = int(request["pid"]), fds[3]
+
+        def watch(parent_pid: int) -> None:
+            worker.watch_parent(parent_pid, lambda: _parent_of(stand_in))
+
+        threading.Thread(target=_exit_when_closed, args=(alive,), name="stand-in-watch",
+                         daemon=True).start()
+        code = worker.main(request["args"], watch)
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _exit_when_closed(fd: int) -> None:
+    """Exit 3 (parent gone) once the stand-in, the only writer of ``fd``'s pipe, is gone."""
+    while os.read(fd, 1):
+        pass
+    print("odtd worker: the process that started it is gone, exiting", file=sys.stderr, flush=True)
+    os._exit(3)
+
+
+def _parent_of(pid: int) -> Optional[int]:
+    """The parent of process ``pid`` (from ``/proc``), None if it is gone."""
+    try:
+        with open("/proc/{}/stat".format(pid), "rb") as handle:
+            stat = handle.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(b")") + 2:].split()[1])
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m odtd.trainer.forkserver SOCKET")
+    serve(sys.argv[1])
