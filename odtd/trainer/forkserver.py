@@ -1,7 +1,7 @@
 """Workers forked from one process that imported TensorFlow once (``ODTD_WORKER_SERVER``).
 
 Importing TensorFlow and Keras is most of what a short job costs: 4 to 6 s of CPU on the
-development machine, where the test suite starts about 180 workers. ``python -m
+development machine, where the test suite starts over 160 workers. ``python -m
 odtd.trainer.forkserver SOCKET`` imports them once, with the worker's environment defaults, and
 listens on the Unix socket SOCKET. With ``ODTD_WORKER_SERVER=SOCKET`` in its environment,
 ``python -m odtd.trainer.worker JOB.json`` hands its job to the server (``handed_over``) and
@@ -16,7 +16,9 @@ TensorFlow-related environment (``IMPORT_ENVIRONMENT``, read at import). Otherwi
 server listening yet, the worker runs the job itself, as without the variable. The daemon never
 sets it: one session a day does not pay for a TensorFlow process kept in memory all day. The
 test suite does (``tests/conftest.py``); a worker's peak memory is then the fork's, which shares
-the server's pages. Standard library only; Python 3.6-compatible.
+the server's pages. Nothing the server imports may run a TensorFlow operation: a fork of a
+process whose runtime has started its thread pools would wait on locks held by threads it does
+not have. Standard library only; Python 3.6-compatible.
 """
 
 import array
@@ -234,9 +236,12 @@ def _supervise(connection: socket.socket, request: Dict[str, Any], fds: List[int
             os.close(fd)
         _send(connection, pid=pid)
         _, status = os.waitpid(pid, 0)
-        _send(connection, returncode=(-os.WTERMSIG(status) if os.WIFSIGNALED(status)
-                                      else os.WEXITSTATUS(status)))
         code = 0
+        try:
+            _send(connection, returncode=(-os.WTERMSIG(status) if os.WIFSIGNALED(status)
+                                          else os.WEXITSTATUS(status)))
+        except OSError:
+            pass  # the stand-in is gone (which is why its worker ended): no one to tell
     except BaseException:  # nothing may unwind into the server's loop in a fork
         traceback.print_exc()
     finally:
