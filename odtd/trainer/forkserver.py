@@ -150,8 +150,9 @@ def serve(path: str) -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    if os.path.exists(path):
-        os.unlink(path)
+    for stale in (path, path + ".new"):  # a server's that was killed
+        if os.path.exists(stale):
+            os.unlink(stale)
     listener.bind(path + ".new")
     listener.listen(64)
     os.replace(path + ".new", path)  # clients connect only once it listens
