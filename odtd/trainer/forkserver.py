@@ -135,6 +135,7 @@ def serve(path: str) -> None:
     """Import what a worker imports, then fork a worker for each job handed over on ``path``."""
     from odtd.trainer import worker
 
+    started = time.monotonic()
     for name, value in worker.ENVIRONMENT_DEFAULTS.items():
         os.environ.setdefault(name, value)
     worker.without_plotting()
@@ -156,8 +157,8 @@ def serve(path: str) -> None:
     listener.bind(path + ".new")
     listener.listen(64)
     os.replace(path + ".new", path)  # clients connect only once it listens
-    print("odtd worker server: listening on {} (pid {})".format(path, os.getpid()),
-          file=sys.stderr, flush=True)
+    print("odtd worker server: listening on {} (pid {}; the imports took {:.1f} s)".format(
+        path, os.getpid(), time.monotonic() - started), file=sys.stderr, flush=True)
     try:
         while True:
             connection, _ = listener.accept()
@@ -236,11 +237,15 @@ def _supervise(connection: socket.socket, request: Dict[str, Any], fds: List[int
         for fd in fds:
             os.close(fd)
         _send(connection, pid=pid)
-        _, status = os.waitpid(pid, 0)
+        started = time.monotonic()
+        _, status, usage = os.wait4(pid, 0)
+        returncode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        print("odtd worker server: worker {} ({}) exited {} after {:.1f} s, {:.1f} s of CPU"
+              .format(pid, " ".join(request["args"]), returncode, time.monotonic() - started,
+                      usage.ru_utime + usage.ru_stime), file=sys.stderr, flush=True)
         code = 0
         try:
-            _send(connection, returncode=(-os.WTERMSIG(status) if os.WIFSIGNALED(status)
-                                          else os.WEXITSTATUS(status)))
+            _send(connection, returncode=returncode)
         except OSError:
             pass  # the stand-in is gone (which is why its worker ended): no one to tell
     except BaseException:  # nothing may unwind into the server's loop in a fork
