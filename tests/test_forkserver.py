@@ -117,6 +117,15 @@ def test_the_stand_in_passes_on_a_stop_request_and_ends_as_its_worker(server, tm
     assert gone_within(fork, 10)
 
 
+def test_a_fork_killed_as_by_the_oom_killer_ends_its_stand_in_so_too(server, tmp_path):
+    train = write_samples(tmp_path / "train.npz", 24)
+    process = start(write_job(tmp_path, train_data=train, epochs=100_000), environment(server))
+    fork = events_until(process, "step")[0]["pid"]
+    os.kill(fork, signal.SIGKILL)
+    process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGKILL  # what launch reads an OOM kill from
+
+
 def test_a_killed_stand_in_takes_its_worker_with_it(server, tmp_path):
     train = write_samples(tmp_path / "train.npz", 24)
     process = start(write_job(tmp_path, train_data=train, epochs=100_000), environment(server))

@@ -116,7 +116,8 @@ def handed_over(args: List[str]) -> Optional[int]:
     code = int(ended["returncode"])
     if code < 0:
         sys.stdout.flush()
-        signal.signal(-code, signal.SIG_DFL)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # their handlers cannot be set
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
         return 128 - code  # a signal whose default is not to end the process
     return code
