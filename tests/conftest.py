@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -56,15 +57,32 @@ def _worker_server(request, tmp_path_factory):
         yield None
         return
     directory = tmp_path_factory.mktemp("server")
-    with open(directory / "server.log", "wb") as log:
-        server = subprocess.Popen([sys.executable, "-m", "odtd.trainer.forkserver",
-                                   str(directory / "sock")], stdout=subprocess.DEVNULL,
-                                  stderr=log, stdin=subprocess.DEVNULL, cwd=REPO)
+    server = start_worker_server(directory, dict(os.environ))
     os.environ["ODTD_WORKER_SERVER"] = str(directory / "sock")
     yield directory / "sock"
     del os.environ["ODTD_WORKER_SERVER"]
     server.terminate()
     server.wait(timeout=60)
+
+
+def start_worker_server(directory: Path, env: dict) -> subprocess.Popen:
+    """Start ``python -m odtd.trainer.forkserver directory/sock``, its log in
+    ``directory/server.log``; it listens once it has imported TensorFlow."""
+    with open(directory / "server.log", "wb") as log:
+        return subprocess.Popen([sys.executable, "-m", "odtd.trainer.forkserver",
+                                 str(directory / "sock")], stdout=subprocess.DEVNULL,
+                                stderr=log, stdin=subprocess.DEVNULL, cwd=REPO, env=env)
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.2):
+    """Poll ``predicate`` until it returns something true or ``timeout_s`` passes; its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    return predicate()
 
 
 def write_images(root: Path, per_class: int = 2, classes=CLASSES, seed: int = 0, size: int = 32,

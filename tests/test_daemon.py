@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, odtctl, odtctl_json, write_images
+from conftest import REPO, odtctl, odtctl_json, wait_for, write_images
 
 from odtd.store.records import SESSION_KEYS
 
@@ -42,16 +42,6 @@ def _running(home: Path) -> bool:
         return odtctl_json("status", home=home)["daemon"]["running"]
     except (AssertionError, ValueError):
         return False
-
-
-def wait_for(predicate, timeout_s: float, interval_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    return predicate()
 
 
 def stop(proc: subprocess.Popen) -> int:

@@ -7,19 +7,17 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import REPO, start_worker_server, wait_for
 from test_worker import worker_command, write_job, write_samples
 
+from odtd.report.status import pid_alive
 from odtd.trainer.forkserver import SERVER_VARIABLE
 
 pytestmark = pytest.mark.trains
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -27,13 +25,8 @@ def server(tmp_path_factory):
     """This module's own server (the suite's may be off), listening once the fixture returns."""
     directory = tmp_path_factory.mktemp("forkserver")
     path = directory / "sock"
-    env = {k: v for k, v in os.environ.items() if k != SERVER_VARIABLE}
-    with open(directory / "server.log", "wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "odtd.trainer.forkserver", str(path)],
-                                   stdout=subprocess.DEVNULL, stderr=log, cwd=REPO, env=env)
-    deadline = time.monotonic() + 180
-    while not path.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
+    process = start_worker_server(directory, environment())
+    wait_for(lambda: path.exists() or process.poll() is not None, 180, interval_s=0.1)
     assert path.exists(), (directory / "server.log").read_text()
     yield path
     process.terminate()
@@ -63,14 +56,7 @@ def events_until(process: subprocess.Popen, name: str) -> list:
 
 
 def gone_within(pid: int, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
+    return wait_for(lambda: not pid_alive(pid), seconds, interval_s=0.05)
 
 
 def test_a_forked_worker_trains_as_a_fresh_one(server, tmp_path):

@@ -82,7 +82,7 @@ def handed_over(args: List[str]) -> Optional[int]:
     try:
         connection.connect(path)
         request = {"args": list(args), "env": dict(os.environ), "cwd": os.getcwd(),
-                   "executable": sys.executable, "pid": os.getpid(), "parent": os.getppid()}
+                   "executable": sys.executable, "pid": os.getpid()}
         connection.sendmsg([json.dumps(request).encode("utf-8") + b"\n"], [(
             socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2, alive_read]))])
         replies = connection.makefile("rb")
