@@ -15,10 +15,12 @@ The server runs a job only for a worker it could be: the same Python and the sam
 TensorFlow-related environment (``IMPORT_ENVIRONMENT``, read at import). Otherwise, or with no
 server listening yet, the worker runs the job itself, as without the variable. The daemon never
 sets it: one session a day does not pay for a TensorFlow process kept in memory all day. The
-test suite does (``tests/conftest.py``); a worker's peak memory is then the fork's, which shares
-the server's pages. Nothing the server imports may run a TensorFlow operation: a fork of a
-process whose runtime has started its thread pools would wait on locks held by threads it does
-not have. Standard library only; Python 3.6-compatible.
+test suite does (``tests/conftest.py``). A fork's peak memory counts only the pages it touches
+after the fork, not the libraries and imports it shares with the server (tinycnn's train job:
+275 MB forked against 581 MB fresh), so no memory figure is taken under a server. Nothing the
+server imports may run a TensorFlow operation: a fork of a process whose runtime has started its
+thread pools would wait on locks held by threads it does not have. Standard library only; Python
+3.6-compatible.
 """
 
 import array
