@@ -19,8 +19,12 @@ test suite does (``tests/conftest.py``). A fork's peak memory counts only the pa
 after the fork, not the libraries and imports it shares with the server (tinycnn's train job:
 275 MB forked against 581 MB fresh), so no memory figure is taken under a server. Nothing the
 server imports may run a TensorFlow operation: a fork of a process whose runtime has started its
-thread pools would wait on locks held by threads it does not have. Standard library only; Python
-3.6-compatible.
+thread pools would wait on locks held by threads it does not have.
+
+What a server imports and what its forks run is a ``Program``; the worker's is the default. The
+tests serve another with the same machinery (tests/python_server.py: plain ``python -c`` runs
+that need TensorFlow and Keras but nothing of odtd's), asking for forks with ``request_fork``.
+Standard library only; Python 3.6-compatible.
 """
 
 import array
@@ -33,7 +37,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 SERVER_VARIABLE = "ODTD_WORKER_SERVER"
 # Environment variables TensorFlow, Keras, oneDNN, the loader or Python read when they are
@@ -47,13 +51,42 @@ _FD_COUNT = 4  # stdin, stdout, stderr, and the read end of the stand-in's liven
 _MAX_REQUEST = 1 << 20
 
 
-def import_environment(env: Dict[str, str]) -> Dict[str, str]:
-    """The variables of ``env`` that importing TensorFlow reads, with the worker's defaults."""
-    from odtd.trainer.worker import ENVIRONMENT_DEFAULTS
-
-    chosen = dict(ENVIRONMENT_DEFAULTS)
+def import_environment(env: Dict[str, str], defaults: Dict[str, str]) -> Dict[str, str]:
+    """The variables of ``env`` that importing TensorFlow reads, ``defaults`` where unset."""
+    chosen = dict(defaults)
     chosen.update(env)
     return {name: value for name, value in chosen.items() if name.startswith(IMPORT_ENVIRONMENT)}
+
+
+class Program(object):
+    """What a server imports once, and what each of its forks runs: by default the worker."""
+
+    def environment_defaults(self) -> Dict[str, str]:
+        """Variables a fresh process sets, where unset, before it imports TensorFlow."""
+        from odtd.trainer.worker import ENVIRONMENT_DEFAULTS
+
+        return dict(ENVIRONMENT_DEFAULTS)
+
+    def prepare(self) -> None:
+        """Import, in the server, what each fork would otherwise import (no operation run)."""
+        from odtd.trainer import worker
+
+        worker.without_plotting()
+        import tensorflow  # noqa: F401  (what the forks save)
+
+        for module in WORKER_MODULES:
+            importlib.import_module("odtd.trainer." + module)
+
+    def run(self, args: List[str], watch: Callable[[int], None]) -> int:
+        """Run the job in a fork that took on the client's files, place and environment.
+
+        ``args`` are the worker's command-line arguments; ``watch`` watches a parent pid.
+        """
+        from odtd.trainer import worker
+
+        sys.argv = [worker.__file__] + args
+        worker._STARTED_AT = time.monotonic()  # the job's clock starts at the fork
+        return worker.main(args, watch)
 
 
 # --- the stand-in: the worker process that hands its job over ---
@@ -79,18 +112,10 @@ def handed_over(args: List[str]) -> Optional[int]:
             pending.append(signum)
 
     previous = {signum: signal.signal(signum, forward) for signum in FORWARDED_SIGNALS}
-    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     alive_read, alive_write = os.pipe()  # the fork sees end-of-file on it when we are gone
     try:
-        connection.connect(path)
-        request = {"args": list(args), "env": dict(os.environ), "cwd": os.getcwd(),
-                   "executable": sys.executable, "pid": os.getpid()}
-        connection.sendmsg([json.dumps(request).encode("utf-8") + b"\n"], [(
-            socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2, alive_read]))])
-        replies = connection.makefile("rb")
-        reply = json.loads(replies.readline().decode("utf-8") or "{}")
-    except (OSError, ValueError):
-        reply = {}
+        connection, replies, reply = request_fork(path, args, dict(os.environ), os.getcwd(),
+                                                  [0, 1, 2, alive_read])
     finally:
         os.close(alive_read)
     if "pid" not in reply:  # no server, or it refused
@@ -125,6 +150,33 @@ def handed_over(args: List[str]) -> Optional[int]:
     return code
 
 
+def request_fork(path: str, args: List[str], env: Dict[str, str], cwd: str, fds: List[int],
+                 executable: str = sys.executable):
+    """Ask the server listening on ``path`` to fork a run of ``args`` in ``env`` and ``cwd``.
+
+    ``fds`` become the run's standard input, output and error, with the read end of a pipe only
+    the caller writes (the fork exits 3 once it is closed); ``executable`` is the Python the run
+    is for (a server runs only its own).
+
+    Returns:
+        ``(connection, replies, reply)``: the socket, its reply stream (the next line: how the
+        fork ended, ``{"returncode": N}``) and the first reply: ``{"pid": N}`` when a fork runs,
+        ``{"refused": WHY}``, or ``{}`` when no server answered.
+    """
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    replies = connection.makefile("rb")
+    try:
+        connection.connect(path)
+        request = {"args": list(args), "env": env, "cwd": cwd, "executable": executable,
+                   "pid": os.getpid()}
+        connection.sendmsg([json.dumps(request).encode("utf-8") + b"\n"], [(
+            socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        reply = json.loads(replies.readline().decode("utf-8") or "{}")
+    except (OSError, ValueError):
+        reply = {}
+    return connection, replies, reply
+
+
 def _kill(pid: int, signum: int) -> None:
     try:
         os.kill(pid, signum)
@@ -134,20 +186,18 @@ def _kill(pid: int, signum: int) -> None:
 
 # --- the server ---
 
-def serve(path: str) -> None:
-    """Import what a worker imports, then fork a worker for each job handed over on ``path``."""
-    from odtd.trainer import worker
+def serve(path: str, program: Optional[Program] = None) -> None:
+    """Import what ``program`` imports (the worker's by default), then fork a run of it per job.
 
+    Jobs are handed over on the Unix socket ``path``.
+    """
+    program = program or Program()
     started = time.monotonic()
-    for name, value in worker.ENVIRONMENT_DEFAULTS.items():
+    defaults = program.environment_defaults()
+    for name, value in defaults.items():
         os.environ.setdefault(name, value)
-    worker.without_plotting()
-    import tensorflow  # noqa: F401  (what the forks save)
-
-    for module in WORKER_MODULES:
-        importlib.import_module("odtd.trainer." + module)
-
-    expected = import_environment(dict(os.environ))
+    program.prepare()
+    expected = import_environment(dict(os.environ), defaults)
     # The waiters below are reaped by the kernel; a stop request before the worker's own
     # handler is set is ignored, as it is before a fresh worker's.
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
@@ -168,12 +218,12 @@ def serve(path: str) -> None:
             fds = []  # type: List[int]
             try:
                 request, fds = _receive(connection)
-                refusal = _refusal(request, expected)
+                refusal = _refusal(request, expected, defaults)
                 if refusal is not None:
                     _send(connection, refused=refusal)
                 elif os.fork() == 0:
                     listener.close()
-                    _supervise(connection, request, fds)  # never returns
+                    _supervise(connection, request, fds, program)  # never returns
             except (OSError, ValueError) as error:
                 print("odtd worker server: {}".format(error), file=sys.stderr, flush=True)
             finally:
@@ -213,11 +263,13 @@ def _receive(connection: socket.socket):
         raise
 
 
-def _refusal(request: Dict[str, Any], expected: Dict[str, str]) -> Optional[str]:
-    """Why this server cannot run the request as that worker would run itself, or None."""
+def _refusal(request: Dict[str, Any], expected: Dict[str, str],
+             defaults: Dict[str, str]) -> Optional[str]:
+    """Why this server cannot run the request as that process would run itself, or None."""
     if request.get("executable") != sys.executable:
         return "another Python ({})".format(request.get("executable"))
-    differing = sorted(set(expected.items()) ^ set(import_environment(request["env"]).items()))
+    differing = sorted(set(expected.items())
+                       ^ set(import_environment(request["env"], defaults).items()))
     if differing:
         return "another environment for TensorFlow ({})".format(
             ", ".join(sorted({name for name, _ in differing})))
@@ -228,22 +280,23 @@ def _send(connection: socket.socket, **fields: Any) -> None:
     connection.sendall(json.dumps(fields).encode("utf-8") + b"\n")
 
 
-def _supervise(connection: socket.socket, request: Dict[str, Any], fds: List[int]) -> None:
-    """In a fork of the server: fork the worker, tell the stand-in its pid, then how it ended."""
+def _supervise(connection: socket.socket, request: Dict[str, Any], fds: List[int],
+               program: Program) -> None:
+    """In a fork of the server: fork the run, tell the client its pid, then how it ended."""
     code = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # this process waits for its worker
         pid = os.fork()
         if pid == 0:
             connection.close()
-            _become_worker(request, fds)  # never returns
+            _become(request, fds, program)  # never returns
         for fd in fds:
             os.close(fd)
         _send(connection, pid=pid)
         started = time.monotonic()
         _, status, usage = os.wait4(pid, 0)
         returncode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        print("odtd worker server: worker {} ({}) exited {} after {:.1f} s, {:.1f} s of CPU"
+        print("odtd worker server: worker {} ({:.200}) exited {} after {:.1f} s, {:.1f} s of CPU"
               .format(pid, " ".join(request["args"]), returncode, time.monotonic() - started,
                       usage.ru_utime + usage.ru_stime), file=sys.stderr, flush=True)
         code = 0
@@ -257,12 +310,10 @@ def _supervise(connection: socket.socket, request: Dict[str, Any], fds: List[int
         os._exit(code)
 
 
-def _become_worker(request: Dict[str, Any], fds: List[int]) -> None:
-    """In the worker's fork: take on the stand-in's files, place and environment; run the job."""
+def _become(request: Dict[str, Any], fds: List[int], program: Program) -> None:
+    """In the run's fork: take on the client's files, place and environment; run the job."""
     code = 1
     try:
-        from odtd.trainer import worker
-
         os.setsid()
         for fd, standard in zip(fds[:3], (0, 1, 2)):
             os.dup2(fd, standard)
@@ -272,27 +323,37 @@ def _become_worker(request: Dict[str, Any], fds: List[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = [worker.__file__] + request["args"]
         for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(signum, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        worker._STARTED_AT = time.monotonic()  # the job's clock starts at the fork
         stand_in, alive = int(request["pid"]), fds[3]
 
         def watch(parent_pid: int) -> None:
+            from odtd.trainer import worker
+
             worker.watch_parent(parent_pid, lambda: _parent_of(stand_in))
 
         threading.Thread(target=_exit_when_closed, args=(alive,), name="stand-in-watch",
                          daemon=True).start()
-        code = worker.main(request["args"], watch)
+        code = program.run(request["args"], watch)
     except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
+        code = _exit_status(exit_.code)
     except BaseException:
         traceback.print_exc()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _exit_status(value: Any) -> int:
+    """The status Python exits with on ``sys.exit(value)``, printing a message it was given."""
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value
+    print(value, file=sys.stderr)
+    return 1
 
 
 def _exit_when_closed(fd: int) -> None:
