@@ -258,7 +258,9 @@ def test_the_policys_schedule_drives_the_daemon_and_reload_applies_it(daemon_hom
         # Within the next minute; across a minute's turn the status can still name the one just
         # due while it fires (seen once at 02:52:00.84 against 02:52:00).
         assert -5 < (soon - datetime.now(soon.tzinfo)).total_seconds() <= 61
-        # The next minute comes, and a scheduled session runs (no samples: it is skipped).
+        # The next minute comes, and a scheduled session runs (no samples: it is skipped). Each
+        # look at the history is an odtctl process: none before the minute turns.
+        time.sleep(max(0.0, (soon - datetime.now(soon.tzinfo)).total_seconds()))
         ran = wait_for(lambda: [s for s in odtctl_json("history", home=daemon_home)
                                 if s["trigger"] == "schedule"], 75, interval_s=1.0)
         assert ran and ran[0]["outcome"] == "skipped"
