@@ -8,12 +8,14 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import pytest
+import python_server
 from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,43 +37,152 @@ os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
 os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
 
 
-def pytest_collection_modifyitems(items):
+# How long each test took in the last run that ran it (pytest's cache, .pytest_cache), so the
+# next run starts the longest first: a run on several pytest workers then does not end on one
+# of them working through a long test alone. pytest-xdist hands each worker a run of
+# consecutive tests (`--dist worksteal` then moves tests from the end of a queue), so the
+# longest are dealt out in turn: the N-th run of tests starts with every N-th longest.
+DURATIONS_KEY = "odtd/durations"
+_DURATIONS: dict = {}
+
+
+def pytest_collection_modifyitems(config, items):
     for item in items:
         if TRAINING_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.trains)
+    cache = getattr(config, "cache", None)
+    known = cache.get(DURATIONS_KEY, {}) if cache is not None else {}
+    # A stable sort: every pytest worker collects the same order.
+    # Without a last run: the tests that start a TensorFlow worker first (the long ones).
+    longest_first = sorted(items, key=lambda item: -known.get(
+        item.nodeid, 1.0 if item.get_closest_marker("trains") else 0.0))
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    items[:] = [item for turn in range(workers) for item in longest_first[turn::workers]]
+
+
+def pytest_runtest_logreport(report):
+    # In the process that reports (pytest-xdist's controller): setup, call and teardown.
+    _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    cache = getattr(session.config, "cache", None)
+    if cache is not None and _DURATIONS and not hasattr(session.config, "workerinput"):
+        cache.set(DURATIONS_KEY, {**cache.get(DURATIONS_KEY, {}), **_DURATIONS})
+
+
+# The servers every pytest worker shares, started by the process that starts them (pytest-xdist's
+# controller, or pytest itself without it) before they start, so they inherit the variables.
+CLI_SERVER_VARIABLE = "ODTD_TEST_CLI_SERVER"
+_SHARED: dict = {}
+
+
+def pytest_configure(config):
+    """Start the shared servers: forks of them run the TensorFlow workers the tests start and
+    their ``odtctl`` calls, saving the 4 to 6 s of CPU a worker spends importing TensorFlow and
+    Keras and the 0.6 s a call spends importing the CLI's libraries.
+
+    ``ODTD_WORKER_SERVER`` hands each worker's job to the worker server
+    (odtd/trainer/forkserver.py), started unless the run leaves out the tests marked `trains`
+    (`make quick`); ``ODTD_TEST_CLI_SERVER`` names tests/python_server.py's ``cli`` server
+    (``forked_python``). A test that starts a worker with an environment of its own, or before
+    the server listens, gets one that runs itself, as the daemon's do. ``ODTD_TEST_FORK=0``
+    turns both off.
+    """
+    if hasattr(config, "workerinput") or os.environ.get("ODTD_TEST_FORK") == "0":
+        return
+    _SHARED["directory"] = directory = Path(tempfile.mkdtemp(prefix="odtd-test-servers-"))
+    servers = [("cli", CLI_SERVER_VARIABLE, (str(REPO / "tests" / "python_server.py"), "cli"))]
+    if "not trains" not in (config.getoption("markexpr", "") or ""):
+        servers.append(("worker", "ODTD_WORKER_SERVER", ("-m", "odtd.trainer.forkserver")))
+    for name, variable, command in servers:
+        (directory / name).mkdir()
+        _SHARED[variable] = start_worker_server(directory / name, dict(os.environ), command)
+        os.environ[variable] = str(directory / name / "sock")
+
+
+def pytest_unconfigure(config):
+    for variable, server in list(_SHARED.items()):
+        if variable != "directory":
+            del os.environ[variable]
+            server.terminate()
+            server.wait(timeout=60)
+    if "directory" in _SHARED:
+        shutil.rmtree(_SHARED.pop("directory"), ignore_errors=True)
+    _SHARED.clear()
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _worker_server(request, tmp_path_factory):
-    """A process that imported TensorFlow once, whose forks run the workers the tests start.
-
-    Started by each pytest worker whose run has tests marked `trains` (so not by `make quick`):
-    ``ODTD_WORKER_SERVER`` in the environment hands each worker's job to it
-    (odtd/trainer/forkserver.py), saving the 4 to 6 s of CPU a worker spends importing
-    TensorFlow and Keras. Until it listens, and for a test that starts a worker with an
-    environment of its own, workers run themselves as the daemon's do. ``ODTD_TEST_FORK=0``
-    turns it off.
-    """
-    if os.environ.get("ODTD_TEST_FORK") == "0" or not any(
-            item.get_closest_marker("trains") for item in request.session.items):
-        yield None
-        return
-    directory = tmp_path_factory.mktemp("server")
-    server = start_worker_server(directory, dict(os.environ))
-    os.environ["ODTD_WORKER_SERVER"] = str(directory / "sock")
-    yield directory / "sock"
-    del os.environ["ODTD_WORKER_SERVER"]
-    server.terminate()
-    server.wait(timeout=60)
+def _worker_server(request):
+    """Wait, before the first test that starts a worker, for the shared worker server to listen:
+    a worker started before would import TensorFlow itself, while the server does."""
+    path = os.environ.get("ODTD_WORKER_SERVER")
+    if path and any(item.get_closest_marker("trains") for item in request.session.items):
+        wait_for(lambda: Path(path).exists(), 180, interval_s=0.1)
+    yield path
 
 
-def start_worker_server(directory: Path, env: dict) -> subprocess.Popen:
-    """Start ``python -m odtd.trainer.forkserver directory/sock``, its log in
-    ``directory/server.log``; it listens once it has imported TensorFlow."""
+def start_worker_server(directory: Path, env: dict,
+                        command: tuple = ("-m", "odtd.trainer.forkserver"),
+                        python: str = sys.executable) -> subprocess.Popen:
+    """Start ``python -m odtd.trainer.forkserver directory/sock`` (or another ``command`` that
+    serves with it), its log in ``directory/server.log``; it listens once it has imported
+    TensorFlow."""
     with open(directory / "server.log", "wb") as log:
-        return subprocess.Popen([sys.executable, "-m", "odtd.trainer.forkserver",
-                                 str(directory / "sock")], stdout=subprocess.DEVNULL,
-                                stderr=log, stdin=subprocess.DEVNULL, cwd=REPO, env=env)
+        return subprocess.Popen([str(python), *command, str(directory / "sock")],
+                                stdout=subprocess.DEVNULL, stderr=log, stdin=subprocess.DEVNULL,
+                                cwd=REPO, env=env)
+
+
+# This pytest worker's tests/python_server.py servers by kind, each started when a test first
+# asks for it; "base": the directory they go in.
+_SERVERS: dict = {}
+
+
+def forked_python(kind: str, *args: str, env: dict | None = None, timeout: float = 240,
+                  python: str = sys.executable) -> subprocess.CompletedProcess:
+    """``python ARGS`` (``-c CODE ...``, ``-m MODULE ...`` or ``SCRIPT ...``) in REPO, its output
+    captured as text: forked from this pytest worker's server of that ``kind`` for that Python
+    (tests/python_server.py: ``keras`` imported TensorFlow and Keras and nothing of odtd's,
+    ``cli`` imported odtd's CLI; ``ODTD_TEST_FORK=0`` for none), or a fresh process."""
+    env = dict(os.environ) if env is None else env
+    return python_server.run(list(args), env, REPO, timeout, _server(kind, python), python)
+
+
+def plain_python(*args: str, timeout: float = 240,
+                 python: str = sys.executable) -> subprocess.CompletedProcess:
+    """``python ARGS`` with TensorFlow's logging quiet, forked from the ``keras`` server."""
+    return forked_python("keras", *args, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+                         timeout=timeout, python=python)
+
+
+def _server(kind: str, python: str = sys.executable) -> Path | None:
+    if os.environ.get("ODTD_TEST_FORK") == "0":
+        return None
+    shared = os.environ.get(CLI_SERVER_VARIABLE) if kind == "cli" else None
+    if shared and python == sys.executable:
+        wait_for(lambda: Path(shared).exists(), 60, interval_s=0.05)
+        return Path(shared)
+    if (kind, python) not in _SERVERS:
+        directory = Path(tempfile.mkdtemp(prefix=kind, dir=_SERVERS.get("base")))
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2") if kind == "keras" else dict(os.environ)
+        server = start_worker_server(directory, env, (str(REPO / "tests" / "python_server.py"),
+                                                      kind), python)
+        wait_for(lambda: (directory / "sock").exists() or server.poll() is not None, 180, 0.1)
+        _SERVERS[kind, python] = server
+    return Path(_SERVERS[kind, python].args[-1])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _python_servers(tmp_path_factory):
+    """The servers of tests/python_server.py go in this pytest worker's temporary directory
+    (their logs: ``keras*/server.log``, ``cli*/server.log``) and stop at the end of the run."""
+    _SERVERS["base"] = tmp_path_factory.getbasetemp()
+    yield
+    for key, server in list(_SERVERS.items()):
+        if key != "base":
+            server.terminate()
+            server.wait(timeout=60)
 
 
 def wait_for(predicate, timeout_s: float, interval_s: float = 0.2):
@@ -102,12 +213,12 @@ def write_images(root: Path, per_class: int = 2, classes=CLASSES, seed: int = 0,
 
 def odtctl(*args: str, home: Path | None = None, check: bool = True,
            timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `odtctl` in a real subprocess, the way a person does."""
+    """Run `odtctl` in a process of its own, the way a person does (a fork of the ``cli``
+    server: ``forked_python``)."""
     env = dict(os.environ)
     if home is not None:
         env["ODTD_HOME"] = str(home)
-    proc = subprocess.run([sys.executable, "-m", "odtd.cli", *args], capture_output=True,
-                          text=True, env=env, timeout=timeout, cwd=REPO)
+    proc = forked_python("cli", "-m", "odtd.cli", *args, env=env, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"odtctl {' '.join(args)} exited {proc.returncode}:\n{proc.stderr}")
     return proc
@@ -116,9 +227,7 @@ def odtctl(*args: str, home: Path | None = None, check: bool = True,
 def tensorflow_report(script: str, timeout: float = 240):
     """Run ``script`` in a child Python (TensorFlow stays out of the test process); the JSON it
     printed last."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=timeout)
+    proc = plain_python("-c", script, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
 

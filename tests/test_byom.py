@@ -5,15 +5,15 @@ tf.keras 2.15 and Keras 3.15 (each stack imports the other's), and ``models`` wr
 stack's, MobileNetV2 included, with tests/make_keras_models.py in a subprocess.
 """
 
+import importlib.metadata
 import json
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, built_once, odtctl, odtctl_json
+from conftest import REPO, built_once, odtctl, odtctl_json, plain_python
 from PIL import Image
 
 from odtd.trainer import model_file
@@ -25,9 +25,7 @@ CLASSES = {"cnn_softmax": "cat,dog,owl,fox", "gray_logits": "red,green,blue",
 
 
 def keras_major() -> int:
-    out = subprocess.run([sys.executable, "-c", "import keras; print(keras.__version__)"],
-                         capture_output=True, text=True, check=True).stdout
-    return int(out.split(".")[0])
+    return int(importlib.metadata.version("keras").split(".")[0])
 
 
 @pytest.fixture(scope="session")
@@ -39,9 +37,11 @@ def other_stack():
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
     """This stack's model files, written by tests/make_keras_models.py (MobileNetV2 too)."""
-    return built_once(tmp_path_factory, "keras-models", lambda out: subprocess.run(
-        [sys.executable, str(REPO / "tests" / "make_keras_models.py"), str(out), *CLASSES],
-        check=True, capture_output=True))
+    def build(out: Path) -> None:
+        proc = plain_python(str(REPO / "tests" / "make_keras_models.py"), str(out), *CLASSES)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    return built_once(tmp_path_factory, "keras-models", build)
 
 
 def photos(root: Path, classes: str, per_class: int, seed: int) -> Path:
@@ -251,8 +251,9 @@ def predict(pairs, python=None) -> list:
             "    x = np.load(ref)['x'].astype('float32')\n"
             "    print(json.dumps(model.predict(x, verbose=0).tolist()))")
     args = [str(item) for pair in pairs for item in pair]
-    out = subprocess.run([str(python or sys.executable), "-c", code, *args],
-                         capture_output=True, text=True, check=True).stdout
+    proc = plain_python("-c", code, *args, python=str(python or sys.executable))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
     return [np.array(json.loads(line)) for line in out.strip().splitlines()[-len(pairs):]]
 
 

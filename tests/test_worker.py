@@ -4,7 +4,6 @@ TensorFlow is only ever imported in child processes, never in the test process.
 """
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import built_once
+from conftest import built_once, tensorflow_report
 
 from odtd.trainer import catalog, worker
 
@@ -96,10 +95,7 @@ def test_catalog_counts_equal_the_built_keras_models():
         "'tinycnn': networks.build('tinycnn', 10).count_params(),"
         "'tinycnn_gray_3': networks.build('tinycnn', 3, (16, 16, 1)).count_params()}))"
     )
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=120, check=True)
-    keras_counts = json.loads(proc.stdout.splitlines()[-1])
+    keras_counts = tensorflow_report(script)
     assert keras_counts["densenet40"] == catalog.param_count("densenet40", 10)
     assert 900_000 <= keras_counts["densenet40"] <= 1_100_000
     assert keras_counts["tinycnn"] == catalog.param_count("tinycnn", 10)
