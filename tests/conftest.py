@@ -73,7 +73,7 @@ def pytest_sessionfinish(session):
 
 # The servers every pytest worker shares, started by the process that starts them (pytest-xdist's
 # controller, or pytest itself without it) before they start, so they inherit the variables.
-CLI_SERVER_VARIABLE = "ODTD_TEST_CLI_SERVER"
+SHARED_SERVER_VARIABLE = "ODTD_TEST_{}_SERVER"  # for tests/python_server.py's kinds
 _SHARED: dict = {}
 
 
@@ -83,22 +83,26 @@ def pytest_configure(config):
     Keras and the 0.6 s a call spends importing the CLI's libraries.
 
     ``ODTD_WORKER_SERVER`` hands each worker's job to the worker server
-    (odtd/trainer/forkserver.py), started unless the run leaves out the tests marked `trains`
-    (`make quick`); ``ODTD_TEST_CLI_SERVER`` names tests/python_server.py's ``cli`` server
-    (``forked_python``). A test that starts a worker with an environment of its own, or before
-    the server listens, gets one that runs itself, as the daemon's do. ``ODTD_TEST_FORK=0``
-    turns both off.
+    (odtd/trainer/forkserver.py); ``ODTD_TEST_CLI_SERVER`` and ``ODTD_TEST_KERAS_SERVER`` name
+    tests/python_server.py's ``cli`` and ``keras`` servers (``forked_python``). The two that
+    import TensorFlow only where the run has the tests marked `trains` (not `make quick`). A
+    test that starts a worker with an environment of its own, or before the server listens,
+    gets one that runs itself, as the daemon's do. ``ODTD_TEST_FORK=0`` turns them off.
     """
     if hasattr(config, "workerinput") or os.environ.get("ODTD_TEST_FORK") == "0":
         return
     _SHARED["directory"] = directory = Path(tempfile.mkdtemp(prefix="odtd-test-servers-"))
-    servers = [("cli", CLI_SERVER_VARIABLE, (str(REPO / "tests" / "python_server.py"), "cli"))]
+    kinds = ["cli"]
     if "not trains" not in (config.getoption("markexpr", "") or ""):
-        servers.append(("worker", "ODTD_WORKER_SERVER", ("-m", "odtd.trainer.forkserver")))
-    for name, variable, command in servers:
-        (directory / name).mkdir()
-        _SHARED[variable] = start_worker_server(directory / name, dict(os.environ), command)
-        os.environ[variable] = str(directory / name / "sock")
+        kinds.append("keras")
+        (directory / "worker").mkdir()
+        _SHARED["ODTD_WORKER_SERVER"] = start_worker_server(directory / "worker",
+                                                            dict(os.environ))
+        os.environ["ODTD_WORKER_SERVER"] = str(directory / "worker" / "sock")
+    for kind in kinds:
+        variable = SHARED_SERVER_VARIABLE.format(kind.upper())
+        _SHARED[variable] = _start_python_server(kind, sys.executable, directory)
+        os.environ[variable] = _SHARED[variable].args[-1]
 
 
 def pytest_unconfigure(config):
@@ -144,7 +148,8 @@ def forked_python(kind: str, *args: str, env: dict | None = None, timeout: float
     """``python ARGS`` (``-c CODE ...``, ``-m MODULE ...`` or ``SCRIPT ...``) in REPO, its output
     captured as text: forked from this pytest worker's server of that ``kind`` for that Python
     (tests/python_server.py: ``keras`` imported TensorFlow and Keras and nothing of odtd's,
-    ``cli`` imported odtd's CLI; ``ODTD_TEST_FORK=0`` for none), or a fresh process."""
+    ``cli`` imported odtd's CLI; the shared ones where the run started them, else started at
+    the first call; ``ODTD_TEST_FORK=0`` for none), or a fresh process."""
     env = dict(os.environ) if env is None else env
     return python_server.run(list(args), env, REPO, timeout, _server(kind, python), python)
 
@@ -159,18 +164,23 @@ def plain_python(*args: str, timeout: float = 240,
 def _server(kind: str, python: str = sys.executable) -> Path | None:
     if os.environ.get("ODTD_TEST_FORK") == "0":
         return None
-    shared = os.environ.get(CLI_SERVER_VARIABLE) if kind == "cli" else None
+    shared = os.environ.get(SHARED_SERVER_VARIABLE.format(kind.upper()))
     if shared and python == sys.executable:
-        wait_for(lambda: Path(shared).exists(), 60, interval_s=0.05)
+        wait_for(lambda: Path(shared).exists(), 180, interval_s=0.05)
         return Path(shared)
     if (kind, python) not in _SERVERS:
-        directory = Path(tempfile.mkdtemp(prefix=kind, dir=_SERVERS.get("base")))
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2") if kind == "keras" else dict(os.environ)
-        server = start_worker_server(directory, env, (str(REPO / "tests" / "python_server.py"),
-                                                      kind), python)
-        wait_for(lambda: (directory / "sock").exists() or server.poll() is not None, 180, 0.1)
-        _SERVERS[kind, python] = server
+        _SERVERS[kind, python] = server = _start_python_server(kind, python, _SERVERS.get("base"))
+        wait_for(lambda: Path(server.args[-1]).exists() or server.poll() is not None, 180, 0.1)
     return Path(_SERVERS[kind, python].args[-1])
+
+
+def _start_python_server(kind: str, python: str, base: Path | None) -> subprocess.Popen:
+    """Start tests/python_server.py's ``kind`` server for ``python`` in a new directory in
+    ``base``; it listens once it has imported."""
+    directory = Path(tempfile.mkdtemp(prefix=kind, dir=base))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2") if kind == "keras" else dict(os.environ)
+    return start_worker_server(directory, env, (str(REPO / "tests" / "python_server.py"), kind),
+                               python)
 
 
 @pytest.fixture(scope="session", autouse=True)
