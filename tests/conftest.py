@@ -18,6 +18,8 @@ import pytest
 import python_server
 from PIL import Image
 
+from odtd.report.status import pid_alive
+
 REPO = Path(__file__).resolve().parents[1]
 # The CIFAR-10 JPEG archive is never part of the project: tests that need it skip without it.
 CIFAR = Path(os.environ.get("ODTD_CIFAR10", REPO.parent / "shared" / "datasets" / "cifar10-jpeg.tar.gz"))
@@ -122,7 +124,7 @@ def _worker_server(request):
     a worker started before would import TensorFlow itself, while the server does."""
     path = os.environ.get("ODTD_WORKER_SERVER")
     if path and any(item.get_closest_marker("trains") for item in request.session.items):
-        wait_for(lambda: Path(path).exists(), 180, interval_s=0.1)
+        listening(path)
     yield path
 
 
@@ -133,9 +135,20 @@ def start_worker_server(directory: Path, env: dict,
     serves with it), its log in ``directory/server.log``; it listens once it has imported
     TensorFlow."""
     with open(directory / "server.log", "wb") as log:
-        return subprocess.Popen([str(python), *command, str(directory / "sock")],
-                                stdout=subprocess.DEVNULL, stderr=log, stdin=subprocess.DEVNULL,
-                                cwd=REPO, env=env)
+        server = subprocess.Popen([str(python), *command, str(directory / "sock")],
+                                  stdout=subprocess.DEVNULL, stderr=log,
+                                  stdin=subprocess.DEVNULL, cwd=REPO, env=env)
+    (directory / "pid").write_text(str(server.pid))
+    return server
+
+
+def listening(socket_path: str | Path, timeout_s: float = 180) -> bool:
+    """Wait until the server started with ``start_worker_server`` listens on ``socket_path``;
+    False at once if it has died (its log says why), or after ``timeout_s``."""
+    socket_path = Path(socket_path)
+    pid = int((socket_path.parent / "pid").read_text())
+    return bool(wait_for(lambda: socket_path.exists() or not pid_alive(pid), timeout_s,
+                         interval_s=0.05)) and socket_path.exists()
 
 
 # This pytest worker's tests/python_server.py servers by kind, each started when a test first
@@ -166,11 +179,11 @@ def _server(kind: str, python: str = sys.executable) -> Path | None:
         return None
     shared = os.environ.get(SHARED_SERVER_VARIABLE.format(kind.upper()))
     if shared and python == sys.executable:
-        wait_for(lambda: Path(shared).exists(), 180, interval_s=0.05)
+        listening(shared)
         return Path(shared)
     if (kind, python) not in _SERVERS:
         _SERVERS[kind, python] = server = _start_python_server(kind, python, _SERVERS.get("base"))
-        wait_for(lambda: Path(server.args[-1]).exists() or server.poll() is not None, 180, 0.1)
+        listening(server.args[-1])
     return Path(_SERVERS[kind, python].args[-1])
 
 
@@ -185,8 +198,9 @@ def _start_python_server(kind: str, python: str, base: Path | None) -> subproces
 
 @pytest.fixture(scope="session", autouse=True)
 def _python_servers(tmp_path_factory):
-    """The servers of tests/python_server.py go in this pytest worker's temporary directory
-    (their logs: ``keras*/server.log``, ``cli*/server.log``) and stop at the end of the run."""
+    """The servers of tests/python_server.py this pytest worker starts itself (another Python's,
+    or every kind where the run shares none) go in its temporary directory (their logs:
+    ``keras*/server.log``, ``cli*/server.log``) and stop at the end of the run."""
     _SERVERS["base"] = tmp_path_factory.getbasetemp()
     yield
     for key, server in list(_SERVERS.items()):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, start_worker_server, wait_for
+from conftest import REPO, listening, start_worker_server, wait_for
 from test_worker import worker_command, write_job, write_samples
 
 from odtd.report.status import pid_alive
@@ -26,14 +26,13 @@ def server(tmp_path_factory):
     fixture returns."""
     shared = os.environ.get(SERVER_VARIABLE)
     if shared:
-        assert wait_for(lambda: Path(shared).exists(), 180, interval_s=0.1)
+        assert listening(shared), (Path(shared).parent / "server.log").read_text()
         yield Path(shared)
         return
     directory = tmp_path_factory.mktemp("forkserver")
     path = directory / "sock"
     process = start_worker_server(directory, environment())
-    wait_for(lambda: path.exists() or process.poll() is not None, 180, interval_s=0.1)
-    assert path.exists(), (directory / "server.log").read_text()
+    assert listening(path), (directory / "server.log").read_text()
     yield path
     process.terminate()
     assert process.wait(timeout=60) == 0

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import python_server
-from conftest import REPO, _server
+from conftest import REPO, _server, _start_python_server, listening
 
 SCRIPT = "import os, sys\nprint(sys.argv, sys.path[0] == os.path.dirname(os.path.abspath(__file__)))\n"
 COMMANDS = [
@@ -23,11 +23,22 @@ COMMANDS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The suite's ``cli`` server, or where the suite's are off this module's own."""
+    shared = _server("cli")
+    if shared is not None:
+        yield shared
+        return
+    own = _start_python_server("cli", sys.executable, tmp_path_factory.mktemp("cli"))
+    assert listening(own.args[-1])
+    yield own.args[-1]
+    own.terminate()
+    own.wait(timeout=60)
+
+
 @pytest.mark.parametrize("args", COMMANDS, ids=lambda args: " ".join(args)[:40])
-def test_a_forked_command_line_runs_as_a_fresh_python(args):
-    server = _server("cli")
-    if server is None:
-        pytest.skip("ODTD_TEST_FORK=0")
+def test_a_forked_command_line_runs_as_a_fresh_python(server, args):
     env = dict(os.environ, ODTD_PROBE="probe")
     fresh = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
                            cwd=REPO, timeout=60)
@@ -37,10 +48,7 @@ def test_a_forked_command_line_runs_as_a_fresh_python(args):
         fresh.returncode, fresh.stdout, fresh.stderr)
 
 
-def test_a_forked_script_and_an_exception(tmp_path):
-    server = _server("cli")
-    if server is None:
-        pytest.skip("ODTD_TEST_FORK=0")
+def test_a_forked_script_and_an_exception(server, tmp_path):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
     crash = ("-c", "def f():\n    raise ValueError('boom')\nf()")
@@ -53,10 +61,7 @@ def test_a_forked_script_and_an_exception(tmp_path):
     assert "ValueError: boom" in forked.stderr and 'line 2, in f' in forked.stderr
 
 
-def test_another_tensorflow_environment_runs_fresh():
-    server = _server("cli")
-    if server is None:
-        pytest.skip("ODTD_TEST_FORK=0")
+def test_another_tensorflow_environment_runs_fresh(server):
     env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0")
     assert python_server._forked(["-c", "pass"], env, REPO, 60, server) is None
     # A fresh interpreter: nothing the server imported is there.
