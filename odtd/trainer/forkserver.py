@@ -22,8 +22,8 @@ server imports may run a TensorFlow operation: a fork of a process whose runtime
 thread pools would wait on locks held by threads it does not have.
 
 What a server imports and what its forks run is a ``Program``; the worker's is the default. The
-tests serve another with the same machinery (tests/python_server.py: plain ``python -c`` runs
-that need TensorFlow and Keras but nothing of odtd's), asking for forks with ``request_fork``.
+tests serve others with the same machinery (tests/python_server.py: their ``odtctl`` calls, and
+checks that need TensorFlow and Keras but nothing of odtd's), asking with ``request_fork``.
 Standard library only; Python 3.6-compatible.
 """
 
