@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import atexit
 import importlib
-import json
 import os
 import runpy
 import signal
@@ -36,9 +35,11 @@ from typing import Callable, Optional
 
 from odtd.trainer import forkserver
 
-# What each kind of server imports before it forks.
+# What each kind of server imports before it forks, and the environment it and its runs get
+# beside the caller's (runs in another TensorFlow environment are refused).
 KINDS = {"keras": ("tensorflow", "keras"),
          "cli": ("odtd.cli", "numpy", "sqlite_utils", "PIL.Image", "yaml")}
+ENVIRONMENT = {"keras": {"TF_CPP_MIN_LOG_LEVEL": "2"}}
 
 
 class PlainPython(forkserver.Program):
@@ -98,30 +99,22 @@ def _forked(args, env, cwd, timeout, server,
             python=sys.executable) -> Optional[subprocess.CompletedProcess]:
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
             open(os.devnull, "rb") as null:
-        alive_read, alive_write = os.pipe()
+        fork = forkserver.request_fork(str(server), list(args), env, str(cwd),
+                                       [null.fileno(), out.fileno(), err.fileno()], python)
         try:
-            connection, replies, reply = forkserver.request_fork(
-                str(server), list(args), env, str(cwd),
-                [null.fileno(), out.fileno(), err.fileno(), alive_read], python)
-        finally:
-            os.close(alive_read)
-        try:
-            if "pid" not in reply:
+            if fork.pid is None:
                 return None
-            connection.settimeout(timeout)
             try:
-                ended = json.loads(replies.readline().decode("utf-8") or "{}")
+                code = fork.ended(timeout)
             except socket.timeout:
-                os.kill(reply["pid"], signal.SIGKILL)
+                os.kill(fork.pid, signal.SIGKILL)
                 raise subprocess.TimeoutExpired([python, *args], timeout) from None
         finally:
-            os.close(alive_write)
-            replies.close()
-            connection.close()
+            fork.close()
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(
-            [python, *args], ended.get("returncode", 1),
+            [python, *args], 1 if code is None else code,
             out.read().decode("utf-8", "replace"), err.read().decode("utf-8", "replace"))
 
 

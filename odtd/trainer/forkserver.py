@@ -112,35 +112,25 @@ def handed_over(args: List[str]) -> Optional[int]:
             pending.append(signum)
 
     previous = {signum: signal.signal(signum, forward) for signum in FORWARDED_SIGNALS}
-    alive_read, alive_write = os.pipe()  # the fork sees end-of-file on it when we are gone
-    try:
-        connection, replies, reply = request_fork(path, args, dict(os.environ), os.getcwd(),
-                                                  [0, 1, 2, alive_read])
-    finally:
-        os.close(alive_read)
-    if "pid" not in reply:  # no server, or it refused
-        if "refused" in reply:
+    fork = request_fork(path, args, dict(os.environ), os.getcwd(), [0, 1, 2])
+    if fork.pid is None:  # no server, or it refused
+        if fork.refused is not None:
             print("odtd worker: the worker server cannot run this job ({}); running it here"
-                  .format(reply["refused"]), file=sys.stderr, flush=True)
-        connection.close()
-        os.close(alive_write)
+                  .format(fork.refused), file=sys.stderr, flush=True)
+        fork.close()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         for signum in pending:
             os.kill(os.getpid(), signum)
         return None
-    target.append(int(reply["pid"]))
+    target.append(fork.pid)
     for signum in pending:
-        _kill(target[0], signum)
-    try:
-        ended = json.loads(replies.readline().decode("utf-8") or "{}")
-    except (OSError, ValueError):
-        ended = {}
-    if "returncode" not in ended:
-        print("odtd worker: the worker server closed before worker {} ended".format(target[0]),
+        _kill(fork.pid, signum)
+    code = fork.ended()  # this process holds the liveness pipe open until it exits
+    if code is None:
+        print("odtd worker: the worker server closed before worker {} ended".format(fork.pid),
               file=sys.stderr)
         return 1
-    code = int(ended["returncode"])
     if code < 0:
         sys.stdout.flush()
         if -code not in (signal.SIGKILL, signal.SIGSTOP):  # their handlers cannot be set
@@ -150,31 +140,69 @@ def handed_over(args: List[str]) -> Optional[int]:
     return code
 
 
-def request_fork(path: str, args: List[str], env: Dict[str, str], cwd: str, fds: List[int],
-                 executable: str = sys.executable):
+class Fork(object):
+    """A run asked of a server (``request_fork``).
+
+    ``pid`` is the fork's once one runs; None when the server refused (``refused`` says why)
+    or none answered. The fork exits 3 once ``close`` (or this process's end) closes the
+    liveness pipe whose read end it was given.
+    """
+
+    def __init__(self, connection: socket.socket, alive: int, sent: bool) -> None:
+        self._connection = connection
+        self._replies = connection.makefile("rb")
+        self._alive = alive
+        reply = self._read() if sent else {}
+        self.pid = int(reply["pid"]) if "pid" in reply else None  # type: Optional[int]
+        self.refused = reply.get("refused")  # type: Optional[str]
+
+    def ended(self, timeout: Optional[float] = None) -> Optional[int]:
+        """Wait for the fork's exit status (minus the signal that killed it).
+
+        None if the server closed first; ``socket.timeout`` after ``timeout`` seconds.
+        """
+        self._connection.settimeout(timeout)
+        code = self._read().get("returncode")
+        return None if code is None else int(code)
+
+    def close(self) -> None:
+        """Close the connection and the liveness pipe."""
+        self._replies.close()
+        self._connection.close()
+        if self._alive >= 0:
+            os.close(self._alive)
+            self._alive = -1
+
+    def _read(self) -> Dict[str, Any]:
+        try:
+            return json.loads(self._replies.readline().decode("utf-8") or "{}")
+        except socket.timeout:
+            raise
+        except (OSError, ValueError):
+            return {}
+
+
+def request_fork(path: str, args: List[str], env: Dict[str, str], cwd: str, stdio: List[int],
+                 executable: str = sys.executable) -> Fork:
     """Ask the server listening on ``path`` to fork a run of ``args`` in ``env`` and ``cwd``.
 
-    ``fds`` become the run's standard input, output and error, with the read end of a pipe only
-    the caller writes (the fork exits 3 once it is closed); ``executable`` is the Python the run
-    is for (a server runs only its own).
-
-    Returns:
-        ``(connection, replies, reply)``: the socket, its reply stream (the next line: how the
-        fork ended, ``{"returncode": N}``) and the first reply: ``{"pid": N}`` when a fork runs,
-        ``{"refused": WHY}``, or ``{}`` when no server answered.
+    The descriptors ``stdio`` become its standard input, output and error; ``executable`` is the
+    Python the run is for (a server runs only its own).
     """
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    replies = connection.makefile("rb")
+    alive_read, alive_write = os.pipe()  # the fork sees end-of-file on it when we are gone
     try:
         connection.connect(path)
         request = {"args": list(args), "env": env, "cwd": cwd, "executable": executable,
                    "pid": os.getpid()}
         connection.sendmsg([json.dumps(request).encode("utf-8") + b"\n"], [(
-            socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-        reply = json.loads(replies.readline().decode("utf-8") or "{}")
-    except (OSError, ValueError):
-        reply = {}
-    return connection, replies, reply
+            socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", list(stdio) + [alive_read]))])
+        sent = True
+    except OSError:  # no server listening
+        sent = False
+    finally:
+        os.close(alive_read)
+    return Fork(connection, alive_write, sent)
 
 
 def _kill(pid: int, signum: int) -> None:
