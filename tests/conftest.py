@@ -54,12 +54,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.trains)
     cache = getattr(config, "cache", None)
     known = cache.get(DURATIONS_KEY, {}) if cache is not None else {}
-    # A stable sort: every pytest worker collects the same order.
     # Without a last run: the tests that start a TensorFlow worker first (the long ones).
-    longest_first = sorted(items, key=lambda item: -known.get(
-        item.nodeid, 1.0 if item.get_closest_marker("trains") else 0.0))
-    workers = getattr(config, "workerinput", {}).get("workercount", 1)
-    items[:] = [item for turn in range(workers) for item in longest_first[turn::workers]]
+    items[:] = dealt_longest_first(items, lambda item: known.get(
+        item.nodeid, 1.0 if item.get_closest_marker("trains") else 0.0),
+        getattr(config, "workerinput", {}).get("workercount", 1))
+
+
+def dealt_longest_first(items: list, duration: Callable, workers: int) -> list:
+    """``items`` longest first, dealt out in turn into ``workers`` consecutive runs (a stable
+    sort: every pytest worker collects the same order)."""
+    longest = sorted(items, key=lambda item: -duration(item))
+    return [item for turn in range(workers) for item in longest[turn::workers]]
 
 
 def pytest_runtest_logreport(report):
@@ -73,10 +78,15 @@ def pytest_sessionfinish(session):
         cache.set(DURATIONS_KEY, {**cache.get(DURATIONS_KEY, {}), **_DURATIONS})
 
 
-# The servers every pytest worker shares, started by the process that starts them (pytest-xdist's
-# controller, or pytest itself without it) before they start, so they inherit the variables.
+# Servers on odtd/trainer/forkserver.py's machinery, by (kind, Python): "worker" (the worker
+# server) and tests/python_server.py's kinds. The ones every pytest worker shares are started by
+# the process that starts them (pytest-xdist's controller, or pytest itself without it) before
+# they start, so they inherit the sockets' paths; a pytest worker starts another Python's at its
+# first call. Each process stops its own and removes their directory at the end of the run.
 SHARED_SERVER_VARIABLE = "ODTD_TEST_{}_SERVER"  # for tests/python_server.py's kinds
-_SHARED: dict = {}
+_SERVERS: dict = {}
+_PLACE: list = []  # the directory this process's servers (and their server.log) go in
+_LISTENING: set = set()  # the sockets seen listening, not waited for again
 
 
 def pytest_configure(config):
@@ -93,29 +103,26 @@ def pytest_configure(config):
     """
     if hasattr(config, "workerinput") or os.environ.get("ODTD_TEST_FORK") == "0":
         return
-    _SHARED["directory"] = directory = Path(tempfile.mkdtemp(prefix="odtd-test-servers-"))
     kinds = ["cli"]
     if "not trains" not in (config.getoption("markexpr", "") or ""):
-        kinds.append("keras")
-        (directory / "worker").mkdir()
-        _SHARED["ODTD_WORKER_SERVER"] = start_worker_server(directory / "worker",
-                                                            dict(os.environ))
-        os.environ["ODTD_WORKER_SERVER"] = str(directory / "worker" / "sock")
+        kinds += ["worker", "keras"]
     for kind in kinds:
-        variable = SHARED_SERVER_VARIABLE.format(kind.upper())
-        _SHARED[variable] = _start_python_server(kind, sys.executable, directory)
-        os.environ[variable] = _SHARED[variable].args[-1]
+        variable = "ODTD_WORKER_SERVER" if kind == "worker" else \
+            SHARED_SERVER_VARIABLE.format(kind.upper())
+        os.environ[variable] = str(_start_server(kind, sys.executable))
 
 
 def pytest_unconfigure(config):
-    for variable, server in list(_SHARED.items()):
-        if variable != "directory":
-            del os.environ[variable]
-            server.terminate()
-            server.wait(timeout=60)
-    if "directory" in _SHARED:
-        shutil.rmtree(_SHARED.pop("directory"), ignore_errors=True)
-    _SHARED.clear()
+    for server in _SERVERS.values():
+        if server.poll() is not None:  # the tests then ran fresh processes, slower
+            log = Path(server.args[-1]).parent / "server.log"
+            print(f"\n{server.args[1:-1]} server exited early ({server.returncode}); "
+                  f"its log: {log.read_text()[-2000:]}", file=sys.stderr)
+        server.terminate()
+        server.wait(timeout=60)
+    _SERVERS.clear()
+    if _PLACE:
+        shutil.rmtree(_PLACE.pop(), ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -125,15 +132,13 @@ def _worker_server(request):
     path = os.environ.get("ODTD_WORKER_SERVER")
     if path and any(item.get_closest_marker("trains") for item in request.session.items):
         listening(path)
-    yield path
 
 
-def start_worker_server(directory: Path, env: dict,
-                        command: tuple = ("-m", "odtd.trainer.forkserver"),
-                        python: str = sys.executable) -> subprocess.Popen:
+def start_server(directory: Path, env: dict, command: tuple = ("-m", "odtd.trainer.forkserver"),
+                 python: str = sys.executable) -> subprocess.Popen:
     """Start ``python -m odtd.trainer.forkserver directory/sock`` (or another ``command`` that
-    serves with it), its log in ``directory/server.log``; it listens once it has imported
-    TensorFlow."""
+    serves with it), its log in ``directory/server.log`` and its pid in ``directory/pid``; it
+    listens once it has imported (``listening``)."""
     with open(directory / "server.log", "wb") as log:
         server = subprocess.Popen([str(python), *command, str(directory / "sock")],
                                   stdout=subprocess.DEVNULL, stderr=log,
@@ -143,70 +148,61 @@ def start_worker_server(directory: Path, env: dict,
 
 
 def listening(socket_path: str | Path, timeout_s: float = 180) -> bool:
-    """Wait until the server started with ``start_worker_server`` listens on ``socket_path``;
-    False at once if it has died (its log says why), or after ``timeout_s``."""
+    """Wait until a server listens on ``socket_path``; False at once if the one
+    ``start_server`` started there has died (its log says why), or after ``timeout_s``."""
     socket_path = Path(socket_path)
-    pid = int((socket_path.parent / "pid").read_text())
-    return bool(wait_for(lambda: socket_path.exists() or not pid_alive(pid), timeout_s,
-                         interval_s=0.05)) and socket_path.exists()
+    pid_file = socket_path.parent / "pid"
+    pid = int(pid_file.read_text()) if pid_file.exists() else None  # None: started by hand
+    wait_for(lambda: socket_path.exists() or (pid is not None and not pid_alive(pid)), timeout_s,
+             interval_s=0.05)
+    return socket_path.exists()
 
 
-# This pytest worker's tests/python_server.py servers by kind, each started when a test first
-# asks for it; "base": the directory they go in.
-_SERVERS: dict = {}
+def _start_server(kind: str, python: str) -> Path:
+    """Start the ``kind`` server for ``python`` (not waiting for it); its socket's path."""
+    if not _PLACE:
+        _PLACE.append(Path(tempfile.mkdtemp(prefix="odtd-test-servers-")))
+    directory = Path(tempfile.mkdtemp(prefix=kind, dir=_PLACE[0]))
+    if kind == "worker":
+        _SERVERS[kind, python] = start_server(directory, dict(os.environ), python=python)
+    else:
+        env = dict(os.environ, **python_server.ENVIRONMENT.get(kind, {}))
+        _SERVERS[kind, python] = start_server(
+            directory, env, (str(REPO / "tests" / "python_server.py"), kind), python)
+    return directory / "sock"
 
 
 def forked_python(kind: str, *args: str, env: dict | None = None, timeout: float = 240,
                   python: str = sys.executable) -> subprocess.CompletedProcess:
     """``python ARGS`` (``-c CODE ...``, ``-m MODULE ...`` or ``SCRIPT ...``) in REPO, its output
-    captured as text: forked from this pytest worker's server of that ``kind`` for that Python
-    (tests/python_server.py: ``keras`` imported TensorFlow and Keras and nothing of odtd's,
-    ``cli`` imported odtd's CLI; the shared ones where the run started them, else started at
-    the first call; ``ODTD_TEST_FORK=0`` for none), or a fresh process."""
-    env = dict(os.environ) if env is None else env
+    captured as text, in ``env`` with the ``kind``'s own variables: forked from the server of
+    that ``kind`` for that Python (tests/python_server.py: ``keras`` imported TensorFlow and
+    Keras and nothing of odtd's, ``cli`` imported odtd's CLI; the shared ones where the run
+    started them, else started at the first call; ``ODTD_TEST_FORK=0`` for none), or a fresh
+    process."""
+    env = dict(os.environ if env is None else env, **python_server.ENVIRONMENT.get(kind, {}))
     return python_server.run(list(args), env, REPO, timeout, _server(kind, python), python)
 
 
 def plain_python(*args: str, timeout: float = 240,
                  python: str = sys.executable) -> subprocess.CompletedProcess:
     """``python ARGS`` with TensorFlow's logging quiet, forked from the ``keras`` server."""
-    return forked_python("keras", *args, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
-                         timeout=timeout, python=python)
+    return forked_python("keras", *args, timeout=timeout, python=python)
 
 
 def _server(kind: str, python: str = sys.executable) -> Path | None:
+    """The socket of the ``kind`` server for ``python``, listening (None: ``ODTD_TEST_FORK=0``)."""
     if os.environ.get("ODTD_TEST_FORK") == "0":
         return None
     shared = os.environ.get(SHARED_SERVER_VARIABLE.format(kind.upper()))
-    if shared and python == sys.executable:
-        listening(shared)
-        return Path(shared)
-    if (kind, python) not in _SERVERS:
-        _SERVERS[kind, python] = server = _start_python_server(kind, python, _SERVERS.get("base"))
-        listening(server.args[-1])
-    return Path(_SERVERS[kind, python].args[-1])
-
-
-def _start_python_server(kind: str, python: str, base: Path | None) -> subprocess.Popen:
-    """Start tests/python_server.py's ``kind`` server for ``python`` in a new directory in
-    ``base``; it listens once it has imported."""
-    directory = Path(tempfile.mkdtemp(prefix=kind, dir=base))
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2") if kind == "keras" else dict(os.environ)
-    return start_worker_server(directory, env, (str(REPO / "tests" / "python_server.py"), kind),
-                               python)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _python_servers(tmp_path_factory):
-    """The servers of tests/python_server.py this pytest worker starts itself (another Python's,
-    or every kind where the run shares none) go in its temporary directory (their logs:
-    ``keras*/server.log``, ``cli*/server.log``) and stop at the end of the run."""
-    _SERVERS["base"] = tmp_path_factory.getbasetemp()
-    yield
-    for key, server in list(_SERVERS.items()):
-        if key != "base":
-            server.terminate()
-            server.wait(timeout=60)
+    path = Path(shared) if shared and python == sys.executable else None
+    if path is None and (kind, python) in _SERVERS:
+        path = Path(_SERVERS[kind, python].args[-1])
+    if path is None:
+        path = _start_server(kind, python)
+    if path not in _LISTENING and listening(path):
+        _LISTENING.add(path)
+    return path
 
 
 def wait_for(predicate, timeout_s: float, interval_s: float = 0.2):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, listening, start_worker_server, wait_for
+from conftest import REPO, listening, start_server, wait_for
 from test_worker import worker_command, write_job, write_samples
 
 from odtd.report.status import pid_alive
@@ -31,7 +31,7 @@ def server(tmp_path_factory):
         return
     directory = tmp_path_factory.mktemp("forkserver")
     path = directory / "sock"
-    process = start_worker_server(directory, environment())
+    process = start_server(directory, environment())
     assert listening(path), (directory / "server.log").read_text()
     yield path
     process.terminate()

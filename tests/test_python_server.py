@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import python_server
-from conftest import REPO, _server, _start_python_server, listening
+from conftest import REPO, _server, dealt_longest_first, listening, start_server
 
 SCRIPT = "import os, sys\nprint(sys.argv, sys.path[0] == os.path.dirname(os.path.abspath(__file__)))\n"
 COMMANDS = [
@@ -30,9 +30,10 @@ def server(tmp_path_factory):
     if shared is not None:
         yield shared
         return
-    own = _start_python_server("cli", sys.executable, tmp_path_factory.mktemp("cli"))
-    assert listening(own.args[-1])
-    yield own.args[-1]
+    directory = tmp_path_factory.mktemp("cli")
+    own = start_server(directory, dict(os.environ), (str(REPO / "tests" / "python_server.py"), "cli"))
+    assert listening(directory / "sock"), (directory / "server.log").read_text()
+    yield directory / "sock"
     own.terminate()
     own.wait(timeout=60)
 
@@ -68,3 +69,13 @@ def test_another_tensorflow_environment_runs_fresh(server):
     done = python_server.run(["-c", "import sys; print('sqlite_utils' in sys.modules)"], env,
                              REPO, 60, server)
     assert (done.returncode, done.stdout) == (0, "False\n")
+
+
+def test_the_longest_tests_are_dealt_out_first_to_each_pytest_worker():
+    durations = {"a": 1, "b": 50, "c": 3, "d": 40, "e": 0, "f": 30, "g": 0}
+    order = dealt_longest_first(list("abcdefg"), durations.get, 3)
+    # pytest-xdist gives the three workers consecutive runs, here b c g / d a / f e: each
+    # starts with one of the three longest.
+    assert order == ["b", "c", "g", "d", "a", "f", "e"]
+    assert sorted(order) == sorted(durations)
+    assert dealt_longest_first(list("abc"), durations.get, 1) == ["b", "c", "a"]
