@@ -17,11 +17,19 @@ admission does not use them with it).
 Energy per sample comes from odtd's telemetry over each arm's measured steps (on this machine
 the ``estimate`` backend: CPU utilisation times a power model, an estimate and labelled so).
 
+Peak RSS counts the pages of TensorFlow's libraries each process has touched (about 365 MB of
+``RssFile`` after ``import tensorflow`` on the development machine), which the kernel can drop
+and read again from the files; the anonymous memory (``RssAnon``: tensors, the heap, Python) is
+what a board must find. ``peak_anon_mb`` is the largest ``RssAnon`` of the arm's processes,
+read from ``/proc`` every 20 ms while the arm runs (a sample, so a spike shorter than that can
+be missed; the peaks of a training step last seconds).
+
     python scripts/bench_memory.py [--json] [--batch 64] [--bn frozen] [--rounds 2]
 
 Prints ``{"machine", "tensorflow", "batch_size", "bn", "arms": [{"arm", "peak_rss_mb",
-"samples_per_s", "energy_per_sample_j", "memory_vs_fit", "throughput_vs_fit"}]}`` with
-``--json`` (median over rounds of each figure; ratios against the ``keras_fit_fp32`` arm).
+"peak_anon_mb", "samples_per_s", "energy_per_sample_j", "memory_vs_fit", "anon_vs_fit",
+"throughput_vs_fit"}]}`` with ``--json`` (median over rounds of each figure; ratios against the
+``keras_fit_fp32`` arm).
 """
 
 import argparse
@@ -31,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -110,18 +119,76 @@ def run_plan(args, plan: str, data: Path, workdir: Path) -> dict:
 
 def summarise(arm: str, runs: list, batch_size: int) -> dict:
     """Median over rounds of peak RSS, samples/s (median step) and joules per sample."""
-    peaks, rates, joules = [], [], []
+    peaks, anons, rates, joules = [], [], [], []
     for run in runs:
         spans = run["spans"]
         peaks.append(run["peak_rss_mb"])
+        anons.append(run["peak_anon_mb"])
         rates.append(batch_size / statistics.median(end - start for start, end in spans))
         if run["energy_j"] is not None:
             joules.append(run["energy_j"] / (batch_size * len(spans)))
     return {"arm": arm, "peak_rss_mb": round(statistics.median(peaks), 1),
+            "peak_anon_mb": round(statistics.median(anons), 1),
             "samples_per_s": round(statistics.median(rates), 2),
             "energy_per_sample_j": round(statistics.median(joules), 4) if joules else None,
             "rounds": {"peak_rss_mb": [round(p, 1) for p in peaks],
+                       "peak_anon_mb": [round(a, 1) for a in anons],
                        "samples_per_s": [round(r, 2) for r in rates]}}
+
+
+class AnonPeak:
+    """The largest ``RssAnon`` (MB) of this process's descendants while in the ``with`` block."""
+
+    def __init__(self, interval_s: float = 0.02) -> None:
+        self.interval_s = interval_s
+        self.peak_mb = 0.0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> "AnonPeak":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _poll(self) -> None:
+        while not self._done.wait(self.interval_s):
+            for pid in descendants(os.getpid()):
+                self.peak_mb = max(self.peak_mb, status_kib(pid, "RssAnon:") / 1024)
+
+
+def descendants(pid: int) -> list:
+    """Every live descendant of ``pid`` (``/proc/PID/task/TID/children``)."""
+    found, queue = [], [pid]
+    while queue:
+        parent = queue.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as children:
+                    kids = [int(child) for child in children.read().split()]
+            except OSError:
+                continue
+            found.extend(kids)
+            queue.extend(kids)
+    return found
+
+
+def status_kib(pid: int, field: str) -> int:
+    """A ``kB`` field of ``/proc/PID/status``; 0 if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith(field):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def main() -> int:
@@ -167,20 +234,24 @@ def main() -> int:
                 for arm in runs:
                     print(f"round {round_index + 1}/{args.rounds}: {arm} ...", file=sys.stderr,
                           flush=True)
-                    run = run_fit(args, data, env) if arm == CONTROL else \
-                        run_plan(args, arm, data, Path(tmp))
+                    with AnonPeak() as anon:
+                        run = run_fit(args, data, env) if arm == CONTROL else \
+                            run_plan(args, arm, data, Path(tmp))
+                    run["peak_anon_mb"] = anon.peak_mb
                     # Now, while the sampler's ring still holds the run's samples.
                     spans = run["spans"]
                     sampler.wait_for_sample_after(spans[-1][1], timeout_s=1.0)
                     run["energy_j"] = sampler.energy_between(spans[0][0], spans[-1][1]).energy_j
                     runs[arm].append(run)
-                    print(f"  peak {run['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
+                    print(f"  peak {run['peak_rss_mb']:.0f} MB, anonymous {anon.peak_mb:.0f} MB",
+                          file=sys.stderr, flush=True)
             arms = [summarise(arm, arm_runs, args.batch) for arm, arm_runs in runs.items()]
     finally:
         sampler.stop()
     control = arms[0]
     for arm in arms:
         arm["memory_vs_fit"] = round(arm["peak_rss_mb"] / control["peak_rss_mb"], 3)
+        arm["anon_vs_fit"] = round(arm["peak_anon_mb"] / control["peak_anon_mb"], 3)
         arm["throughput_vs_fit"] = round(arm["samples_per_s"] / control["samples_per_s"], 3)
     import tensorflow as tf
 
@@ -194,10 +265,12 @@ def main() -> int:
         return 0
     print(f"{args.model} batch {args.batch}, odtd BatchNorm {args.bn}, on {report['machine']}, "
           f"TensorFlow {report['tensorflow']}, telemetry {report['telemetry']}")
-    print(f"{'arm':<26} {'peak MB':>8} {'x fit':>6} {'samples/s':>10} {'x fit':>6} {'J/sample':>9}")
+    print(f"{'arm':<26} {'peak MB':>8} {'x fit':>6} {'anon MB':>8} {'x fit':>6} "
+          f"{'samples/s':>10} {'x fit':>6} {'J/sample':>9}")
     for a in arms:
         joules = "-" if a["energy_per_sample_j"] is None else f"{a['energy_per_sample_j']:.4f}"
         print(f"{a['arm']:<26} {a['peak_rss_mb']:>8.0f} {a['memory_vs_fit']:>6.2f} "
+              f"{a['peak_anon_mb']:>8.0f} {a['anon_vs_fit']:>6.2f} "
               f"{a['samples_per_s']:>10.2f} {a['throughput_vs_fit']:>6.2f} {joules:>9}")
     return 0
 
