@@ -12,7 +12,6 @@ import logging
 from datetime import datetime, timedelta
 from typing import Any, Callable, Optional
 
-from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.cron import CronTrigger
 
 logger = logging.getLogger(__name__)
@@ -78,6 +77,11 @@ class Scheduler:
         misfire_grace_s: int = 12 * 3600,
         trigger: Any = None,
     ) -> None:
+        # Imported here: every odtctl command validates the schedule (``validate_cron``), and
+        # the scheduler's modules are most of apscheduler's import time, which only the daemon
+        # needs.
+        from apscheduler.schedulers.background import BackgroundScheduler
+
         self._run_session = run_session
         self._misfire_grace_s = misfire_grace_s
         self._scheduler = BackgroundScheduler(daemon=True)
