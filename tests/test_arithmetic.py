@@ -74,6 +74,23 @@ def test_a_number_divided_by_a_tensor_stays_refused():
         (node["config"]["name"], "operation node TrueDivide (a tensor op outside a layer)")]
 
 
+def test_a_layer_whose_config_has_no_trainable_is_not_taken_for_an_operation_node():
+    # Keras 3.15 writes SpatialDropout2D's config without "trainable" (as copied from its
+    # file); an operation node named like a layer has nothing but its name.
+    def node(cls, config):
+        return {"module": None, "class_name": cls, "config": config, "name": config["name"],
+                "inbound_nodes": [{"args": [{"class_name": "__keras_tensor__", "config": {
+                    "shape": [None, 8, 8, 4], "dtype": "float32",
+                    "keras_history": ["input_layer", 0, 0]}}], "kwargs": {"training": False}}]}
+
+    spatial = node("SpatialDropout2D", {"rate": 0.1, "seed": None, "name": "spatial_dropout2d",
+                                        "dtype": "float32", "data_format": "channels_last"})
+    bare = node("Multiply", {"name": "multiply"})
+    config = {"class_name": "Functional", "config": {"name": "m", "layers": [spatial, bare]}}
+    assert list(model_file.screen(config)) == [
+        ("multiply", "operation node Multiply (a tensor op outside a layer)")]
+
+
 def test_a_tensorflow_function_other_than_arithmetic_stays_refused():
     config = raw_config("k2")
     node = first(config["config"]["layers"], "TFOpLambda")

@@ -207,10 +207,11 @@ def screen(config):
                 return
             if ("inbound_nodes" in obj and isinstance(inner, dict) and cls != "InputLayer"
                     and cls not in MODEL_CLASSES
-                    and "trainable" not in inner):
+                    and "trainable" not in inner and "dtype" not in inner):
                 # Keras 3 writes a bare tensor op (x * 2.0) as {"class_name": "Multiply",
                 # "config": {"name": ...}}: in .h5 without a module, so it looks like the
-                # Multiply layer. Every real layer's config has "trainable".
+                # Multiply layer. A real layer's config has "dtype" (Keras 3's SpatialDropout2D
+                # has no "trainable") and nearly always "trainable"; an op's has neither.
                 yield here, "operation node {} (a tensor op outside a layer)".format(cls)
                 return
             if cls not in SAFE_LAYERS and cls not in SAFE_OBJECTS:
