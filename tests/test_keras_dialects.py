@@ -153,3 +153,46 @@ def test_tf_keras_2_files_keys_keras_3_refuses_and_tensorflows_initializers():
     sep = layers["sep"]["config"]
     assert "depthwise_initializer" in sep and "kernel_initializer" not in sep
     assert layers["probs"]["config"]["bias_initializer"]["class_name"] == "Constant"
+
+
+def test_keys_one_keras_writes_and_the_other_refuses_are_dropped_at_their_defaults():
+    # As each Keras writes them (Keras 3.15 and tf.keras 2.15 get_config; the keys the other's
+    # from_config refused were found by trying every allowed layer). Keras 3's layers without
+    # their (dict) nodes: only the settings are at stake.
+    keras3 = _functional("k3", [
+        _layer("InputLayer", "image", batch_shape=[None, 40, 40, 3]),
+        _layer("Resizing", "resize", height=32, width=32, interpolation="bilinear",
+               crop_to_aspect_ratio=False, data_format="channels_last",
+               pad_to_aspect_ratio=False, fill_mode="constant", fill_value=0.0,
+               antialias=False),
+        _layer("CenterCrop", "crop", height=30, width=30,
+               data_format="channels_last"),
+        _layer("LayerNormalization", "norm", axis=-1, rms_scaling=False),
+        _layer("SpatialDropout2D", "drop", rate=0.1, seed=None,
+               data_format="channels_last"),
+    ], ["image"], ["drop"])
+    layers = _by_name(to_keras2(keras3))
+    assert layers["resize"]["config"] == {"name": "resize", "dtype": "float32", "height": 32,
+                                          "width": 32, "interpolation": "bilinear",
+                                          "crop_to_aspect_ratio": False}
+    assert "data_format" not in layers["crop"]["config"]
+    assert "rms_scaling" not in layers["norm"]["config"]
+    assert layers["drop"]["config"]["data_format"] == "channels_last"  # tf.keras 2 has it
+    keras3["config"]["layers"][1]["config"]["antialias"] = True
+    with pytest.raises(ConversionError, match="layer resize: antialias=True has no equivalent"):
+        to_keras2(keras3)
+
+    keras2 = _functional("k2", [
+        _layer("InputLayer", "image", batch_input_shape=[None, 8, 8, 3]),
+        _layer("SpatialDropout2D", "drop", "image", trainable=True, rate=0.1, noise_shape=None,
+               seed=None, data_format="channels_last"),
+        _layer("Conv2DTranspose", "up", "drop", filters=4, kernel_size=[3, 3], groups=1),
+    ], ["image"], ["up"])
+    layers = _by_name(to_keras3(keras2))
+    drop = dict(layers["drop"]["config"], dtype=None)
+    assert drop == {"name": "drop", "dtype": None, "rate": 0.1, "seed": None,
+                    "data_format": "channels_last"}
+    assert "groups" not in layers["up"]["config"]
+    keras2["config"]["layers"][2]["config"]["groups"] = 2
+    with pytest.raises(ConversionError, match="layer up: groups=2 has no equivalent"):
+        to_keras3(keras2)

@@ -408,6 +408,18 @@ def test_peak_rss_reads_vmhwm_in_mib(tmp_path):
     assert worker.peak_rss_mb(str(status)) == 102400.0
 
 
+def test_a_worker_error_of_several_lines_is_said_in_one(tmp_path):
+    from odtd.trainer.launch import failure_reason
+
+    # As Keras words a configuration it cannot build (seen from tf.keras 2.15).
+    message = ("TypeError: Error when deserializing class 'Resizing' using config={...}.\n\n"
+               "Exception encountered: ('Keyword argument not understood:', 'data_format')")
+    reason = failure_reason(1, {"kind": "exception", "message": message}, tmp_path / "stderr")
+    assert reason == ("worker error (exception): TypeError: Error when deserializing class "
+                      "'Resizing' using config={...}. Exception encountered: ('Keyword argument "
+                      "not understood:', 'data_format')")
+
+
 def test_trainer_package_stays_python36_compatible():
     vermin = shutil.which("vermin", path=str(Path(sys.executable).parent)) or shutil.which(
         "vermin")

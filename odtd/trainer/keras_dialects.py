@@ -22,8 +22,11 @@ What differs between the dialects (found by loading each stack's files on the ot
   are matched to the file's by that name (``imported``).
 - per-layer keys: Keras 2 DepthwiseConv2D writes ``groups`` and SeparableConv2D the unused
   ``kernel_initializer``/``_regularizer``/``_constraint`` of its Conv base (Keras 3 rejects
-  them), Keras 3 Dense writes ``quantization_config``/lora keys, BatchNormalization
-  ``synchronized`` (not in TF 2.7), Normalization ``invert`` (not in TF 2.7), the
+  them), tf.keras 2's Conv2DTranspose ``groups`` and SpatialDropout ``trainable`` and
+  ``noise_shape`` (Keras 3 rejects them), Keras 3 Dense writes ``quantization_config``/lora
+  keys, BatchNormalization ``synchronized`` (not in TF 2.7), Normalization ``invert`` (not in
+  TF 2.7), Resizing, CenterCrop and ZeroPadding1D ``data_format`` and Resizing's padding and
+  antialiasing, LayerNormalization ``rms_scaling`` (not in tf.keras 2.15), the
   module/registered_name/build_config metadata.
 """
 import copy
@@ -37,6 +40,12 @@ DROP_FOR_KERAS2 = {
     "InputLayer": {"optional": False},
     "Conv2D": {"lora_rank": None, "lora_alpha": None},
     "DepthwiseConv2D": {"lora_rank": None, "lora_alpha": None},
+    # Keras 3's newer settings (each checked against tf.keras 2.15's from_config).
+    "LayerNormalization": {"rms_scaling": False},
+    "Resizing": {"data_format": "channels_last", "pad_to_aspect_ratio": False,
+                 "fill_mode": "constant", "fill_value": 0.0, "antialias": False},
+    "CenterCrop": {"data_format": "channels_last"},
+    "ZeroPadding1D": {"data_format": "channels_last"},
 }
 # Layer settings Keras 3 renamed: (class, Keras 3 key, Keras 2 key).
 KEYS_RENAMED_FOR_KERAS2 = [("LeakyReLU", "negative_slope", "alpha")]
@@ -50,6 +59,9 @@ DROP_FOR_KERAS3 = {
     "SeparableConv2D": {"groups": 1},
     "BatchNormalization": {"renorm": False, "renorm_clipping": None, "renorm_momentum": 0.99,
                            "fused": None, "virtual_batch_size": None, "adjustment": None},
+    "Conv2DTranspose": {"groups": 1},
+    "SpatialDropout1D": {"noise_shape": None},
+    "SpatialDropout2D": {"noise_shape": None},
 }
 # Keys a Keras 2 layer writes but never uses, which Keras 3 refuses: dropped whatever their
 # value. tf.keras 2's SeparableConv2D inherits Conv's kernel_* settings into its config (every
@@ -57,6 +69,9 @@ DROP_FOR_KERAS3 = {
 # depthwise and pointwise ones, with their own initializers, regularizers and constraints.
 INERT_FOR_KERAS3 = {
     "SeparableConv2D": ("kernel_initializer", "kernel_regularizer", "kernel_constraint"),
+    # Keras 3's SpatialDropout takes no "trainable" (it has no weights either way).
+    "SpatialDropout1D": ("trainable",),
+    "SpatialDropout2D": ("trainable",),
 }
 KERAS3_EMPTY_DEFAULT = {"fused": True}  # fused=True is also harmless for Keras 3 (dropped)
 

@@ -302,7 +302,10 @@ def worker_ran_out_of_memory(error: Optional[Dict[str, Any]], returncode: Option
 def failure_reason(returncode: Optional[int], error: Optional[Dict[str, Any]], stderr: Path) -> str:
     """Say in one line why a worker ended without a result."""
     if error is not None:
-        return "worker error ({}): {}".format(error.get("kind"), error.get("message"))
+        # Keras's messages span lines (a blank one, then "Exception encountered: ...").
+        lines = str(error.get("message")).splitlines()
+        return "worker error ({}): {}".format(
+            error.get("kind"), " ".join(line.strip() for line in lines if line.strip()))
     if returncode is not None and returncode < 0:
         name = signal.Signals(-returncode).name
         hint = " (the kernel's OOM killer, or a person)" if name == "SIGKILL" else ""
