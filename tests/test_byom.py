@@ -16,6 +16,8 @@ import pytest
 from conftest import REPO, built_once, odtctl, odtctl_json, plain_python
 from PIL import Image
 
+from odtd.errors import ModelError
+from odtd.home.spec import imported_name
 from odtd.trainer import model_file
 
 FIXTURES = REPO / "tests" / "fixtures" / "keras"
@@ -102,6 +104,19 @@ def test_damaged_and_foreign_files_are_refused(tmp_path):
     for path, expected in cases.items():
         with pytest.raises(model_file.ModelFileError, match=expected):
             model_file.read_screened(str(path))
+
+
+def test_a_model_name_from_the_file_is_made_safe_and_a_given_one_is_checked():
+    # keras.applications' Xception saved as xception.keras: the built-in network's name.
+    assert imported_name(None, "xception") == "xception-imported"
+    assert imported_name(None, "my flowers (v2)") == "my-flowers-v2"
+    assert imported_name(None, "_" + "a" * 80) == "a" * 55
+    assert imported_name(None, "...") == "model"
+    assert imported_name("flowers", "xception") == "flowers"
+    with pytest.raises(ModelError, match="--name 'xception' is a built-in network's name"):
+        imported_name("xception", "model")
+    with pytest.raises(ModelError, match="use up to 64 letters"):
+        imported_name("a" * 65, "model")
 
 
 @pytest.mark.parametrize("stack", ["k2", "k3"])

@@ -103,7 +103,7 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     p.add_argument("--model-file", metavar="FILE",
                    help="your own trained Keras image classifier, a .keras archive or an .h5 file")
     p.add_argument("--name", help="with --model-file: the model's name in the home (default: the "
-                                  "file's name)")
+                                  "file's name, with -imported if a built-in network has it)")
     p.add_argument("--input-scale", choices=["0-255", "0-1", "-1-1"],
                    help="with --model-file: the pixels the model takes (default 0-255, as "
                         "keras.utils.image_dataset_from_directory gives them to a model that "

@@ -134,7 +134,7 @@ def init_home(
         if input_size is not None:
             raise ConfigError("--input-size goes with --model; a --model-file has its own input "
                               "shape")
-        name = imported_name(name or model_file.stem)
+        name = imported_name(name, model_file.stem)
     else:
         check_model_name(model)
         if input_scale is not None or output is not None:

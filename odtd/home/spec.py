@@ -88,13 +88,19 @@ def check_model_name(name: str) -> None:
                          "or bring your own with --model-file FILE.keras|.h5")
 
 
-def imported_name(text: str) -> str:
-    """A safe directory name for an imported model (``--name``, or the file's stem).
+def imported_name(text: Optional[str], file_stem: str = "model") -> str:
+    """A safe directory name for an imported model: ``--name`` (``text``) or the file's stem.
+
+    A name taken from the file is made safe here: other characters become ``-``, it is cut to
+    64 characters, and a built-in network's name (``xception.keras``) gets ``-imported``.
 
     Raises:
-        ModelError: a name that is not letters, digits, ``_``, ``.`` or ``-``, or one that is
-            a built-in network's.
+        ModelError: a ``--name`` that is not up to 64 letters, digits, ``_``, ``.`` or ``-``,
+            or one that is a built-in network's.
     """
+    if text is None:
+        name = (re.sub(r"[^A-Za-z0-9_.-]+", "-", file_stem).strip("-._") or "model")[:55]
+        return f"{name}-imported" if name in catalog.MODELS else name
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-.") or "model"
     if not _NAME.match(name):
         raise ModelError(f"--name {text!r}: use up to 64 letters, digits, '_', '.' or '-'")
