@@ -1,7 +1,9 @@
-"""How ``bn_device_weight: auto`` picks a mixture: the rule, and its lazy scoring (no TensorFlow)."""
+"""How ``bn_device_weight: auto`` picks a mixture: the rule, and its lazy scoring (no TensorFlow);
+the compiled statistics passes behind it (TensorFlow in a child process)."""
 
 import numpy as np
 import pytest
+from conftest import tensorflow_report
 
 from odtd.trainer.batchnorm import AUTO_WEIGHTS, choose_mixture, choose_weight
 
@@ -99,3 +101,66 @@ def test_a_try_the_acceptance_test_refuses_is_not_scored_on_the_reference(seed):
                                      "0", "2")
         assert evaluation["by_group"] == {"0": full[kept]["0"]} and len(scored) == 5
         assert evaluation["accuracy"] == full[kept]["0"] and evaluation["samples"] == 30
+
+
+STATISTICS_SCRIPT = r"""
+import json
+import numpy as np
+import tensorflow as tf
+from odtd.trainer import batchnorm
+
+L = tf.keras.layers
+inp = tf.keras.Input((8, 8, 3))
+x = L.Conv2D(4, 3, padding="same")(inp)
+x = L.BatchNormalization(name="bn1")(x)
+x = L.ReLU()(x)
+x = tf.keras.Sequential([L.Conv2D(4, 3, padding="same"), L.BatchNormalization(name="bn2")],
+                        name="block")(x)
+model = tf.keras.Model(inp, L.Dense(3)(L.GlobalAveragePooling2D()(x)))
+bn1, bn2 = batchnorm.batchnorm_layers(tf, model)
+job = {"input_shape": [8, 8, 3], "input_scale": "0-1", "output": "logits"}
+rng = np.random.default_rng(0)
+device = rng.integers(0, 256, (20, 8, 8, 3), dtype=np.uint8)
+rehearsal = rng.integers(0, 128, (12, 8, 8, 3), dtype=np.uint8)
+statistics = [v for layer in (bn1, bn2) for v in (layer.moving_mean, layer.moving_variance)]
+moving = [v.numpy().copy() for v in statistics]
+
+def moments(layers, x, fresh):
+    if fresh:
+        batchnorm._COMPILED.clear()
+    out = batchnorm.batch_moments(tf, model, job, layers, x, 8, lambda: False)
+    return [np.concatenate(pair).tolist() for pair in out]
+
+def passes(fresh):
+    for v, value in zip(statistics, moving):
+        v.assign(value)
+    bn1.trainable = True  # adaptation: every layer measured, over both domains
+    out = [moments([bn1, bn2], device, fresh), moments([bn1, bn2], rehearsal, fresh)]
+    bn1.trainable = False  # recalibration: the trainable layers only
+    out.append(moments([bn2], device, fresh))
+    kept = all(np.array_equal(a, v.numpy()) for a, v in zip(moving, statistics))
+    bn1.trainable = True  # the same layer measured with bn1 training: another state
+    out.append(moments([bn2], device, fresh))
+    return out, kept
+
+cached, kept = passes(False)
+report = {"traces": len(batchnorm._COMPILED), "moving_kept": kept,
+          "retraced": max(f.experimental_get_tracing_count()
+                          for _, f in batchnorm._COMPILED.values())}
+fresh, _ = passes(True)
+report["gap"] = max(float(np.max(np.abs(np.array(a) - np.array(b))))
+                    for a, b in zip(cached, fresh))
+report["states_differ"] = float(np.max(np.abs(np.array(cached[2]) - np.array(cached[3]))))
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.trains
+def test_a_statistics_pass_is_traced_once_per_state_and_measures_what_a_fresh_one_does():
+    # A session measures batch statistics up to five times; each pass is compiled once per
+    # model, measured layers and trainable flags, and must measure what a fresh trace does.
+    report = tensorflow_report(STATISTICS_SCRIPT)
+    assert report["traces"] == 3 and report["retraced"] == 1
+    assert report["gap"] < 1e-6
+    assert report["states_differ"] > 1e-3  # bn2's inputs differ, so a stale trace would show
+    assert report["moving_kept"]

@@ -27,6 +27,11 @@ from odtd.trainer.evaluation import acceptance_group, score_group, score_rest
 from odtd.trainer.imported import leaf_layers
 
 Moments = List[Tuple[np.ndarray, np.ndarray]]
+# The compiled statistics passes of this process, by ``_statistics_key``: a session measures
+# batch statistics up to five times (adapting before and after training, each over the device's
+# and the rehearsed images, then recalibration), and tracing a large model's forward pass takes
+# seconds each time (MobileNetV2 at 64x64: about 5 s on the development CPU).
+_COMPILED = {}  # type: Dict[Tuple[Any, ...], Tuple[Any, Callable[[Any], Any]]]
 
 
 def batchnorm_layers(tf: Any, model: Any) -> List[Any]:
@@ -45,19 +50,12 @@ def batch_moments(tf: Any, model: Any, job: Any, layers: List[Any], x: np.ndarra
     Returns:
         One ``(mean, variance)`` pair per layer (float64), or None if a stop was requested.
     """
-    from odtd.trainer import networks
-
     kept = [(layer.moving_mean.numpy(), layer.moving_variance.numpy()) for layer in layers]
     momenta = [layer.momentum for layer in layers]
     for layer in layers:
         layer.momentum = 0.0  # after a forward pass, the moving statistics are that batch's
 
-    @networks.compiled([networks.images_spec(job)])
-    def batch_statistics(images: Any) -> Any:
-        networks.forward(model, images, job["input_scale"], job["output"], training=True)
-        return [(tf.identity(tf.convert_to_tensor(layer.moving_mean)),
-                 tf.identity(tf.convert_to_tensor(layer.moving_variance))) for layer in layers]
-
+    batch_statistics = _statistics_pass(tf, model, job, layers)
     sums = [[np.zeros_like(mean, dtype=np.float64), np.zeros_like(var, dtype=np.float64)]
             for mean, var in kept]
     try:
@@ -74,6 +72,32 @@ def batch_moments(tf: Any, model: Any, job: Any, layers: List[Any], x: np.ndarra
             layer.moving_mean.assign(mean)
             layer.moving_variance.assign(variance)
     return [(mean_sum / len(x), variance_sum / len(x)) for mean_sum, variance_sum in sums]
+
+
+def _statistics_pass(tf: Any, model: Any, job: Any, layers: List[Any]) -> Callable[[Any], Any]:
+    """The compiled forward pass that returns ``layers``' moving statistics after it.
+
+    Traced once per model, measured layers and trainable flags of every BatchNorm layer: a traced
+    BatchNormalization keeps the training behaviour of the flag it was traced with (a frozen
+    one normalises by its moving statistics), and its momentum (``batch_moments`` sets 0 before
+    every call).
+    """
+    from odtd.trainer import networks
+
+    key = (id(model), tuple(id(layer) for layer in layers),
+           tuple(bool(layer.trainable) for layer in batchnorm_layers(tf, model)),
+           tuple(job["input_shape"]), job["input_scale"], job["output"])
+    if key in _COMPILED:
+        return _COMPILED[key][1]
+
+    @networks.compiled([networks.images_spec(job)])
+    def batch_statistics(images: Any) -> Any:
+        networks.forward(model, images, job["input_scale"], job["output"], training=True)
+        return [(tf.identity(tf.convert_to_tensor(layer.moving_mean)),
+                 tf.identity(tf.convert_to_tensor(layer.moving_variance))) for layer in layers]
+
+    _COMPILED[key] = (model, batch_statistics)  # the model held: its id is not reused
+    return batch_statistics
 
 
 def assign_moments(layers: List[Any], moments: Moments) -> None:
