@@ -11,6 +11,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 from conftest import REPO, built_once, odtctl, odtctl_json, plain_python
@@ -18,7 +19,7 @@ from PIL import Image
 
 from odtd.errors import ModelError
 from odtd.home.spec import imported_name
-from odtd.trainer import model_file
+from odtd.trainer import model_config, model_file
 
 FIXTURES = REPO / "tests" / "fixtures" / "keras"
 CLASSES = {"cnn_softmax": "cat,dog,owl,fox", "gray_logits": "red,green,blue",
@@ -87,6 +88,49 @@ def test_inputs_that_are_not_images_are_refused(name, expected):
             model_file.read_screened(str(FIXTURES / stack / (name + ".h5")))
 
 
+def free_size(source: Path, out: Path) -> Path:
+    """A copy of a model file whose input has no height and width (its layers do not need one:
+    cnn_softmax ends in global pooling)."""
+    def freed(config: dict) -> dict:
+        for layer in config["config"]["layers"]:
+            if layer["class_name"] == "InputLayer":
+                key = "batch_shape" if "batch_shape" in layer["config"] else "batch_input_shape"
+                layer["config"][key] = [None, None, None, layer["config"][key][-1]]
+        return config
+
+    if source.suffix == ".h5":
+        out.write_bytes(source.read_bytes())
+        with h5py.File(out, "r+") as handle:
+            handle.attrs["model_config"] = json.dumps(
+                freed(json.loads(handle.attrs["model_config"])))
+        return out
+    with zipfile.ZipFile(source) as original, zipfile.ZipFile(out, "w") as copy:
+        for member in original.namelist():
+            data = original.read(member)
+            if member == "config.json":
+                data = json.dumps(freed(json.loads(data))).encode()
+            copy.writestr(member, data)
+    return out
+
+
+@pytest.mark.parametrize("stack", ["k2", "k3"])
+def test_a_model_of_free_size_is_built_at_the_size_given_and_a_fixed_one_keeps_its_own(
+        stack, tmp_path):
+    for suffix in (".keras", ".h5"):
+        fixed = FIXTURES / stack / ("cnn_softmax" + suffix)
+        free = free_size(fixed, tmp_path / ("free" + suffix))
+        with pytest.raises(model_file.ModelFileError, match="no fixed height and width; give the "
+                                                            "size the model was trained at"):
+            model_file.read_screened(str(free))
+        info, summary = model_file.read_screened(str(free), (40, 56))
+        assert summary["input_shape"] == (40, 56, 3)
+        assert model_config.input_shape(info["config"]) == (40, 56, 3)  # what later jobs build
+        with pytest.raises(model_file.ModelFileError,
+                           match="--input-size 32x32: the model's input is fixed at 48x64"):
+            model_file.read_screened(str(fixed), (32, 32))
+        assert model_file.read_screened(str(fixed), (48, 64))[1]["input_shape"] == (48, 64, 3)
+
+
 def test_damaged_and_foreign_files_are_refused(tmp_path):
     good = FIXTURES / "k3" / "cnn_softmax.keras"
     truncated = tmp_path / "truncated.keras"
@@ -144,10 +188,10 @@ def test_augmentation_becomes_identity_and_preprocessing_does_not_hide_a_rescali
         layer(augmentation, seed=3),
         layer("Resizing", height=32, width=32), layer("Rescaling", scale=1 / 255),
         layer("Dense", units=3, activation="softmax")]}}
-    summary = model_file.model_summary(config)
+    summary = model_config.model_summary(config)
     assert summary["rescales_input"] is True and summary["classes"] == 3
     assert list(model_file.screen(config)) == []
-    flip = model_file.without_augmentation(config)["config"]["layers"][1]
+    flip = model_config.without_augmentation(config)["config"]["layers"][1]
     assert flip["class_name"] == "Activation" and flip["registered_name"] is None
     assert flip["config"] == {"name": augmentation.lower(), "trainable": False,
                               "activation": "linear"}
@@ -156,7 +200,7 @@ def test_augmentation_becomes_identity_and_preprocessing_does_not_hide_a_rescali
     config["config"]["layers"][1] = layer("RandomCrop", height=8, width=8)
     assert list(model_file.screen(config)) == [("randomcrop", "class RandomCrop not on the allowlist")]
     config["config"]["layers"][2:4] = [layer("Resizing", height=32, width=32)]
-    assert model_file.model_summary(config)["rescales_input"] is False
+    assert model_config.model_summary(config)["rescales_input"] is False
 
 
 # -- through the CLI, with a worker -----------------------------------------------------------
@@ -318,6 +362,30 @@ def test_a_session_on_an_imported_model_and_its_export(models, tmp_path, name, s
     if summary["output"] == "softmax":
         assert np.allclose(out.sum(axis=1), 1.0, atol=1e-4)
     assert np.array_equal(out, original) == (session["outcome"] == "rolled_back")
+
+
+@pytest.mark.trains
+def test_a_free_size_model_file_trains_at_the_input_size_given(other_stack, tmp_path):
+    # The other Keras's cnn_softmax with its input's height and width taken out.
+    free = free_size(other_stack / "cnn_softmax.keras", tmp_path / "free.keras")
+    classes = CLASSES["cnn_softmax"]
+    home = tmp_path / "home"
+    refused = odtctl("init", "--model-file", str(free), "--classes", classes, home=home,
+                     check=False)
+    assert refused.returncode == 1 and "--input-size HxW" in refused.stderr
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and not (home / "odtd.db").exists()
+    summary = json.loads(odtctl("init", "--model-file", str(free), "--classes", classes,
+                                "--input-size", "48x64", "--json", home=home).stdout)
+    assert summary["input_shape"] == [48, 64, 3]
+    (home / "policy.yaml").write_text((REPO / "policies" / "tinycnn-test.yaml").read_text())
+    odtctl_json("ingest", str(photos(tmp_path / "day1", classes, 3, seed=2)), home=home)
+    session = odtctl_json("train-now", "--foreground", home=home)
+    assert session["steps"] > 0 and session["outcome"] in ("promoted", "rolled_back")
+    # Built at the size it was trained at, version 0 predicts what the file's model did.
+    v0 = tmp_path / "v0.keras"
+    odtctl("models", "export", "0", "--out", str(v0), home=home)
+    assert predict_max_diff([(v0, other_stack / "cnn_softmax.ref.npz")])[0] < 1e-5
 
 
 def _weights(path: Path, names) -> dict:

@@ -99,7 +99,8 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     p.add_argument("--input-size", metavar="HxW",
                    help="with --model: the network's input, HEIGHTxWIDTH in pixels or N for NxN "
                         "(default and least: 32x32, xception's 71x71; densenet40 and tinycnn "
-                        "take down to 4x4); images are fitted to it")
+                        "take down to 4x4); with --model-file: the size of a model whose input "
+                        "has none (keras.Input((None, None, 3))); images are fitted to it")
     p.add_argument("--model-file", metavar="FILE",
                    help="your own trained Keras image classifier, a .keras archive or an .h5 file")
     p.add_argument("--name", help="with --model-file: the model's name in the home (default: the "

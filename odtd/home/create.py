@@ -119,7 +119,9 @@ def init_home(
         output: ``logits`` or ``softmax``, overriding what is read from the model's last layer.
         progress: called with one-line progress messages.
         input_size: a built-in network's (height, width) in pixels, at least its
-            ``min_input_size``; None = the catalogue's default. Samples are fitted to it.
+            ``min_input_size``; None = the catalogue's default. Samples are fitted to it. With
+            ``model_file``: the size of a model whose input has no height and width (refused
+            for one that has them, unless the same).
 
     Raises:
         ConfigError: the home exists and ``force`` is not set, or an argument is invalid.
@@ -131,9 +133,6 @@ def init_home(
     if model_file is not None:
         if not model_file.is_file():
             raise ModelError(f"--model-file {model_file}: no such file")
-        if input_size is not None:
-            raise ConfigError("--input-size goes with --model; a --model-file has its own input "
-                              "shape")
         name = imported_name(name, model_file.stem)
     else:
         check_model_name(model)
@@ -164,7 +163,8 @@ def init_home(
     with tempfile.TemporaryDirectory(prefix="odtd-init-") as staging:
         stage = Path(staging)
         spec, result = stage_version0(config, stage, name, classes, model_file, weights, seed,
-                                      input_scale, output, say, input_shape=shape)
+                                      input_scale, output, say, input_shape=shape,
+                                      input_size=input_size if model_file is not None else None)
         # Read the validation images before touching the home, so a bad path loses nothing.
         val = validation_arrays
         if validation is not None:
@@ -252,6 +252,7 @@ def stage_version0(config: Config, stage: Path, name: str, classes: list[str],
                    model_file: Optional[Path], weights: Optional[Path], seed: int,
                    input_scale: Optional[str], output: Optional[str],
                    say: Callable[[str], None], input_shape: Optional[list[int]] = None,
+                   input_size: Optional[tuple[int, int]] = None,
                    ) -> tuple[ModelSpec, dict[str, Any]]:
     """Have a worker write version 0 into ``stage``; return the model's spec and the result.
 
@@ -260,7 +261,7 @@ def stage_version0(config: Config, stage: Path, name: str, classes: list[str],
     A built-in network is built at ``input_shape`` (default: the catalogue's) and initialised
     from ``seed`` or loaded with ``weights`` (which proves they fit it). A model file is
     screened, built from its configuration and given its own weights; its input shape and
-    output are read from it.
+    output are read from it (``input_size`` fixes the height and width of one that has none).
 
     Raises:
         ModelError: the worker refused the file or the weights (the worker's one-line reason).
@@ -270,7 +271,8 @@ def stage_version0(config: Config, stage: Path, name: str, classes: list[str],
         job = make_job("import", name, classes, None, model_file=str(model_file.resolve()),
                        weights_out=str(stage / "weights.npz"),
                        architecture_out=str(stage / ARCHITECTURE_NAME),
-                       original_out=str(stage / (ORIGINAL_STEM + suffix)))
+                       original_out=str(stage / (ORIGINAL_STEM + suffix)),
+                       input_size=None if input_size is None else list(input_size))
         say(f"reading {model_file} (screened: no code in it is run) ...")
     else:
         shape = input_shape or list(catalog.get(name).input_shape)

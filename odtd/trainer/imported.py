@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import numpy as np
 
-from odtd.trainer import keras_dialects, model_file
+from odtd.trainer import keras_dialects, model_config, model_file
 
 
 def keras_version(tf: Any) -> str:
@@ -48,7 +48,7 @@ def _tf_minor(tf: Any) -> Tuple[int, int]:
 def build_from_config(tf: Any, config: Dict[str, Any]) -> Any:
     """Screen ``config`` again, translate it to this Keras's dialect and build it (no weights).
 
-    Random augmentation layers are built as identity layers (``model_file.without_augmentation``).
+    Random augmentation layers are built as identity layers (``model_config.without_augmentation``).
 
     Raises:
         model_file.ModelFileError: the screen refuses it (never expected: ``init`` screened it).
@@ -56,10 +56,10 @@ def build_from_config(tf: Any, config: Dict[str, Any]) -> Any:
     """
     for layer, reason in model_file.screen(config):
         raise model_file.ModelFileError("layer {!r}: {}".format(layer, reason))
-    config = model_file.without_augmentation(config)  # a copy: the deserializers consume it
+    config = model_config.without_augmentation(config)  # a copy: the deserializers consume it
     if keras_major(tf) == 3:
         import keras
-        if model_file.dialect(config) == "keras2":
+        if model_config.dialect(config) == "keras2":
             config = keras_dialects.to_keras3(config)
         if "module" in config:  # .keras (v3 format) config: the public deserializer
             # safe_mode=True also refuses a Lambda should the screen ever miss one
@@ -70,7 +70,7 @@ def build_from_config(tf: Any, config: Dict[str, Any]) -> Any:
         with serialization_lib.SafeModeScope(True):
             return saving_utils.model_from_config(config)
     target = keras_dialects.to_keras2(config, _tf_minor(tf)) \
-        if model_file.dialect(config) == "keras3" else keras_dialects._strip_meta(config)
+        if model_config.dialect(config) == "keras3" else keras_dialects._strip_meta(config)
     return tf.keras.models.model_from_json(json.dumps(target))
 
 

@@ -64,6 +64,7 @@ JOB_KEYS = {
     "model_file": ("path", None),
     "architecture_out": ("path", None),
     "original_out": ("path", None),
+    "input_size": ("size", None),
     "export_to": ("path", None),
 }
 MODE_REQUIRES = {
@@ -127,6 +128,9 @@ _KINDS = {
                 and all(isinstance(name, str) for name in v)),
     "scope": ("all, head, batchnorm, or a positive number of layers",
               lambda v: v in ("all", "head", "batchnorm") or (_is_int(v) and v > 0)),
+    "size": ("[height, width] of positive integers",
+             lambda v: isinstance(v, list) and len(v) == 2
+             and all(_is_int(size) and size > 0 for size in v)),
     "shape": ("[height, width, channels] of positive integers",
               lambda v: isinstance(v, list) and len(v) == 3
               and all(_is_int(size) and size > 0 for size in v)),

@@ -332,7 +332,7 @@ def import_model(tf: Any, job: Dict[str, Any]) -> Tuple[Any, Dict[str, Any]]:
 
     path = job["model_file"]
     try:
-        info, summary = model_file.read_screened(path)
+        info, summary = model_file.read_screened(path, job["input_size"])
     except model_file.ModelFileError as error:
         raise BadModel(str(error)) from None
     # Written before building: Keras's deserializer consumes parts of the dict it is given.
