@@ -258,10 +258,12 @@ def read_screened(path, input_size=None):
             path, error)) from None
     shape = summary["input_shape"]
     if input_size is not None and shape is not None and len(shape) == 3:
-        if shape[:2] not in ((None, None), tuple(input_size)):
-            raise ModelFileError("{}: --input-size {}x{}: the model's input is fixed at {}x{}; "
-                                 "leave --input-size out".format(path, input_size[0],
-                                                                 input_size[1], *shape[:2]))
+        if any(size not in (None, given) for size, given in zip(shape[:2], input_size)):
+            raise ModelFileError("{}: --input-size {}x{}: the model's input is fixed at {}; "
+                                 "leave --input-size out".format(
+                                     path, input_size[0], input_size[1],
+                                     "x".join("?" if size is None else str(size)
+                                              for size in shape[:2])))
         fix_input_size(config, input_size)
         summary = model_summary(config)
         shape = summary["input_shape"]
@@ -279,6 +281,3 @@ def read_screened(path, input_size=None):
                              "ending in softmax probabilities or logits".format(
                                  path, summary["output_layer"], summary["output"]))
     return info, summary
-
-
-# ----- shape, output convention -------------------------------------------------------------
