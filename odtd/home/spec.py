@@ -92,7 +92,7 @@ def imported_name(text: Optional[str], file_stem: str = "model") -> str:
     """A safe directory name for an imported model: ``--name`` (``text``) or the file's stem.
 
     A name taken from the file is made safe here: other characters become ``-``, it is cut to
-    64 characters, and a built-in network's name (``xception.keras``) gets ``-imported``.
+    55 characters, and a built-in network's name (``xception.keras``) gets ``-imported``.
 
     Raises:
         ModelError: a ``--name`` that is not up to 64 letters, digits, ``_``, ``.`` or ``-``,
