@@ -22,13 +22,14 @@ import numpy as np
 from PIL import Image
 
 from odtd.daemon.control import request
+from odtd.trainer.launch import read_proc_mb
 
 
 def vm(pid: int, key: str) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024.0
-    raise KeyError(key)
+    value = read_proc_mb(key, Path(f"/proc/{pid}/status"))
+    if value is None:
+        raise KeyError(key)
+    return value
 
 
 def wait(predicate, timeout_s: float) -> None:

@@ -47,6 +47,7 @@ from bench_trainer import step_timer
 
 from odtd.profiling.profile import parse_plan as profile_plan
 from odtd.profiling.sweep import cpu_description
+from odtd.trainer.launch import read_proc_mb
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NUM_CLASSES = 10
@@ -156,7 +157,8 @@ class AnonPeak:
     def _poll(self) -> None:
         while not self._done.wait(self.interval_s):
             for pid in descendants(os.getpid()):
-                self.peak_mb = max(self.peak_mb, status_kib(pid, "RssAnon:") / 1024)
+                anon = read_proc_mb("RssAnon", Path(f"/proc/{pid}/status"))
+                self.peak_mb = max(self.peak_mb, anon or 0.0)
 
 
 def descendants(pid: int) -> list:
@@ -177,18 +179,6 @@ def descendants(pid: int) -> list:
             found.extend(kids)
             queue.extend(kids)
     return found
-
-
-def status_kib(pid: int, field: str) -> int:
-    """A ``kB`` field of ``/proc/PID/status``; 0 if the process is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith(field):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def main() -> int:

@@ -102,18 +102,14 @@ class WorkerRun:
 
         Read here rather than only reported by the worker, so even a killed worker has a figure.
         """
-        available = read_meminfo_mb("MemAvailable")
+        available = read_proc_mb("MemAvailable")
         if available is not None and (self.min_available_mb is None
                                       or available < self.min_available_mb):
             self.min_available_mb = round(available, 1)
-        try:
-            with open("/proc/{}/status".format(self.process.pid), encoding="ascii") as handle:
-                for line in handle:
-                    if line.startswith("VmHWM:"):
-                        self.peak_rss_mb = max(self.peak_rss_mb, int(line.split()[1]) / 1024.0)
-                        break
-        except (OSError, ValueError):
-            pass  # the process is gone between poll and read; its last figure stands
+        # None when the process is gone between poll and read: its last figure stands.
+        peak = read_proc_mb("VmHWM", Path("/proc/{}/status".format(self.process.pid)))
+        if peak is not None:
+            self.peak_rss_mb = max(self.peak_rss_mb, peak)
 
     def signal(self, signum: int) -> None:
         """Send a signal if the worker is still running."""
@@ -260,15 +256,19 @@ def diverged(result: Optional[Dict[str, Any]]) -> Optional[str]:
            "for this model?)".format(result.get("diverged_at_step"))
 
 
-def read_meminfo_mb(key: str, meminfo: Path = Path("/proc/meminfo")) -> Optional[float]:
-    """A ``/proc/meminfo`` field (``MemAvailable``, ``MemTotal``) in MB, or None."""
+def read_proc_mb(key: str, path: Path = Path("/proc/meminfo")) -> Optional[float]:
+    """A ``key: N kB`` field of a /proc file in MB, or None (no such field, or no such file).
+
+    ``/proc/meminfo`` (``MemAvailable``, ``MemTotal``) or a process's ``/proc/PID/status``
+    (``VmHWM``, ``RssAnon``; None once the process is gone).
+    """
     try:
-        with open(str(meminfo), encoding="ascii") as handle:
+        with open(str(path), encoding="ascii") as handle:
             for line in handle:
                 if line.startswith(key + ":"):
                     return int(line.split()[1]) / 1024.0
     except (OSError, ValueError):
-        logger.debug("no %s in %s", key, meminfo)
+        logger.debug("no %s in %s", key, path)
     return None
 
 
