@@ -88,14 +88,14 @@ def test_inputs_that_are_not_images_are_refused(name, expected):
             model_file.read_screened(str(FIXTURES / stack / (name + ".h5")))
 
 
-def free_size(source: Path, out: Path) -> Path:
-    """A copy of a model file whose input has no height and width (its layers do not need one:
-    cnn_softmax ends in global pooling)."""
+def free_size(source: Path, out: Path, width: int | None = None) -> Path:
+    """A copy of a model file whose input has no height and no ``width`` (its layers do not need
+    them: cnn_softmax ends in global pooling)."""
     def freed(config: dict) -> dict:
         for layer in config["config"]["layers"]:
             if layer["class_name"] == "InputLayer":
                 key = "batch_shape" if "batch_shape" in layer["config"] else "batch_input_shape"
-                layer["config"][key] = [None, None, None, layer["config"][key][-1]]
+                layer["config"][key] = [None, None, width, layer["config"][key][-1]]
         return config
 
     if source.suffix == ".h5":
@@ -129,6 +129,11 @@ def test_a_model_of_free_size_is_built_at_the_size_given_and_a_fixed_one_keeps_i
                            match="--input-size 32x32: the model's input is fixed at 48x64"):
             model_file.read_screened(str(fixed), (32, 32))
         assert model_file.read_screened(str(fixed), (48, 64))[1]["input_shape"] == (48, 64, 3)
+        # Free in height only: the width given must be the model's.
+        tall = free_size(fixed, tmp_path / ("tall" + suffix), width=64)
+        assert model_file.read_screened(str(tall), (40, 64))[1]["input_shape"] == (40, 64, 3)
+        with pytest.raises(model_file.ModelFileError, match="input is fixed at \\?x64"):
+            model_file.read_screened(str(tall), (40, 56))
 
 
 def test_damaged_and_foreign_files_are_refused(tmp_path):

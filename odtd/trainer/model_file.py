@@ -26,7 +26,13 @@ import os
 import zipfile
 
 from odtd.trainer import arithmetic, keras_dialects
-from odtd.trainer.model_config import AUGMENTATION_LAYERS, MODEL_CLASSES, fix_input_size, model_summary
+from odtd.trainer.model_config import (
+    AUGMENTATION_LAYERS,
+    MODEL_CLASSES,
+    fix_input_size,
+    input_shape,
+    model_summary,
+)
 
 # Classes a model file may name. Anything else (a Lambda, TFOpLambda, a custom or registered
 # class, a Keras-3 operation node, a function by module path) is refused, except the plain
@@ -252,21 +258,13 @@ def read_screened(path, input_size=None):
             "{}: layer {!r}: {}; code in a model file is not loaded: rebuild the model from "
             "built-in Keras layers and save it again".format(path, layer, reason))
     try:
+        if input_size is not None:
+            _size_input(path, config, input_size)
         summary = model_summary(config)
     except (ValueError, KeyError, IndexError, TypeError) as error:
         raise ModelFileError("{}: cannot read the model's input and output ({})".format(
             path, error)) from None
     shape = summary["input_shape"]
-    if input_size is not None and shape is not None and len(shape) == 3:
-        if any(size not in (None, given) for size, given in zip(shape[:2], input_size)):
-            raise ModelFileError("{}: --input-size {}x{}: the model's input is fixed at {}; "
-                                 "leave --input-size out".format(
-                                     path, input_size[0], input_size[1],
-                                     "x".join("?" if size is None else str(size)
-                                              for size in shape[:2])))
-        fix_input_size(config, input_size)
-        summary = model_summary(config)
-        shape = summary["input_shape"]
     if shape is None or len(shape) != 3 or shape[2] not in (1, 3):
         raise ModelFileError("{}: input shape {} is not an image: odtd trains models whose "
                              "input is (height, width, channels) with 1 or 3 channels".format(
@@ -281,3 +279,17 @@ def read_screened(path, input_size=None):
                              "ending in softmax probabilities or logits".format(
                                  path, summary["output_layer"], summary["output"]))
     return info, summary
+
+
+def _size_input(path, config, input_size):
+    """Build an image input's free height and width at ``input_size``; refuse another size."""
+    shape = input_shape(config)
+    if shape is None or len(shape) != 3:
+        return  # not an image: read_screened says so
+    if any(size not in (None, given) for size, given in zip(shape[:2], input_size)):
+        raise ModelFileError("{}: --input-size {}x{}: the model's input is fixed at {}; leave "
+                             "--input-size out".format(
+                                 path, input_size[0], input_size[1],
+                                 "x".join("?" if size is None else str(size)
+                                          for size in shape[:2])))
+    fix_input_size(config, input_size)
