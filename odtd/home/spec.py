@@ -99,8 +99,10 @@ def imported_name(text: Optional[str], file_stem: str = "model") -> str:
             or one that is a built-in network's.
     """
     if text is None:
-        name = (re.sub(r"[^A-Za-z0-9_.-]+", "-", file_stem).strip("-._") or "model")[:55]
-        return f"{name}-imported" if name in catalog.MODELS else name
+        suffix = "-imported"
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "-", file_stem).strip("-._") or "model"
+        name = name[:64 - len(suffix)]  # _NAME's 64, with room for the suffix
+        return name + suffix if name in catalog.MODELS else name
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-.") or "model"
     if not _NAME.match(name):
         raise ModelError(f"--name {text!r}: use up to 64 letters, digits, '_', '.' or '-'")
