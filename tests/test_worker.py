@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import built_once, tensorflow_report
 
-from odtd.trainer import catalog, worker
+from odtd.trainer import catalog, precision, worker
 
 pytestmark = pytest.mark.trains  # every test here runs the real worker
 
@@ -392,14 +392,30 @@ def test_exits_3_when_the_parent_is_not_parent_pid(tmp_path):
     assert code == 3 and events == []
 
 
-def test_auto_precision_follows_gpu_then_cpu_bf16_flags(tmp_path):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16\n")
-    assert worker.resolve_precision("auto", True, str(cpuinfo)) == "mixed_float16"
-    assert worker.resolve_precision("auto", False, str(cpuinfo)) == "mixed_bfloat16"
-    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\n")
-    assert worker.resolve_precision("auto", False, str(cpuinfo)) == "fp32"
-    assert worker.resolve_precision("mixed_float16", False, str(cpuinfo)) == "mixed_float16"
+def test_auto_precision_is_measured_once_and_kept_in_the_probe_file(tmp_path):
+    """On this machine's CPU: ``auto`` is fp32 without bfloat16 instructions; with them, the
+    worker times both and keeps the verdict, which the next job reads instead of measuring."""
+    probe = tmp_path / "precision.json"
+    job = dict(mode="init", precision="auto", precision_probe=str(probe))
+    code, events, stderr = run_worker(write_job(tmp_path, weights_out=str(tmp_path / "a.npz"),
+                                                **job))
+    assert code == 0, stderr
+    start = by_event(events, "start")[0]
+    _, flags = precision.cpu_identity()
+    if not flags & precision.BFLOAT16_FLAGS:
+        assert start["precision"] == "fp32" and not probe.exists()
+        assert start["precision_reason"] == "no bfloat16 instructions on this CPU"
+        return
+    verdict = json.loads(probe.read_text())
+    assert start["precision"] == verdict["precision"] == (
+        "mixed_bfloat16" if verdict["bfloat16_speedup"] >= precision.MIN_SPEEDUP else "fp32")
+    assert f"{verdict['bfloat16_speedup']:.2f}x" in start["precision_reason"]
+    verdict["precision"] = "mixed_bfloat16" if start["precision"] == "fp32" else "fp32"
+    probe.write_text(json.dumps(verdict))  # a kept verdict is read, not measured again
+    code, events, stderr = run_worker(write_job(tmp_path, weights_out=str(tmp_path / "b.npz"),
+                                                **job))
+    assert code == 0, stderr
+    assert by_event(events, "start")[0]["precision"] == verdict["precision"]
 
 
 def test_peak_rss_reads_vmhwm_in_mib(tmp_path):

@@ -31,7 +31,7 @@ class ProfileRow:
             1: every segment but the last; ``training.recompute``).
         status: ``ok``, or ``does_not_fit`` (OOM error, killed, crashed; see ``reason``).
         reason: Why the size does not fit, None when ok.
-        precision_resolved: What the worker ran (``auto`` -> ``mixed_bfloat16`` on this CPU).
+        precision_resolved: What the worker ran (``auto`` -> ``mixed_bfloat16`` or ``fp32`` on a CPU).
         samples_per_s: Throughput over the measured steps.
         step_s: Mean duration of a measured step in seconds.
         energy_per_sample_j: Board total joules per sample, None without telemetry.

@@ -125,7 +125,8 @@ def _profile_one(home: Home, store: Store, config: Config, sampler: Any, job_dir
         augment=training.augment, freeze_bn=training.freeze_bn,
         # Recalibration runs the model eagerly and can set a session's peak memory: profile it too.
         recalibrate_bn=training.recalibrate_bn, seed=training.seed, parent_pid=os.getpid(),
-        precision=precision, recompute=recompute, trainable=training.trainable,
+        precision=precision, precision_probe=str(home.precision_probe), recompute=recompute,
+        trainable=training.trainable,
         **spec.job_keys(home))
     seen: Dict[str, Any] = {}
 
@@ -133,6 +134,9 @@ def _profile_one(home: Home, store: Store, config: Config, sampler: Any, job_dir
         event = message.get("event")
         if event in ("start", "error"):
             seen[event] = message
+            if message.get("precision_reason"):
+                say(f"  batch {batch_size}: precision {precision} -> {message['precision']} "
+                    f"({message['precision_reason']})")
         elif event == "step" and (message["index"] + 1 == WARMUP_STEPS
                                   or (message["index"] + 1) % 5 == 0):
             say(f"  batch {batch_size}: step {message['index'] + 1}/{total_steps} "

@@ -251,6 +251,7 @@ class SessionRunner:
             confidence_z=self.policy.acceptance.confidence_z,
             seed=training.seed, parent_pid=os.getpid(),
             precision=plan.get("precision", training.precision),
+            precision_probe=str(self.home.precision_probe),
             recompute=float(plan.get("recompute") or 0), micro_batch_size=plan.get("micro_batch_size"),
             gpu_memory_limit_mb=training.gpu_memory_limit_mb,
             eval_batch_size=training.eval_batch_size, eval_cache=str(self.repo.eval_cache_path),
@@ -325,7 +326,10 @@ class SessionRunner:
 
         def on_message(message: dict[str, Any]) -> None:
             event = message.get("event")
-            if event == "step":
+            if event == "start" and message.get("precision_reason"):
+                self.progress(f"session {record.id}: precision auto -> {message['precision']} "
+                              f"({message['precision_reason']})")
+            elif event == "step":
                 if not steps or message.get("epoch") != steps[-1].get("epoch"):
                     self.progress(f"session {record.id}: epoch {message.get('epoch', 0) + 1}"
                                   f"/{record.epochs}")

@@ -115,9 +115,15 @@ class Trial:
     model_keys: dict[str, Any] = field(default_factory=dict)
 
     def job(self, mode: str, **keys: Any) -> dict[str, Any]:
-        """A worker job for this trial's network (``make_job``) at its precision."""
+        """A worker job for this trial's network (``make_job``) at its precision.
+
+        Every arm's precision ``auto`` is the same: the first job's measured verdict is kept in
+        ``work`` (``odtd.trainer.precision``).
+        """
         return make_job(mode, self.model, self.classes, self.input_shape,
-                        **{"precision": self.precision, **self.model_keys, **keys})
+                        **{"precision": self.precision,
+                           "precision_probe": str(self.work / "precision.json"),
+                           **self.model_keys, **keys})
 
     def run(self, job: dict[str, Any], metered: bool = False,
             on_message: Optional[Callable[[dict[str, Any]], None]] = None

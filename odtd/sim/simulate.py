@@ -236,7 +236,8 @@ def pretrain_base(home: Home, source: DataSource, options: SimulationOptions,
                 validation_data=str(home.validation_file()), batch_size=options.pretrain_batch_size,
                 epochs=options.pretrain_epochs, optimizer="sgd",
                 learning_rate=options.pretrain_learning_rate, momentum=0.9, augment=True,
-                seed=options.seed, precision=precision)
+                seed=options.seed, precision=precision,
+                precision_probe=str(home.precision_probe))
             total_steps = options.pretrain_epochs * -(-len(y) // options.pretrain_batch_size)
 
             def show(message: dict[str, Any]) -> None:

@@ -57,6 +57,7 @@ JOB_KEYS = {
     "seed": ("int", 0),
     "parent_pid": ("positive_int", None),
     "precision": ("str", "fp32"),
+    "precision_probe": ("path", None),
     "gpu_memory_limit_mb": ("positive_int", None),
     "eval_batch_size": ("positive_int", None),
     "eval_cache": ("path", None),
@@ -203,7 +204,7 @@ def load_job(path: str) -> Dict[str, Any]:
         if job[key] is not None and not os.path.isfile(job[key]):
             raise BadJob("{}: file {} does not exist".format(key, job[key]))
     for key in ("weights_out", "eval_cache", "eval_cache_out", "architecture_out",
-                "original_out", "export_to"):
+                "original_out", "export_to", "precision_probe"):
         out_dir = job[key] and os.path.dirname(os.path.abspath(job[key]))
         if out_dir and not os.path.isdir(out_dir):
             raise BadJob("{}: directory {} does not exist".format(key, out_dir))

@@ -40,6 +40,7 @@ from odtd.trainer import evalcache
 from odtd.trainer.data import load_dataset, load_device_mask, load_device_split, load_groups
 from odtd.trainer.evaluation import evaluate, make_eval_step
 from odtd.trainer.job import BadJob, load_job
+from odtd.trainer.precision import resolve_precision
 from odtd.trainer.training import train_and_evaluate
 
 EXIT_ERROR = 2
@@ -135,30 +136,6 @@ def peak_rss_mb(status_path: str = "/proc/self/status") -> float:
     return peak_kib / 1024.0
 
 
-def resolve_precision(requested: str, gpu_visible: bool, cpuinfo_path: str = "/proc/cpuinfo"
-                      ) -> str:
-    """Resolve the job's ``precision``, turning ``auto`` into a concrete choice.
-
-    ``auto`` is ``mixed_float16`` with a GPU, ``mixed_bfloat16`` on a CPU with native bfloat16
-    (``avx512_bf16`` or ``amx_bf16`` in the cpuinfo flags), else ``fp32``.
-    """
-    if requested != "auto":
-        return requested
-    if gpu_visible:
-        return "mixed_float16"
-    try:
-        with open(cpuinfo_path) as cpuinfo:
-            flags = set()
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    flags.update(line.split(":", 1)[-1].split())
-    except OSError as error:
-        print("odtd worker: cannot read {} ({}); precision fp32".format(cpuinfo_path, error),
-              file=sys.stderr)
-        return "fp32"
-    return "mixed_bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "fp32"
-
-
 def write_weights(weights: List[np.ndarray], path: str) -> None:
     """Write weights as ``w0000``, ``w0001``, ... to ``path`` atomically (temp, fsync, rename)."""
     temp_path = path + ".tmp"
@@ -240,12 +217,13 @@ def run(job: Dict[str, Any], data: Dict[str, Tuple[np.ndarray, np.ndarray]],
     from odtd.trainer import imported, networks
 
     gpu_visible = configure_gpus(tf, job["gpu_memory_limit_mb"])
-    precision = resolve_precision(job["precision"], gpu_visible)
+    precision, precision_reason = resolve_precision(job["precision"], gpu_visible, tf,
+                                                    job["precision_probe"])
     tf.keras.mixed_precision.set_global_policy(
         "float32" if precision == "fp32" else precision)
     emit("start", pid=os.getpid(), python=".".join(map(str, sys.version_info[:3])),
          tensorflow=tf.__version__, keras=imported.keras_version(tf), precision=precision,
-         t=time.monotonic())
+         precision_reason=precision_reason, t=time.monotonic())
 
     tf.keras.utils.set_random_seed(job["seed"])
     mode = job["mode"]
