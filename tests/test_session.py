@@ -104,6 +104,22 @@ def test_killed_worker_fails_cleanly_and_next_session_succeeds(home, tmp_path):
     assert again["outcome"] == "promoted"
 
 
+def test_a_session_goes_on_when_its_progress_reader_goes_away(home, tmp_path):
+    # `odtctl train-now --foreground 2>&1 | head -2`: the pipe closes after two progress lines.
+    write_images(tmp_path / "imgs", per_class=7)
+    odtctl("ingest", str(tmp_path / "imgs"), home=home)
+    env = dict(os.environ, ODTD_HOME=str(home))
+    cli = subprocess.Popen([sys.executable, "-m", "odtd.cli", "train-now", "--foreground", "--json"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    first = cli.stderr.readline()
+    assert first.startswith("session 1: ")
+    cli.stderr.close()  # the reader goes away; the next progress line meets a broken pipe
+    out = cli.stdout.read()
+    assert cli.wait(timeout=120) == 0
+    assert json.loads(out)["outcome"] == "promoted"
+    assert odtctl_json("history", home=home)[0]["outcome"] == "promoted"
+
+
 def test_second_session_is_refused_while_one_holds_the_lock(home):
     import fcntl
 

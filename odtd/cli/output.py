@@ -36,9 +36,21 @@ def emit(args: argparse.Namespace, data: Any, text: Optional[str] = None) -> Non
         print(text)
 
 
+_PROGRESS_CLOSED = []  # set once stderr is gone: the work goes on without progress lines
+
+
 def progress(message: str) -> None:
-    """Progress for long work goes to stderr, so ``--json`` output stays clean."""
-    print(message, file=sys.stderr, flush=True)
+    """Progress for long work goes to stderr, so ``--json`` output stays clean.
+
+    A reader that went away (``odtctl train-now --foreground 2>&1 | head``) ends the progress
+    lines, not the work: a session half done is not failed because nobody reads along.
+    """
+    if _PROGRESS_CLOSED:
+        return
+    try:
+        print(message, file=sys.stderr, flush=True)
+    except (BrokenPipeError, ValueError):  # ValueError: stderr was closed
+        _PROGRESS_CLOSED.append(True)
 
 
 def home_of(args: argparse.Namespace) -> Home:
