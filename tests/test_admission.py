@@ -128,6 +128,18 @@ def test_energy_budget_without_energy_figures_runs_with_a_note():
     assert a.reason == "energy budget not checked: the profile has no energy figures"
 
 
+def test_a_profile_of_another_board_or_power_mode_is_used_with_a_note():
+    profile = make_profile()  # measured on "Jetson TX2"
+    same = admit(policy(budget_mb=4000), profile, samples=100, board="Jetson TX2")
+    assert same.reason == "within budgets"
+    moved = admit(policy(budget_mb=4000), profile, samples=100,
+                  board="Jetson TX2 (nvpmodel MAXQ, mode 1)")
+    assert (moved.decision, moved.batch_size, moved.predicted_peak_mb) == (RUN, 16, 1800.0)
+    assert moved.reason == ("the profile was measured on Jetson TX2, this device is Jetson TX2 "
+                            "(nvpmodel MAXQ, mode 1) now: its figures may not hold here; run "
+                            "`odtctl profile` again")
+
+
 def test_no_profile_runs_unchecked():
     a = admit(policy(budget_mb=100, budget_j=1), None, samples=100)
     assert (a.decision, a.batch_size, a.predicted_time_s) == (RUN, 16, None)

@@ -215,6 +215,7 @@ def _session_samples(policy: Policy, counts: Dict[str, int], override: Optional[
 
 
 def _explain(args: argparse.Namespace) -> int:
+    from odtd.profiling.sweep import board_description
     from odtd.session.admission import Plan, admit, memory_problem, predict
 
     context = _profile_context(args)
@@ -224,7 +225,8 @@ def _explain(args: argparse.Namespace) -> int:
     profile = context["profile"] if context else None
     samples = _session_samples(policy, context["counts"] if context else {}, args.samples)
     epochs, precision = policy.training.epochs, policy.training.precision
-    admission = admit(policy, profile, samples["total"], context["oom_limit"] if context else None)
+    admission = admit(policy, profile, samples["total"], context["oom_limit"] if context else None,
+                      board=board_description())
     gates = check_gates(policy.gates, force_file=home.run / FORCE_CLOSED_FILE)
     data: Dict[str, Any] = {"policy": str(path), "profile_id": None, "memory_model": None,
                             "samples": samples, "epochs": epochs, "predictions": [],

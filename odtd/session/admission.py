@@ -247,7 +247,8 @@ def choose_plan(policy: Policy, profile: ProfileResult, size: int, sizes: List[i
 
 
 def admit(policy: Policy, profile: Optional[ProfileResult], samples: int,
-          oom_limit: Optional[int] = None, accumulator_mb: float = 0.0) -> Admission:
+          oom_limit: Optional[int] = None, accumulator_mb: float = 0.0,
+          board: Optional[str] = None) -> Admission:
     """Decide batch size, plan and epochs of a session of ``samples`` (new + replay) samples.
 
     The policy's batch size is kept when any plan fits it (the batch size sets how the model
@@ -262,6 +263,8 @@ def admit(policy: Policy, profile: Optional[ProfileResult], samples: int,
             it are not tried again).
         accumulator_mb: Memory a micro-batched step adds for the summed gradients (the
             trainable weights in float32).
+        board: This device as ``odtctl profile`` names it (``board_description``); a profile
+            taken on another board or power mode is used, with a note in the reason.
 
     Returns:
         The admission; ``decision`` is ``skip`` when no batch size fits the memory budget or
@@ -319,6 +322,9 @@ def admit(policy: Policy, profile: Optional[ProfileResult], samples: int,
             f"the cheapest for objective {policy.objective}")))
     budget_j = policy.energy.budget_j
     notes = []
+    if board and profile.board and board != profile.board:
+        notes.append(f"the profile was measured on {profile.board}, this device is {board} now: "
+                     "its figures may not hold here; run `odtctl profile` again")
     if batch.memory_budget_mb is not None and prediction.peak_mb is None:
         notes.append("memory budget not checked: "
                      f"{profile.memory_fit(plan.precision, plan.recompute).reason}")
@@ -379,9 +385,11 @@ def admit_session(store: Store, policy: Policy, samples: int) -> Admission:
     versions = store.model_versions(model)
     # Micro-batches sum their gradients in float32: at most one copy of the weights.
     weights = versions[0]["param_count"] if versions else None
+    from odtd.profiling.sweep import board_description  # the trainer's job module with it
+
     return admit(policy, ProfileResult.from_store(store, model), samples,
                  learned_oom_limit(store, model),
-                 accumulator_mb=(weights or 0) * 4 / 2 ** 20)
+                 accumulator_mb=(weights or 0) * 4 / 2 ** 20, board=board_description())
 
 
 # -- running out of memory during a session ----------------------------------------------------
