@@ -1,5 +1,6 @@
 """`odtctl profile` with real worker processes (tinycnn), and `odtctl policy` on what it writes."""
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ import yaml
 from conftest import REPO, built_once, odtctl, odtctl_json
 
 from odtd.policy import load_policy
+from odtd.profiling.sweep import board_description
 
 # Stands in for trainer.python: the real interpreter, except that for batch 3 the process is
 # killed by SIGKILL before it starts, as the kernel's OOM killer ends a worker that is too big.
@@ -111,3 +113,12 @@ def test_validate_failures_are_one_precise_line(profiled, tmp_path):
 def test_schema_lists_every_section():
     schema = odtctl_json("policy", "schema")
     assert {"batch", "energy", "gates", "training"} <= set(schema["properties"])
+
+
+def test_the_board_is_the_device_tree_model_else_the_cpu(tmp_path):
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "cpuinfo").write_text("processor\t: 0\nmodel name\t: Some Xeon\n")
+    assert board_description(tmp_path).endswith(", Some Xeon, " + f"{os.cpu_count()} CPUs")
+    (tmp_path / "proc" / "device-tree").mkdir()
+    (tmp_path / "proc" / "device-tree" / "model").write_bytes(b"NVIDIA Jetson TX2 Developer Kit\0")
+    assert board_description(tmp_path) == "NVIDIA Jetson TX2 Developer Kit"

@@ -220,11 +220,15 @@ def cpu_description(root: Path = Path("/")) -> str:
 
 
 def board_description(root: Path = Path("/")) -> str:
-    """Describe the board: the device-tree model (or the CPU architecture), plus nvpmodel mode."""
+    """Describe the board: the device-tree model, plus the nvpmodel mode where there is one.
+
+    Without a device tree (a PC, a VM): the CPU (``cpu_description``), so a profile taken on
+    another processor is told apart from this one's.
+    """
     try:
         board = (root / "proc/device-tree/model").read_bytes().rstrip(b"\0").decode().strip()
     except (OSError, UnicodeDecodeError):
-        board = platform.machine()
+        board = cpu_description(root)
     nvpmodel = shutil.which("nvpmodel") if root == Path("/") else None
     if nvpmodel:
         try:
