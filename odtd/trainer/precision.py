@@ -3,11 +3,11 @@
 ``auto`` is ``mixed_float16`` with a GPU. On a CPU it is ``mixed_bfloat16`` only where bfloat16
 is both native (``avx512_bf16`` or ``amx_bf16`` in the cpuinfo flags) and measured faster: a
 CPU that has the instructions does not always run bfloat16 convolutions faster than float32 ones
-(an Intel Xeon with avx512_bf16 and no AMX ran DenseNet40's training step at 0.83x of its
-float32 speed in bfloat16). So the first ``auto`` on such a CPU times a convolution's forward
-and backward pass in both (``measure_bfloat16_speedup``, about two seconds) and keeps the
-verdict in the job's ``precision_probe`` file, keyed by the CPU and the TensorFlow build; later
-jobs read it. Delete the file to measure again.
+(on an Intel Xeon with avx512_bf16 and no AMX, DenseNet40's training step in bfloat16 ran at
+0.82-0.83x the samples/s of Keras's float32 fit). So the first ``auto`` on such a CPU times a
+convolution's forward and backward pass in both (``measure_bfloat16_speedup``, about 3 s) and
+keeps the verdict in the job's ``precision_probe`` file, keyed by the CPU and the TensorFlow
+build; later jobs read it. Delete the file to measure again.
 
 Standard library and TensorFlow (passed in) only; Python 3.6-compatible.
 """
@@ -57,7 +57,7 @@ def measure_bfloat16_speedup(tf: Any, shapes: Any = PROBE_SHAPES, rounds: int = 
     steps = {}
     for dtype in (tf.float32, tf.bfloat16):
         for shape in shapes:
-            batch, height, width, channels = shape
+            channels = shape[3]
             images = tf.random.stateless_normal(shape, seed=(1, 2))
             kernel = tf.random.stateless_normal((3, 3, channels, channels), seed=(3, 4)) * 0.05
             steps[(dtype, shape)] = (_conv_step(tf, dtype), images, kernel)
