@@ -241,12 +241,16 @@ def pretrain_base(home: Home, source: DataSource, options: SimulationOptions,
             total_steps = options.pretrain_epochs * -(-len(y) // options.pretrain_batch_size)
 
             def show(message: dict[str, Any]) -> None:
-                if message.get("event") == "step" and (message["index"] + 1) % 25 == 0:
+                if message.get("event") == "start" and message.get("precision_reason"):
+                    progress(f"pre-training: precision auto -> {message['precision']} "
+                             f"({message['precision_reason']})")
+                elif message.get("event") == "step" and (message["index"] + 1) % 25 == 0:
                     progress(f"pre-training: step {message['index'] + 1}/{total_steps}, "
                              f"loss {message['loss']:.3f}")
 
-            progress(f"pre-training {model} on {len(y)} server images, {options.pretrain_epochs} "
-                     "epochs (stands in for the server) ...")
+            epochs = options.pretrain_epochs
+            progress(f"pre-training {model} on {len(y)} server images, {epochs} "
+                     f"epoch{'' if epochs == 1 else 's'} (stands in for the server) ...")
             result, _, _ = run_job(config.trainer.command(), job, Path(tmp), on_message=show)
             version, manifest = repo.add_version(
                 Path(tmp) / "pretrained.npz", classes=store.meta("classes"),
