@@ -78,3 +78,14 @@ def test_an_unwritable_probe_file_still_resolves(tmp_path, measured, capsys):
     cpuinfo.write_text(BF16_CPU)
     assert resolve(cpuinfo, tmp_path / "missing-dir" / "p.json")[0] == "fp32"
     assert "cannot keep the precision probe" in capsys.readouterr().err
+
+
+def test_only_a_start_event_of_precision_auto_is_said():
+    from odtd.trainer.launch import precision_said
+
+    start = {"event": "start", "precision": "fp32",
+             "precision_reason": "bfloat16 convolutions measured at 0.56x float32's speed"}
+    assert precision_said(start) == ("precision auto -> fp32 (bfloat16 convolutions measured at "
+                                     "0.56x float32's speed)")
+    assert precision_said(dict(start, precision_reason=None)) is None  # not auto
+    assert precision_said(dict(start, event="step")) is None

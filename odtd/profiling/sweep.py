@@ -29,7 +29,8 @@ from odtd.session.lock import SessionLock
 from odtd.store.database import Store, utc_now
 from odtd.trainer import catalog
 from odtd.trainer.job import make_job
-from odtd.trainer.launch import WARMUP_STEPS, run_job
+from odtd.trainer.launch import WARMUP_STEPS, precision_said, run_job
+from odtd.trainer.precision import cpu_identity
 
 logger = logging.getLogger(__name__)
 
@@ -134,9 +135,8 @@ def _profile_one(home: Home, store: Store, config: Config, sampler: Any, job_dir
         event = message.get("event")
         if event in ("start", "error"):
             seen[event] = message
-            if message.get("precision_reason"):
-                say(f"  batch {batch_size}: precision {precision} -> {message['precision']} "
-                    f"({message['precision_reason']})")
+            if said := precision_said(message):
+                say(f"  batch {batch_size}: {said}")
         elif event == "step" and (message["index"] + 1 == WARMUP_STEPS
                                   or (message["index"] + 1) % 5 == 0):
             say(f"  batch {batch_size}: step {message['index'] + 1}/{total_steps} "
@@ -208,14 +208,7 @@ def _write_data(home: Home, store: Store, path: Path, count: int, input_shape: L
 
 def cpu_description(root: Path = Path("/")) -> str:
     """Describe the CPU, e.g. ``x86_64, AMD EPYC, 2 CPUs``: what benchmark figures ran on."""
-    model = platform.processor() or platform.machine()
-    try:
-        for line in (root / "proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        logger.debug("no %s: the CPU model comes from platform", root / "proc/cpuinfo")
+    model = cpu_identity(str(root / "proc/cpuinfo"))[0] or platform.processor() or platform.machine()
     return f"{platform.machine()}, {model}, {os.cpu_count()} CPUs"
 
 

@@ -39,7 +39,7 @@ from odtd.session.replay_buffer import choose_replay
 from odtd.store.database import Store
 from odtd.store.records import SessionRecord
 from odtd.trainer.job import make_job
-from odtd.trainer.launch import WARMUP_STEPS, WorkerEnd, WorkerRun, write_job
+from odtd.trainer.launch import WARMUP_STEPS, WorkerEnd, WorkerRun, precision_said, write_job
 
 logger = logging.getLogger(__name__)
 
@@ -326,9 +326,8 @@ class SessionRunner:
 
         def on_message(message: dict[str, Any]) -> None:
             event = message.get("event")
-            if event == "start" and message.get("precision_reason"):
-                self.progress(f"session {record.id}: precision auto -> {message['precision']} "
-                              f"({message['precision_reason']})")
+            if said := precision_said(message):
+                self.progress(f"session {record.id}: {said}")
             elif event == "step":
                 if not steps or message.get("epoch") != steps[-1].get("epoch"):
                     self.progress(f"session {record.id}: epoch {message.get('epoch', 0) + 1}"

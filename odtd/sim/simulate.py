@@ -32,7 +32,7 @@ from odtd.sim.shifts import Shift, get_shift
 from odtd.store.database import Store
 from odtd.telemetry.meter import SessionEnergyMeter, running_sampler
 from odtd.trainer.job import make_job
-from odtd.trainer.launch import run_job
+from odtd.trainer.launch import precision_said, run_job
 
 
 @dataclass
@@ -241,9 +241,8 @@ def pretrain_base(home: Home, source: DataSource, options: SimulationOptions,
             total_steps = options.pretrain_epochs * -(-len(y) // options.pretrain_batch_size)
 
             def show(message: dict[str, Any]) -> None:
-                if message.get("event") == "start" and message.get("precision_reason"):
-                    progress(f"pre-training: precision auto -> {message['precision']} "
-                             f"({message['precision_reason']})")
+                if said := precision_said(message):
+                    progress(f"pre-training: {said}")
                 elif message.get("event") == "step" and (message["index"] + 1) % 25 == 0:
                     progress(f"pre-training: step {message['index'] + 1}/{total_steps}, "
                              f"loss {message['loss']:.3f}")

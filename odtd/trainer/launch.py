@@ -248,6 +248,16 @@ def run_job(
     return end.result, end.steps, end.peak_rss_mb
 
 
+def precision_said(message: Dict[str, Any]) -> Optional[str]:
+    """``precision auto -> fp32 (why)`` from a worker's ``start`` event, or None.
+
+    None for any other message, and for a precision that was not ``auto`` (no reason given).
+    """
+    if message.get("event") != "start" or not message.get("precision_reason"):
+        return None
+    return "precision auto -> {} ({})".format(message["precision"], message["precision_reason"])
+
+
 def diverged(result: Optional[Dict[str, Any]]) -> Optional[str]:
     """Why a train job's result has no candidate when its training diverged, else None."""
     if (result or {}).get("status") != "diverged":

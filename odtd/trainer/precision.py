@@ -30,7 +30,10 @@ PROBE_REPS = 4
 
 
 def cpu_identity(cpuinfo_path: str = "/proc/cpuinfo") -> Tuple[str, frozenset]:
-    """The CPU's model name and its cpuinfo flags (empty when the file cannot be read)."""
+    """The CPU's model name and its cpuinfo flags (``""`` and none when the file is unreadable).
+
+    Also what ``odtctl profile`` names a machine by (``odtd.profiling.sweep.cpu_description``).
+    """
     name, flags = "", set()
     try:
         with open(cpuinfo_path) as cpuinfo:
@@ -41,9 +44,8 @@ def cpu_identity(cpuinfo_path: str = "/proc/cpuinfo") -> Tuple[str, frozenset]:
                     flags.update(value.split())
                 elif key == "model name" and not name:
                     name = value.strip()
-    except OSError as error:
-        print("odtd worker: cannot read {} ({}); precision auto is fp32".format(
-            cpuinfo_path, error), file=sys.stderr)
+    except OSError:
+        pass  # no flags: precision auto is fp32, and says why
     return name, frozenset(flags)
 
 

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from odtd.trainer import forkserver
@@ -40,6 +41,7 @@ from odtd.trainer import evalcache
 from odtd.trainer.data import load_dataset, load_device_mask, load_device_split, load_groups
 from odtd.trainer.evaluation import evaluate, make_eval_step
 from odtd.trainer.job import BadJob, load_job
+from odtd.trainer.launch import read_proc_mb
 from odtd.trainer.precision import resolve_precision
 from odtd.trainer.training import train_and_evaluate
 
@@ -124,16 +126,8 @@ def peak_rss_mb(status_path: str = "/proc/self/status") -> float:
 
     The larger of ``getrusage`` ``ru_maxrss`` (KiB on Linux) and ``VmHWM`` from ``status_path``.
     """
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    try:
-        with open(status_path) as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    peak_kib = max(peak_kib, int(line.split()[1]))
-    except OSError as error:
-        print("odtd worker: no {} ({}); using getrusage".format(status_path, error),
-              file=sys.stderr)
-    return peak_kib / 1024.0
+    rusage_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return max(rusage_mb, read_proc_mb("VmHWM", Path(status_path)) or 0.0)
 
 
 def write_weights(weights: List[np.ndarray], path: str) -> None:
