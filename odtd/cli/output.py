@@ -36,7 +36,7 @@ def emit(args: argparse.Namespace, data: Any, text: Optional[str] = None) -> Non
         print(text)
 
 
-_PROGRESS_CLOSED = []  # set once stderr is gone: the work goes on without progress lines
+_progress_closed = False  # set once stderr is gone: the work goes on without progress lines
 
 
 def progress(message: str) -> None:
@@ -45,12 +45,13 @@ def progress(message: str) -> None:
     A reader that went away (``odtctl train-now --foreground 2>&1 | head``) ends the progress
     lines, not the work: a session half done is not failed because nobody reads along.
     """
-    if _PROGRESS_CLOSED:
+    global _progress_closed
+    if _progress_closed:
         return
     try:
         print(message, file=sys.stderr, flush=True)
     except (BrokenPipeError, ValueError):  # ValueError: stderr was closed
-        _PROGRESS_CLOSED.append(True)
+        _progress_closed = True
 
 
 def home_of(args: argparse.Namespace) -> Home:

@@ -385,7 +385,9 @@ def admit_session(store: Store, policy: Policy, samples: int) -> Admission:
     versions = store.model_versions(model)
     # Micro-batches sum their gradients in float32: at most one copy of the weights.
     weights = versions[0]["param_count"] if versions else None
-    from odtd.profiling.sweep import board_description  # the trainer's job module with it
+    # Imported here: sweep brings the worker's job and launch modules, which admission's pure
+    # functions (and `policy explain` without a home) do not need.
+    from odtd.profiling.sweep import board_description
 
     return admit(policy, ProfileResult.from_store(store, model), samples,
                  learned_oom_limit(store, model),
