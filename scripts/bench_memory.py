@@ -17,12 +17,13 @@ admission does not use them with it).
 Energy per sample comes from odtd's telemetry over each arm's measured steps (on this machine
 the ``estimate`` backend: CPU utilisation times a power model, an estimate and labelled so).
 
-Peak RSS counts the pages of TensorFlow's libraries each process has touched (about 365 MB of
-``RssFile`` after ``import tensorflow`` on the development machine), which the kernel can drop
-and read again from the files; the anonymous memory (``RssAnon``: tensors, the heap, Python) is
-what a board must find. ``peak_anon_mb`` is the largest ``RssAnon`` of the arm's processes,
-read from ``/proc`` every 20 ms while the arm runs (a sample, so a spike shorter than that can
-be missed; the peaks of a training step last seconds).
+Peak RSS counts the pages of TensorFlow's libraries each process has touched (``RssFile``: 365
+MB after ``import tensorflow`` on an AMD EPYC, 485 MB after it and building DenseNet40 on an
+Intel Xeon), which the kernel can drop and read again from the files; the anonymous memory
+(``RssAnon``: tensors, the heap, Python) is what a board must find. ``peak_anon_mb`` is the
+largest ``RssAnon`` of the arm's processes, read from ``/proc`` every 20 ms while the arm runs
+(a sample, so a spike shorter than that can be missed; the peaks of a training step last
+seconds).
 
     python scripts/bench_memory.py [--json] [--batch 64] [--bn frozen] [--rounds 2]
 
