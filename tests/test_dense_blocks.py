@@ -96,9 +96,9 @@ report["statistics_gap"] = max(float(np.max(np.abs(a - b))) for a, b in zip(plai
 report["statistics_moved"] = max(
     float(np.max(np.abs(a - np.array(v)))) for a, v in
     zip(plain[2], [v for v in model.weights if "moving" in v.name]))
-# The same with Keras 3's BatchNormalization on the fused kernel, as the worker trains it when
-# recomputing (tf.keras 2 fuses by itself: nothing to patch there).
-report["fused"] = fuse(tf, model, float32=True)
+# The same with Keras 3's BatchNormalization on the fused kernel, as the worker trains it
+# (tf.keras 2 fuses by itself: nothing to patch there).
+report["fused"] = fuse(tf, model)
 report["keras"] = keras_major(tf)
 plain, lean = step(model, model, images, labels), step(model, checkpointed, images, labels)
 report["fused_gradient_gap"] = max(float(np.max(np.abs(a - b))) for a, b in zip(plain[1], lean[1]))

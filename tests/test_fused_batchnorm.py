@@ -3,7 +3,8 @@
 The models run in a subprocess (TensorFlow stays out of the test process): two copies of one
 model with the same weights, one fused, take the same SGD steps in float32 and mixed_bfloat16;
 the losses, every weight and the moving statistics must agree, and the fused copy's step must
-really contain the fused op (so the comparison can fail). Under tf.keras 2 nothing is changed.
+really contain the fused op (so the comparison can fail). Under tf.keras 2 the layers are left
+as they are. On both, a float32 layer that trains fused turns Grappler's remapper off.
 """
 
 
@@ -37,13 +38,14 @@ rng = np.random.default_rng(0)
 batches = [(rng.normal(size=(16, 12, 12, 3)).astype("float32"), rng.integers(0, 3, 16))
            for _ in range(3)]
 report = {"keras": keras_major(tf)}
-for policy in ("float32", "mixed_bfloat16"):
+for policy in ("mixed_bfloat16", "float32"):  # the order the remapper is left on, then off
     tf.keras.mixed_precision.set_global_policy(policy)
     tf.keras.utils.set_random_seed(1)
     models = [build(), build()]
     models[1].set_weights(models[0].get_weights())
-    default = fused_batchnorm.fuse(tf, models[1])  # what the worker does: mixed precision only
-    fused = fused_batchnorm.fuse(tf, models[1], float32=True)
+    fused = fused_batchnorm.fuse(tf, models[1])
+    apart = fused_batchnorm.keep_relu_apart(tf, models[1])
+    remapping = tf.config.optimizer.get_experimental_options().get("remapping")
     losses, ops = [], []  # per model, in order: the plain one, the fused one
     for model in models:
         sgd = tf.keras.optimizers.SGD(0.1, momentum=0.9)
@@ -66,9 +68,9 @@ for policy in ("float32", "mixed_bfloat16"):
             float(np.max(np.abs(a.numpy() - b.numpy())) / max(np.max(np.abs(a.numpy())), 0.1))
             for a, b in zip(models[0].weights, models[1].weights)}
     moved = float(np.max(np.abs(models[0].get_layer("bn_default").moving_variance.numpy() - 1.0)))
-    report[policy] = {"default": default, "fused": fused, "fused_op": ops,
+    report[policy] = {"fused": fused, "apart": apart, "remapping": remapping, "fused_op": ops,
                       "losses": losses, "gaps": gaps, "moved": moved,
-                      "again": fused_batchnorm.fuse(tf, models[1], float32=True)}
+                      "again": fused_batchnorm.fuse(tf, models[1])}
 print(json.dumps(report))
 """
 
@@ -79,14 +81,16 @@ def test_fused_batchnorm_trains_as_keras_own_and_only_where_it_applies():
     for policy, tolerance in (("float32", 1e-4), ("mixed_bfloat16", 2e-2)):
         result = report[policy]
         if report["keras"] == 2:  # tf.keras 2 fuses by itself: both copies run the fused op
-            assert result["default"] == result["fused"] == 0 and result["fused_op"] == [True, True]
+            assert result["fused"] == 0 and result["fused_op"] == [True, True]
         else:
             # The 4-D layers with a usable epsilon, the nested one too; not the 2-D one or
             # the one whose epsilon the kernel would raise; fusing twice changes nothing.
             assert result["fused"] == result["again"] == 2
-            # By default the worker fuses under mixed precision only.
-            assert result["default"] == (2 if policy == "mixed_bfloat16" else 0)
             assert result["fused_op"] == [False, True]
+        # A float32 layer training fused on the CPU keeps Grappler from merging it with its
+        # ReLU (for the process, so float32 runs last); under mixed precision nothing changes.
+        assert result["apart"] is (policy == "float32")
+        assert result["remapping"] is (False if policy == "float32" else None)
         plain, fused = result["losses"]
         assert max(abs(a - b) for a, b in zip(plain, fused)) < tolerance * max(plain), result
         assert result["moved"] > 0.01  # the moving statistics really moved ...

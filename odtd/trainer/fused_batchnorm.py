@@ -9,14 +9,20 @@ part of a step: fused, a mixed_bfloat16 step ran 1.16x, 1.22x and 1.28x the samp
 16, 32 and 64 and peaked lower (docs/memory.md, "Fused BatchNorm under Keras 3").
 
 ``fuse(tf, model)`` makes every Keras 3 BatchNormalization of ``model`` (nested ones too) that
-normalises a 4-D channels-last input under mixed precision (a float16 or bfloat16 compute
-dtype) run the fused op when it trains. In float32 the worker keeps Keras's code: there the
-fused kernel ran 1.05x the samples/s but peaked 12% higher at batch 64 (DenseNet40 on the
-development CPU, `odtctl profile`: 2,265 MB fused against 2,023), and memory is what a board
-runs out of first; but when the job recomputes (``recompute.Checkpointed``), where only one
-layer's activations are alive at a time, the fused kernel is the leaner of the two (DenseNet40's
-dense blocks at batch 64: 1,103-1,115 MB against 1,195-1,230 in a hand-written step, and faster)
-and the worker fuses float32 layers too.
+normalises a 4-D channels-last input in float32, float16 or bfloat16 run the fused op when it
+trains.
+
+In float32 the fused op meets Grappler's remapper, which merges a training FusedBatchNorm with
+the ReLU after it into one oneDNN primitive (batch normalization with a fused ReLU); that
+primitive keeps more for the backward pass: DenseNet40's recipe at batch 64 peaked at 2,285 MB
+against 1,992 MB without the merge, and ran no faster (docs/memory.md, "Fused BatchNorm in
+float32"). ``keep_relu_apart`` turns the remapper off for the process (a worker runs one job, so it is
+that job's setting) when a float32 layer trains fused on a CPU: Keras 3's once fused, and
+tf.keras 2's, which fuse by themselves (on TensorFlow 2.15 the same recipe peaked 17-21% lower
+at batch 64 without the merge). Under mixed precision the cast between the two ops keeps them
+apart already. With both, DenseNet40 trained in float32 1.22-1.24x the samples/s of Keras 3's
+own layer at batch 16-64 (an Intel Xeon, by hand), at the same peak. Before, float32 layers
+kept Keras's code (the merged kernel peaked 12-14% higher at batch 64).
 
 The fused computation is Keras 3's: the input normalised in float32 by the batch's mean and
 biased variance, gamma and beta applied, the output in the layer's compute dtype, and the
@@ -36,27 +42,23 @@ from odtd.trainer.batchnorm import batchnorm_layers
 from odtd.trainer.imported import keras_major
 
 MIN_EPSILON = 1.001e-5  # below it the fused kernel would normalise by another epsilon
-REDUCED = ("float16", "bfloat16")  # the compute dtypes fused by default
+COMPUTE_DTYPES = ("float32", "float16", "bfloat16")  # the kernel computes in float32: not float64
 
 
-def fusable(layer: Any, float32: bool = False) -> bool:
-    """Whether a Keras 3 BatchNormalization's training mode is the fused kernel's computation.
-
-    Only layers that compute in float16 or bfloat16, unless ``float32`` allows float32 too.
-    """
+def fusable(layer: Any) -> bool:
+    """Whether a Keras 3 BatchNormalization's training mode is the fused kernel's computation."""
     return (getattr(layer, "_reduction_axes", None) == [0, 1, 2]
-            and (float32 or str(layer.compute_dtype) in REDUCED)
+            and str(layer.compute_dtype) in COMPUTE_DTYPES
             and not getattr(layer, "renorm", False)
             and not getattr(layer, "synchronized", False)
             and layer.epsilon >= MIN_EPSILON)
 
 
-def fuse(tf: Any, model: Any, float32: bool = False) -> int:
+def fuse(tf: Any, model: Any) -> int:
     """Train ``model``'s fusable BatchNormalization layers with the fused kernel.
 
     Call it once the model is built (the layers know their input's rank). A layer already fused
-    is left as it is. ``float32`` fuses float32 layers too (the tests compare the two
-    computations there, where rounding does not hide a difference).
+    is left as it is.
 
     Returns:
         How many layers run fused when they train (0 under tf.keras 2).
@@ -65,12 +67,38 @@ def fuse(tf: Any, model: Any, float32: bool = False) -> int:
         return 0
     count = 0
     for layer in batchnorm_layers(tf, model):
-        if not fusable(layer, float32):
+        if not fusable(layer):
             continue
         if not getattr(layer.call, "fused_batchnorm", False):
             layer.call = _fused_call(tf, layer, layer.call)
         count += 1
     return count
+
+
+def keep_relu_apart(tf: Any, model: Any) -> bool:
+    """On a CPU, stop Grappler merging a float32 fused BatchNorm that trains with its ReLU.
+
+    Applies when a trainable BatchNormalization of ``model`` trains with the fused kernel in
+    float32 (Keras 3's once ``fuse`` ran, tf.keras 2's own) and no GPU is visible: then the
+    remapper is turned off for the process, a worker's one job. Call it after ``fuse`` and the
+    trainable scope are set, before the training step is traced. Turning the remapper off also
+    leaves its other fusions undone (a convolution with its bias and activation, for one) in
+    the functions traced from then on. On a GPU the remapper merges the two in float16 only,
+    and its convolution fusions are worth more there: nothing is changed.
+
+    Returns:
+        Whether the remapper was turned off.
+    """
+    if tf.config.list_logical_devices("GPU"):
+        return False
+    fused = "fused_batchnorm" if keras_major(tf) >= 3 else None
+    for layer in batchnorm_layers(tf, model):
+        if not layer.trainable or str(layer.compute_dtype) != "float32":
+            continue
+        if getattr(layer.call, fused, False) if fused else getattr(layer, "fused", False):
+            tf.config.optimizer.set_experimental_options({"remapping": False})
+            return True
+    return False
 
 
 def _fused_call(tf: Any, layer: Any, own: Callable[..., Any]) -> Callable[..., Any]:

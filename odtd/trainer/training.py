@@ -35,7 +35,7 @@ from odtd.trainer.evaluation import (
     refusal_check,
     score_candidate,
 )
-from odtd.trainer.fused_batchnorm import fuse
+from odtd.trainer.fused_batchnorm import fuse, keep_relu_apart
 from odtd.trainer.imported import leaf_layers
 
 Emit = Callable[..., None]
@@ -244,10 +244,10 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         # moving statistics, gamma and beta all stay as loaded.
         for layer in batchnorm_layers(tf, model):
             layer.trainable = False
-    # Under mixed precision Keras 3's BatchNormalization trains with the fused kernel, as
-    # tf.keras 2's always does; in float32 too when recomputing, where it is the leaner of the
-    # two (docs/memory.md, "Dense blocks").
-    fields["fused_batchnorm"] = fuse(tf, model, float32=bool(job["recompute"]))
+    # Keras 3's BatchNormalization trains with the fused kernel, as tf.keras 2's always does
+    # (docs/memory.md, "Fused BatchNorm under Keras 3"); before the train step is traced.
+    fields["fused_batchnorm"] = fuse(tf, model)
+    keep_relu_apart(tf, model)
     profiling = job["mode"] == "profile"
     num_classes = len(job["classes"])
     batch_size = job["batch_size"]
