@@ -141,6 +141,9 @@ def test_train_reports_ordered_spans_and_writes_loadable_weights(tmp_path, initi
     assert result["accuracy_after"] == after["accuracy"]
     assert result["weights_out"] == str(out) and result["peak_rss_mb"] > 0
     assert result["tf_peak_memory_mb"] is None  # no GPU here
+    # tinycnn's BatchNorm trains fused in float32 (Keras 3: odtd's kernel; tf.keras 2: its own),
+    # so on this CPU Grappler is kept from merging it with its ReLU.
+    assert result["batchnorm_relu_apart"] is True
     trained = bn_statistics(out, result["weight_names"])
     initial_stats = bn_statistics(initial[0], result["weight_names"])
     assert any(not np.array_equal(trained[k], initial_stats[k]) for k in trained)
@@ -155,6 +158,7 @@ def test_freeze_bn_keeps_moving_statistics(tmp_path, initial, data):
     names = events[-1]["weight_names"]
     trained, before = bn_statistics(out, names), bn_statistics(initial[0], names)
     assert len(trained) == 4
+    assert events[-1]["batchnorm_relu_apart"] is False  # frozen: nothing trains fused
     for name in trained:
         np.testing.assert_array_equal(trained[name], before[name], err_msg=name)
     with np.load(out) as new, np.load(initial[0]) as old:
@@ -340,6 +344,7 @@ def test_profile_runs_full_batches_in_mixed_float16_and_recalibrates(tmp_path):
     bn_layers = sum(name.endswith("moving_mean") for name in events[-1]["weight_names"])
     assert bn_layers > 0 and events[-1]["fused_batchnorm"] == (
         bn_layers if events[0]["keras"].startswith("3.") else 0)
+    assert events[-1]["batchnorm_relu_apart"] is False  # float16: the remapper is left on
     assert not by_event(events, "eval") and events[-1]["weights_out"] is None
     assert not (tmp_path / "never.npz").exists()
 

@@ -91,11 +91,11 @@ def keep_relu_apart(tf: Any, model: Any) -> bool:
     """
     if tf.config.list_logical_devices("GPU"):
         return False
-    fused = "fused_batchnorm" if keras_major(tf) >= 3 else None
+    keras3 = keras_major(tf) >= 3
     for layer in batchnorm_layers(tf, model):
-        if not layer.trainable or str(layer.compute_dtype) != "float32":
-            continue
-        if getattr(layer.call, fused, False) if fused else getattr(layer, "fused", False):
+        fused = (getattr(layer.call, "fused_batchnorm", False) if keras3
+                 else getattr(layer, "fused", False))  # tf.keras 2's own choice, made at build
+        if fused and layer.trainable and str(layer.compute_dtype) == "float32":
             tf.config.optimizer.set_experimental_options({"remapping": False})
             return True
     return False

@@ -5,7 +5,7 @@ is both native (``avx512_bf16`` or ``amx_bf16`` in the cpuinfo flags) and measur
 CPU that has the instructions does not always run bfloat16 convolutions faster than float32 ones
 (on an Intel Xeon with avx512_bf16 and no AMX, DenseNet40's training step in bfloat16 ran at
 0.82-0.83x the samples/s of Keras's float32 fit). So the first ``auto`` on such a CPU times a
-convolution's forward and backward pass in both (``measure_bfloat16_speedup``, about 3 s) and
+convolution's forward and backward pass in both (``measure_bfloat16_speedup``, about 2 s) and
 keeps the verdict in the job's ``precision_probe`` file, keyed by the CPU and the TensorFlow
 build; later jobs read it. Delete the file to measure again.
 

@@ -247,7 +247,7 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     # Keras 3's BatchNormalization trains with the fused kernel, as tf.keras 2's always does
     # (docs/memory.md, "Fused BatchNorm under Keras 3"); before the train step is traced.
     fields["fused_batchnorm"] = fuse(tf, model)
-    keep_relu_apart(tf, model)
+    fields["batchnorm_relu_apart"] = keep_relu_apart(tf, model)
     profiling = job["mode"] == "profile"
     num_classes = len(job["classes"])
     batch_size = job["batch_size"]
