@@ -11,11 +11,9 @@ from odtd.session.admission import (
     SKIP,
     admit,
     admit_session,
-    learned_oom_limit,
-    oom_retry_batch,
     predict,
-    record_oom,
 )
+from odtd.session.oom import learned_oom_limit, oom_retry_batch, record_oom
 from odtd.store.database import Store
 from odtd.trainer.launch import worker_ran_out_of_memory
 
@@ -138,6 +136,17 @@ def test_a_profile_of_another_board_or_power_mode_is_used_with_a_note():
     assert moved.reason == ("the profile was measured on Jetson TX2, this device is Jetson TX2 "
                             "(nvpmodel MAXQ, mode 1) now: its figures may not hold here; run "
                             "`odtctl profile` again")
+
+
+def test_memory_past_the_largest_profiled_size_is_named_an_extrapolation():
+    # Profiled at 4 to 32; the line says 64 needs 4200 MB, within 8000 less 15%.
+    a = admit(policy(size=64, budget_mb=8000), make_profile(), samples=100)
+    assert (a.decision, a.batch_size, a.predicted_peak_mb) == (RUN, 64, 4200.0)
+    assert a.reason == ("memory predicted past batch 32, the largest profiled: "
+                        "the line is extrapolated there (run `odtctl profile --precisions fp32 "
+                        "--batch-sizes 64` to measure it)")
+    # Without a memory budget there is nothing to check it against, and nothing to say.
+    assert admit(policy(size=64), make_profile(), samples=100).reason == "within budgets"
 
 
 def test_no_profile_runs_unchecked():

@@ -79,6 +79,9 @@ def test_written_policy_validates_and_explains(profiled):
     by_size = {p["batch_size"]: p for p in explained["predictions"]}
     assert {2, 4, 32} <= set(by_size)
     assert by_size[32]["peak_mb"] is not None and by_size[32]["time_s"] > 0
+    # Past batch 4, the largest that ran, the memory line is an extrapolation, and says so.
+    assert by_size[32]["memory_extrapolated_past"] == 4
+    assert by_size[2]["memory_extrapolated_past"] is None
     # Batch 3 did not run, so a larger size is refused whatever the line predicts.
     assert by_size[4]["fits_memory"] is False and "batch 3 did not run" in by_size[4]["memory_problem"]
 

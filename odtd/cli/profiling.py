@@ -118,7 +118,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
 def _profile_context(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
     """The home's model, latest profile and learned OOM limit; None outside a home."""
     from odtd.profiling.profile import ProfileResult
-    from odtd.session.admission import learned_oom_limit
+    from odtd.session.oom import learned_oom_limit
 
     home = home_of(args)
     if not home.is_initialised():
@@ -216,7 +216,7 @@ def _session_samples(policy: Policy, counts: Dict[str, int], override: Optional[
 
 def _explain(args: argparse.Namespace) -> int:
     from odtd.profiling.sweep import board_description
-    from odtd.session.admission import Plan, admit, memory_problem, predict
+    from odtd.session.admission import Plan, admit, extrapolated_past, memory_problem, predict
 
     context = _profile_context(args)
     home = context["home"] if context else home_of(args)
@@ -253,12 +253,16 @@ def _explain(args: argparse.Namespace) -> int:
         for size in sizes:
             p = predict(profile, precision, size, samples["total"], epochs)
             problem = memory_problem(p, policy.batch)
-            row = {**vars(p), "fits_memory": problem is None, "memory_problem": problem}
+            beyond = extrapolated_past(profile, Plan(precision), size) \
+                if p.peak_mb is not None else None
+            row = {**vars(p), "fits_memory": problem is None, "memory_problem": problem,
+                   "memory_extrapolated_past": beyond}
             data["predictions"].append(row)
             mark = "*" if size == policy.batch.size else " "
+            past = f" (extrapolated past batch {beyond})" if beyond is not None else ""
             lines.append(f"{mark}{size:>5}  {p.basis:<17} {_num(p.time_s, '>7.1f')} "
                          f"{_num(p.energy_j, '>9.1f')} {_num(p.peak_mb, '>8.0f')}  "
-                         f"{problem or 'fits'}")
+                         f"{problem or 'fits'}{past}")
     a = admission
     plan = Plan(a.precision, a.recompute, a.micro_batch_size).name
     lines.append(f"admission: {a.decision} at batch {a.batch_size} ({plan}), {a.epochs} epochs; "

@@ -13,7 +13,6 @@ Pure except for the functions that take a ``Store``.
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -21,9 +20,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from odtd.policy import BatchPolicy, Policy
 from odtd.profiling.memory_fit import allowed_mb
 from odtd.profiling.profile import ProfileResult, plan_name, recompute_share, recompute_word
+from odtd.session.oom import learned_oom_limit
 from odtd.store.database import Store
-
-logger = logging.getLogger(__name__)
 
 RUN = "run"
 SKIP = "skip"
@@ -160,6 +158,20 @@ def memory_problem(prediction: Prediction, batch: BatchPolicy) -> Optional[str]:
         return None
     return (f"predicted peak {prediction.peak_mb:.0f} MB > {limit_mb:.0f} MB "
             f"({batch.memory_budget_mb:.0f} MB budget less {batch.headroom_pct:g}% headroom)")
+
+
+def extrapolated_past(profile: ProfileResult, plan: Plan, size: int) -> Optional[int]:
+    """The largest batch size ``plan`` was profiled at, when a step of ``size`` is beyond it.
+
+    Peak memory is a line fitted through the profiled sizes; past the largest of them it is an
+    extrapolation, which the CNN suite's profiles show can be off by more than between them
+    (docs/cnn-suite.md). None when the step's size is within the profile, or nothing was fitted.
+    """
+    step = plan.micro_batch_size if plan.micro_batch_size and plan.micro_batch_size < size \
+        else size
+    largest = max((r.batch_size for r in profile.ok_rows(plan.precision, plan.recompute)),
+                  default=None)
+    return largest if largest is not None and step > largest else None
 
 
 def profile_command(plan: Plan) -> str:
@@ -328,6 +340,12 @@ def admit(policy: Policy, profile: Optional[ProfileResult], samples: int,
     if batch.memory_budget_mb is not None and prediction.peak_mb is None:
         notes.append("memory budget not checked: "
                      f"{profile.memory_fit(plan.precision, plan.recompute).reason}")
+    elif batch.memory_budget_mb is not None:
+        beyond = extrapolated_past(profile, plan, size)
+        if beyond is not None:
+            notes.append(f"memory predicted past batch {beyond}, the largest profiled: the "
+                         f"line is extrapolated there (run `{profile_command(plan)} "
+                         f"--batch-sizes {plan.micro_batch_size or size}` to measure it)")
     if budget_j is not None and prediction.energy_j is None:
         notes.append("energy budget not checked: the profile has no energy figures")
     elif budget_j is not None and prediction.energy_j > budget_j:  # type: ignore[operator]
@@ -392,31 +410,3 @@ def admit_session(store: Store, policy: Policy, samples: int) -> Admission:
     return admit(policy, ProfileResult.from_store(store, model), samples,
                  learned_oom_limit(store, model),
                  accumulator_mb=(weights or 0) * 4 / 2 ** 20, board=board_description())
-
-
-# -- running out of memory during a session ----------------------------------------------------
-
-
-def learned_oom_limit(store: Store, model: str) -> Optional[int]:
-    """The smallest batch size that ran out of memory in a session of ``model``, or None."""
-    return store.meta(f"oom_limit_{model}")
-
-
-def record_oom(store: Store, model: str, batch_size: int) -> int:
-    """Remember that ``batch_size`` ran out of memory; return the (possibly lower) limit."""
-    known = learned_oom_limit(store, model)
-    limit = batch_size if known is None else min(known, batch_size)
-    store.set_meta(**{f"oom_limit_{model}": limit})
-    logger.warning("%s: batch %d ran out of memory; later sessions stay below batch %d",
-                   model, batch_size, limit)
-    return limit
-
-
-def oom_retry_batch(batch: BatchPolicy, failed_batch_size: int) -> Optional[int]:
-    """The batch size to retry at after an OOM at ``failed_batch_size``, or None to stop.
-
-    ``on_oom: halve`` retries at half (at least 1; a failure at batch 1 stops); ``skip`` stops.
-    """
-    if batch.on_oom == "halve" and failed_batch_size > 1:
-        return failed_batch_size // 2
-    return None

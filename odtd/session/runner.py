@@ -25,7 +25,7 @@ from odtd.home.paths import Home
 from odtd.home.spec import ModelSpec
 from odtd.home.versions import ModelRepo
 from odtd.policy import Policy
-from odtd.session.admission import SKIP, admit_session, oom_retry_batch, record_oom
+from odtd.session.admission import SKIP, admit_session
 from odtd.session.gates import (
     FORCE_CLOSED_FILE,
     GateMonitor,
@@ -34,6 +34,7 @@ from odtd.session.gates import (
     samples_wanted,
 )
 from odtd.session.lock import SessionLock, recover_stale_sessions
+from odtd.session.oom import oom_retry_batch, record_oom
 from odtd.session.promotion import CANDIDATE_EVAL_CACHE, Promotion
 from odtd.session.replay_buffer import choose_replay
 from odtd.store.database import Store
