@@ -1,0 +1,180 @@
+"""One training step in the worker: batches, the optimizer and its rate, augmentation, the step.
+
+``make_train_step`` compiles what one step does: augment, forward (checkpointed with the job's
+``recompute``), loss (with distillation's term when the job distils), gradients (summed over
+micro-batches with ``micro_batch_size``), one update. ``training.train_and_evaluate`` runs the
+steps ``iterate_batches`` gives it.
+
+TensorFlow is passed in (``tf``), never imported here. Python 3.6-compatible; tf.keras 2 and
+Keras 3 alike.
+"""
+
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+
+def iterate_batches(num_samples: int, batch_size: int, epochs: Optional[int],
+                    max_steps: Optional[int], rng: np.random.RandomState
+                    ) -> Iterator[Tuple[int, np.ndarray]]:
+    """Yield ``(epoch, sample indices)`` per step, reshuffling every epoch.
+
+    With ``epochs`` set, each epoch visits every sample once and its last batch may be short.
+    With ``epochs`` None (profile mode), epochs run back to back and every batch is full, even
+    when there are fewer samples than ``batch_size``, so a profile measures that batch size.
+    ``max_steps`` caps the number of steps either way.
+    """
+    step = 0
+    if epochs is not None:
+        for epoch in range(epochs):
+            order = rng.permutation(num_samples)
+            for begin in range(0, num_samples, batch_size):
+                if max_steps is not None and step >= max_steps:
+                    return
+                yield epoch, order[begin:begin + batch_size]
+                step += 1
+        return
+    stream = np.empty(0, dtype=np.int64)
+    consumed = 0
+    while max_steps is None or step < max_steps:
+        while len(stream) < batch_size:
+            stream = np.concatenate([stream, rng.permutation(num_samples)])
+        yield consumed // num_samples, stream[:batch_size]
+        stream = stream[batch_size:]
+        consumed += batch_size
+        step += 1
+
+
+def make_rate(tf: Any, job: Dict[str, Any], total_steps: Optional[int]) -> Any:
+    """Return the job's learning rate: a number, or a Keras schedule called with the step.
+
+    With ``lr_schedule`` cosine and ``total_steps`` known, the rate decays from
+    ``learning_rate`` to 0 over the job's steps: a session ends annealed, wherever it started.
+    """
+    if job["lr_schedule"] == "cosine" and total_steps:
+        return tf.keras.optimizers.schedules.CosineDecay(job["learning_rate"], total_steps)
+    return job["learning_rate"]
+
+
+def make_optimizer(tf: Any, job: Dict[str, Any], precision: str, rate: Any) -> Any:
+    """Build the job's optimizer at ``rate`` (``make_rate``), in a LossScaleOptimizer for float16."""
+    if job["optimizer"] == "sgd":
+        optimizer = tf.keras.optimizers.SGD(learning_rate=rate, momentum=job["momentum"])
+    else:
+        optimizer = tf.keras.optimizers.Adam(learning_rate=rate)
+    if precision == "mixed_float16":
+        optimizer = tf.keras.mixed_precision.LossScaleOptimizer(optimizer)
+    return optimizer
+
+
+def augment_pad_px(input_shape: List[int]) -> int:
+    """The random crop's padding: an eighth of the smaller side (4 pixels at 32x32)."""
+    return max(1, int(round(min(input_shape[0], input_shape[1]) / 8.0)))
+
+
+def augment_batch(tf: Any, images: Any, pad: int) -> Any:
+    """Flip each image horizontally at random and crop it from a ``pad``-pixel zero-padded copy.
+
+    Vectorised per batch (one random offset per image), for use inside a ``tf.function``.
+    """
+    shape = tf.shape(images)
+    count, height, width = shape[0], shape[1], shape[2]
+    flip = tf.random.uniform([count]) < 0.5
+    images = tf.where(flip[:, None, None, None], tf.reverse(images, axis=[2]), images)
+    padded = tf.pad(images, [[0, 0], [pad, pad], [pad, pad], [0, 0]])
+    top = tf.random.uniform([count], 0, 2 * pad + 1, dtype=tf.int32)
+    left = tf.random.uniform([count], 0, 2 * pad + 1, dtype=tf.int32)
+    rows = top[:, None] + tf.range(height)[None, :]
+    cols = left[:, None] + tf.range(width)[None, :]
+    padded = tf.gather(padded, rows, axis=1, batch_dims=1)
+    return tf.gather(padded, cols, axis=2, batch_dims=1)
+
+
+def make_train_step(tf: Any, model: Any, optimizer: Any, job: Dict[str, Any]
+                    ) -> Callable[[Any, Any, Any, Any], Any]:
+    """Return a step ``(uint8 images, int64 labels, teacher, weights) -> mean loss``.
+
+    One step updates the weights once. With the job's ``distill``, ``teacher`` (float32
+    logits, one row per image) and ``weights`` (float32, one per image) add each image's
+    distillation term (``distill.distillation_loss``); without it they are not used.
+
+    The compiled parts' input signature has a free batch dimension, so a short last batch does
+    not retrace. With the job's ``recompute`` the model runs checkpointed
+    (``recompute.Checkpointed``). With ``micro_batch_size`` below the batch, the batch runs as
+    micro-batches whose gradients are summed before one update: the same step as the whole
+    batch at the memory of a micro-batch (a BatchNorm that trains normalises each micro-batch
+    by its own statistics).
+    """
+    from odtd.trainer import networks
+    from odtd.trainer.distill import distillation_loss
+
+    variables = model.trainable_variables
+    # tf.keras 2 and Keras 3 spell loss scaling differently; Keras 3 unscales in apply_gradients.
+    legacy_scaling = hasattr(optimizer, "get_scaled_loss")
+    keras3_scaling = not legacy_scaling and hasattr(optimizer, "scale_loss")
+
+    input_shape, input_scale, output = job["input_shape"], job["input_scale"], job["output"]
+    pad = augment_pad_px(input_shape)
+    checkpointed = None
+    if job["recompute"]:
+        from odtd.trainer.recompute import Checkpointed
+
+        checkpointed = Checkpointed(tf, model, share=job["recompute"])
+    forward_model = checkpointed or model
+    signature = [networks.images_spec(job), tf.TensorSpec([None], tf.int64),
+                 tf.TensorSpec([None, len(job["classes"])], tf.float32),
+                 tf.TensorSpec([None], tf.float32), tf.TensorSpec([], tf.float32)]
+
+    @networks.compiled(signature)
+    def gradients_of(images: Any, labels: Any, teacher: Any, weights: Any, total: Any) -> Any:
+        """Gradients of this part's summed loss / ``total`` (the whole batch's size)."""
+        if job["augment"]:
+            images = augment_batch(tf, images, pad)
+        with tf.GradientTape() as tape:
+            logits = networks.forward(forward_model, images, input_scale, output, training=True)
+            losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+            if job["distill"]:  # traced only when distilling: the plain step stays as it was
+                losses += distillation_loss(tf, logits, teacher, weights)
+            loss = tf.reduce_sum(losses) / total
+            if legacy_scaling:
+                scaled_loss = optimizer.get_scaled_loss(loss)
+            elif keras3_scaling:
+                scaled_loss = optimizer.scale_loss(loss)
+            else:
+                scaled_loss = loss
+        saved = checkpointed.save_statistics() if checkpointed is not None else None
+        gradients = tape.gradient(scaled_loss, variables)
+        if saved is not None:
+            checkpointed.restore_statistics(saved)
+        if legacy_scaling:
+            gradients = optimizer.get_unscaled_gradients(gradients)
+        return loss, gradients
+
+    @networks.compiled(signature[:4])
+    def whole_batch(images: Any, labels: Any, teacher: Any, weights: Any) -> Any:
+        loss, gradients = gradients_of(images, labels, teacher, weights,
+                                       tf.cast(tf.shape(labels)[0], tf.float32))
+        optimizer.apply_gradients(zip(gradients, variables))
+        return loss
+
+    micro = job["micro_batch_size"]
+    if not micro or micro >= job["batch_size"]:
+        return whole_batch
+
+    @networks.compiled()
+    def apply(gradients: Any) -> None:
+        optimizer.apply_gradients(zip(gradients, variables))
+
+    def micro_batches(images: Any, labels: Any, teacher: Any, weights: Any) -> Any:
+        total = tf.constant(float(int(labels.shape[0])))
+        loss, summed = 0.0, None
+        for begin in range(0, int(labels.shape[0]), micro):
+            part = slice(begin, begin + micro)
+            part_loss, gradients = gradients_of(images[part], labels[part], teacher[part],
+                                                weights[part], total)
+            loss += part_loss
+            summed = gradients if summed is None else [a + b for a, b in zip(summed, gradients)]
+        apply(summed)
+        return loss
+
+    return micro_batches
