@@ -165,7 +165,8 @@ def extrapolated_past(profile: ProfileResult, plan: Plan, size: int) -> Optional
 
     Peak memory is a line fitted through the profiled sizes; past the largest of them it is an
     extrapolation, which the CNN suite's profiles show can be off by more than between them
-    (docs/cnn-suite.md). None when the step's size is within the profile, or nothing was fitted.
+    (docs/cnn-suite.md). None when the step (a micro-batch, for a micro-batched plan) is no
+    larger than a profiled size, or the plan has no profiled size at all.
     """
     step = plan.micro_batch_size if plan.micro_batch_size and plan.micro_batch_size < size \
         else size
