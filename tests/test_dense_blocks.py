@@ -84,6 +84,8 @@ labels = tf.constant([0, 1, 2, 0, 1, 2], tf.int64)
 report = {}
 model = small()
 report["small"] = describe(dense_blocks.find_blocks(tf, model))
+report["pool_first"] = [[layer.name for layer in dense_blocks.pool_first(block.tail)]
+                        for block in dense_blocks.find_blocks(tf, model)]
 checkpointed = recompute.Checkpointed(tf, model)
 report["dense_blocks"] = checkpointed.dense_blocks
 report["batchnorm"] = sorted(layer.name for layer in checkpointed.batchnorm)
@@ -163,6 +165,10 @@ def test_dense_blocks_are_found_and_train_with_the_same_gradients_and_statistics
                                   "b1_conv2"]
     assert second["tail"] == ["f_bn", "f_relu", "f_pool", "logits"]
     assert report["dense_blocks"] == 2 and report["half_blocks"] == 1
+    # The transition's 1x1 convolution runs on the pooled image (the gradients below match the
+    # plain model's, which convolves first); a tail without one stays as it is.
+    assert report["pool_first"] == [["t_bn", "t_relu", "t_pool", "t_conv"],
+                                    ["f_bn", "f_relu", "f_pool", "logits"]]
     assert len(report["batchnorm"]) == 3 + 1 + 4 + 1  # every BatchNorm is in a block or a tail
     # The same step: loss, every gradient, and the moving statistics moved once.
     assert report["losses"][0] == pytest.approx(report["losses"][1], rel=1e-6)

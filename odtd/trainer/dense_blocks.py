@@ -151,6 +151,30 @@ def find_blocks(tf: Any, model: Any) -> List[Block]:
     return blocks
 
 
+def _pointwise_affine(layer: Any) -> bool:
+    """A 1x1, stride-1 Conv2D without an activation: an affine map of each pixel alone."""
+    return (layer.__class__.__name__ == "Conv2D"
+            and tuple(layer.kernel_size) == (1, 1) and tuple(layer.strides) == (1, 1)
+            and getattr(layer.activation, "__name__", "") == "linear")
+
+
+def pool_first(layers: Sequence[Any]) -> List[Any]:
+    """``layers`` with each 1x1 convolution and the average pooling right after it swapped.
+
+    Averaging pixels commutes with an affine map of each pixel, so the swapped pair computes the
+    same (up to rounding) with the convolution on the pooled image: in a DenseNet's transition
+    (BatchNorm, ReLU, 1x1 convolution, 2x2 average pooling) its output and its gradient are a
+    quarter of the size, where the block's tail holds the most memory of the backward pass.
+    """
+    ordered = list(layers)
+    for index in range(len(ordered) - 1):
+        conv, pool = ordered[index], ordered[index + 1]
+        if _pointwise_affine(conv) and pool.__class__.__name__ == "AveragePooling2D" \
+                and getattr(conv, "data_format", None) == getattr(pool, "data_format", None):
+            ordered[index], ordered[index + 1] = pool, conv
+    return ordered
+
+
 def _run(layers: Sequence[Any], tensor: Any) -> Any:
     for layer in layers:
         tensor = layer(tensor, training=True)
@@ -159,7 +183,7 @@ def _run(layers: Sequence[Any], tensor: Any) -> Any:
 
 def dense_block(tf: Any, block: Block) -> Callable[[Any], Any]:
     """``x0 -> end``, computing what the block and its tail compute, with the lean gradient."""
-    units, tail = block.units, block.tail
+    units, tail = block.units, pool_first(block.tail)
     # Which parts (0: x0, l: layer l's output) each layer's input concatenates, in order; the
     # tail's last. Each layer's output joins its input at one end, so every gradient split
     # below is a slice from one end of the running gradient.
