@@ -48,6 +48,11 @@ def test_prediction_arithmetic():
     assert between.basis == "interpolated" and 15.0 < 100 / between.time_s < 20.0
     assert predict(make_profile(), "fp32", 64, 100, 1).basis == "nearest measured"
     assert predict(make_profile(), "fp32", 64, 100, 1).peak_mb == 4200.0
+    # Profiled up to 32: 64 is the line extended past it; a micro-batch of 16 is not.
+    assert predict(make_profile(), "fp32", 64, 100, 1).memory_extrapolated_past == 32
+    assert predict(make_profile(), "fp32", 64, 100, 1, micro_batch_size=16
+                   ).memory_extrapolated_past is None
+    assert predict(make_profile(), "fp32", 12, 100, 1).memory_extrapolated_past is None
 
 
 def test_within_budgets_runs_as_the_policy_says():

@@ -216,7 +216,7 @@ def _session_samples(policy: Policy, counts: Dict[str, int], override: Optional[
 
 def _explain(args: argparse.Namespace) -> int:
     from odtd.profiling.sweep import board_description
-    from odtd.session.admission import Plan, admit, extrapolated_past, memory_problem, predict
+    from odtd.session.admission import Plan, admit, memory_problem, predict
 
     context = _profile_context(args)
     home = context["home"] if context else home_of(args)
@@ -253,12 +253,10 @@ def _explain(args: argparse.Namespace) -> int:
         for size in sizes:
             p = predict(profile, precision, size, samples["total"], epochs)
             problem = memory_problem(p, policy.batch)
-            beyond = extrapolated_past(profile, Plan(precision), size) \
-                if p.peak_mb is not None else None
-            row = {**vars(p), "fits_memory": problem is None, "memory_problem": problem,
-                   "memory_extrapolated_past": beyond}
+            row = {**vars(p), "fits_memory": problem is None, "memory_problem": problem}
             data["predictions"].append(row)
             mark = "*" if size == policy.batch.size else " "
+            beyond = p.memory_extrapolated_past
             past = f" (extrapolated past batch {beyond})" if beyond is not None else ""
             lines.append(f"{mark}{size:>5}  {p.basis:<17} {_num(p.time_s, '>7.1f')} "
                          f"{_num(p.energy_j, '>9.1f')} {_num(p.peak_mb, '>8.0f')}  "

@@ -61,6 +61,10 @@ class Prediction:
             ``nearest measured``, ``no data``).
         fails_at: The smallest profiled size at or below the step's size that did not fit.
         plan: The plan's name (``Plan.name``).
+        memory_extrapolated_past: The largest size the plan was profiled at, when the step (a
+            micro-batch, for a micro-batched plan) is larger and ``peak_mb`` is the fitted line
+            extended past the profile: the CNN suite's profiles show it can miss by more there
+            than between profiled sizes (docs/cnn-suite.md). None otherwise.
     """
 
     batch_size: int
@@ -72,6 +76,7 @@ class Prediction:
     basis: str
     fails_at: Optional[int] = None
     plan: str = "fp32"
+    memory_extrapolated_past: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -128,8 +133,9 @@ def predict(profile: ProfileResult, precision: str, batch_size: int, samples: in
     samples_per_s, joules_per_sample, basis = profile.estimate_at(step, precision, recompute)
     total = samples * epochs
     fit = profile.memory_fit(precision, recompute)
-    measured = [r.peak_memory_mb for r in profile.ok_rows(precision, recompute)
-                if r.batch_size == step]
+    rows = profile.ok_rows(precision, recompute)
+    measured = [r.peak_memory_mb for r in rows if r.batch_size == step]
+    largest = max((r.batch_size for r in rows), default=0)
     if fit.fitted:
         peak_mb: Optional[float] = fit.predict_mb(step)
     else:
@@ -144,6 +150,7 @@ def predict(profile: ProfileResult, precision: str, batch_size: int, samples: in
         peak_mb=None if peak_mb is None else round(peak_mb, 1), basis=basis,
         fails_at=failure.batch_size if failure and failure.batch_size <= step else None,
         plan=Plan(precision, recompute, step if step < batch_size else None).name,
+        memory_extrapolated_past=largest if fit.fitted and step > largest else None,
     )
 
 
@@ -158,21 +165,6 @@ def memory_problem(prediction: Prediction, batch: BatchPolicy) -> Optional[str]:
         return None
     return (f"predicted peak {prediction.peak_mb:.0f} MB > {limit_mb:.0f} MB "
             f"({batch.memory_budget_mb:.0f} MB budget less {batch.headroom_pct:g}% headroom)")
-
-
-def extrapolated_past(profile: ProfileResult, plan: Plan, size: int) -> Optional[int]:
-    """The largest batch size ``plan`` was profiled at, when a step of ``size`` is beyond it.
-
-    Peak memory is a line fitted through the profiled sizes; past the largest of them it is an
-    extrapolation, which the CNN suite's profiles show can be off by more than between them
-    (docs/cnn-suite.md). None when the step (a micro-batch, for a micro-batched plan) is no
-    larger than a profiled size, or the plan has no profiled size at all.
-    """
-    step = plan.micro_batch_size if plan.micro_batch_size and plan.micro_batch_size < size \
-        else size
-    largest = max((r.batch_size for r in profile.ok_rows(plan.precision, plan.recompute)),
-                  default=None)
-    return largest if largest is not None and step > largest else None
 
 
 def profile_command(plan: Plan) -> str:
@@ -341,12 +333,6 @@ def admit(policy: Policy, profile: Optional[ProfileResult], samples: int,
     if batch.memory_budget_mb is not None and prediction.peak_mb is None:
         notes.append("memory budget not checked: "
                      f"{profile.memory_fit(plan.precision, plan.recompute).reason}")
-    elif batch.memory_budget_mb is not None:
-        beyond = extrapolated_past(profile, plan, size)
-        if beyond is not None:
-            notes.append(f"memory predicted past batch {beyond}, the largest profiled: the "
-                         f"line is extrapolated there (run `{profile_command(plan)} "
-                         f"--batch-sizes {plan.micro_batch_size or size}` to measure it)")
     if budget_j is not None and prediction.energy_j is None:
         notes.append("energy budget not checked: the profile has no energy figures")
     elif budget_j is not None and prediction.energy_j > budget_j:  # type: ignore[operator]
@@ -376,6 +362,11 @@ def admit(policy: Policy, profile: Optional[ProfileResult], samples: int,
             return _skip(prediction, f"{over} (energy.on_over_budget: skip)", changes, rejected,
                          plan)
         prediction = at(size, epochs)
+    beyond = prediction.memory_extrapolated_past
+    if batch.memory_budget_mb is not None and beyond is not None:
+        notes.append(f"memory predicted past batch {beyond}, the largest profiled: the line is "
+                     f"extrapolated there (run `{profile_command(plan)} --batch-sizes "
+                     f"{plan.micro_batch_size or size}` to measure it)")
     return Admission(size, epochs, prediction.time_s, prediction.energy_j, prediction.peak_mb,
                      RUN, _reason("within budgets", changes + notes), tuple(changes),
                      plan.precision, plan.recompute, plan.micro_batch_size, tuple(rejected))
