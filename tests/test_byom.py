@@ -430,6 +430,7 @@ class _Imported:
             train_data=str(self.tmp / "train.npz"), batch_size=8, epochs=1, optimizer="sgd",
             learning_rate=0.1, **keys), out + ".job")
         assert result["status"] == "ok", result
+        self.result = result
         return self.weights(out)
 
 
@@ -483,4 +484,40 @@ def test_recomputation_cuts_inside_the_network_of_an_exported_model(tmp_path):
     assert any("moving_mean" in n and not np.allclose(plain[n], before[n]) for n in model.names)
     for name in model.names:
         np.testing.assert_allclose(recomputed[name], plain[name], rtol=1e-4, atol=1e-5,
+                                   err_msg=name)
+
+
+TRANSITION_MODEL = r"""
+import sys
+import tensorflow as tf
+L = tf.keras.layers
+inputs = tf.keras.Input((16, 16, 3))
+x = L.Rescaling(1 / 255.0, name="scale")(inputs)
+x = L.Conv2D(6, 3, padding="same", name="stem")(x)
+x = L.Concatenate(name="cat")([x, L.Conv2D(4, 3, padding="same", name="grow")(x)])
+x = L.BatchNormalization(name="t_bn")(x)
+x = L.Activation("relu", name="t_relu")(x)
+x = L.AveragePooling2D(2, name="t_pool")(L.Conv2D(8, 1, use_bias=False, name="t_conv")(x))
+x = L.GlobalAveragePooling2D(name="gap")(x)
+tf.keras.Model(inputs, L.Dense(3, name="logits")(x)).save(sys.argv[1])
+"""
+
+
+@pytest.mark.trains
+def test_a_users_transition_trains_pooling_first_and_takes_the_same_step(tmp_path):
+    # A user's model with a DenseNet transition (1x1 convolution, then average pooling): the
+    # worker runs the pooling first and says so; the weights after an epoch are those of the
+    # checkpointed plan, which runs the model as written.
+    path = tmp_path / "transition.keras"
+    proc = plain_python("-c", TRANSITION_MODEL, str(path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = _Imported(tmp_path, path, ["red", "green", "blue"], (16, 16, 3), "logits")
+    pooled = model.train("pooled.npz")
+    assert model.result["pool_first"] == ["t_conv"]
+    written = model.train("written.npz", recompute=1.0)
+    assert model.result["pool_first"] == []
+    before = model.weights("v0.npz")
+    assert any("t_conv" in n and not np.allclose(pooled[n], before[n]) for n in model.names)
+    for name in model.names:
+        np.testing.assert_allclose(pooled[name], written[name], rtol=1e-4, atol=1e-5,
                                    err_msg=name)

@@ -10,6 +10,30 @@ gradients and BatchNorm statistics with and without ``recompute.Checkpointed``.
 import pytest
 from conftest import tensorflow_report
 
+STEP = r"""
+def step(model, forward, images, labels):
+    # One SGD step's gradients as the worker takes them: a graph, statistics put back.
+    statistics = [v for v in model.weights if "moving" in v.name]
+    start = [np.array(v) for v in statistics]
+
+    @tf.function(autograph=False)
+    def gradients():
+        with tf.GradientTape() as tape:
+            logits = forward(images, training=True)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
+        saved = forward.save_statistics() if hasattr(forward, "save_statistics") else None
+        grads = tape.gradient(loss, model.trainable_variables)
+        if saved is not None:
+            forward.restore_statistics(saved)
+        return loss, grads
+
+    loss, grads = gradients()
+    moved = [np.array(v) for v in statistics]
+    for variable, value in zip(statistics, start):
+        variable.assign(value)
+    return float(loss), [np.array(g) for g in grads], moved
+"""
+
 SCRIPT = r"""
 import json
 import numpy as np
@@ -17,6 +41,7 @@ import tensorflow as tf
 from odtd.trainer import dense_blocks, networks, recompute
 from odtd.trainer.fused_batchnorm import fuse
 from odtd.trainer.imported import keras_major
+from odtd.trainer.pool_first import pool_first
 
 L = tf.keras.layers
 
@@ -50,27 +75,7 @@ def small(dropout=False, name="small", flip=()):
     return tf.keras.Model(inputs, L.Dense(3, name="logits")(x), name=name)
 
 
-def step(model, forward, images, labels):
-    # One SGD step's gradients as the worker takes them: a graph, statistics put back.
-    statistics = [v for v in model.weights if "moving" in v.name]
-    start = [np.array(v) for v in statistics]
-
-    @tf.function(autograph=False)
-    def gradients():
-        with tf.GradientTape() as tape:
-            logits = forward(images, training=True)
-            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
-        saved = forward.save_statistics() if hasattr(forward, "save_statistics") else None
-        grads = tape.gradient(loss, model.trainable_variables)
-        if saved is not None:
-            forward.restore_statistics(saved)
-        return loss, grads
-
-    loss, grads = gradients()
-    moved = [np.array(v) for v in statistics]
-    for variable, value in zip(statistics, start):
-        variable.assign(value)
-    return float(loss), [np.array(g) for g in grads], moved
+""" + STEP + r"""
 
 
 def describe(blocks):
@@ -84,7 +89,7 @@ labels = tf.constant([0, 1, 2, 0, 1, 2], tf.int64)
 report = {}
 model = small()
 report["small"] = describe(dense_blocks.find_blocks(tf, model))
-report["pool_first"] = [[layer.name for layer in dense_blocks.pool_first(block.tail)]
+report["pool_first"] = [[layer.name for layer in pool_first(block.tail)]
                         for block in dense_blocks.find_blocks(tf, model)]
 checkpointed = recompute.Checkpointed(tf, model)
 report["dense_blocks"] = checkpointed.dense_blocks

@@ -29,7 +29,11 @@ recomputation; the caller (``recompute.Checkpointed``) puts back what the forwar
 TensorFlow is passed in. Python 3.6-compatible; tf.keras 2 and Keras 3 alike.
 """
 
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence
+
+from odtd.trainer.graph import consumers as graph_consumers
+from odtd.trainer.graph import inputs_of, producer
+from odtd.trainer.pool_first import pool_first
 
 # Layers that draw random numbers in training: a recomputation would not reproduce them.
 RANDOM_LAYERS = ("Dropout", "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D",
@@ -58,38 +62,14 @@ class Block(NamedTuple):
     layers: List[Any]
 
 
-def _producer(tensor: Any) -> Any:
-    return tensor._keras_history[0]
-
-
-def _inputs(layer: Any) -> List[Any]:
-    value = layer.input
-    return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
 def _random(layer: Any) -> bool:
     name = layer.__class__.__name__
     return name in RANDOM_LAYERS or name.startswith("Random")
 
 
-def _graph(model: Any) -> Optional[Dict[int, List[Any]]]:
-    """Per tensor (by id) its consumers, for a model whose layers are each called once."""
-    own = {id(node) for nodes in getattr(model, "_nodes_by_depth", {}).values() for node in nodes}
-    consumers = {}  # type: Dict[int, List[Any]]
-    for layer in model.layers:
-        nodes = [node for node in getattr(layer, "_inbound_nodes", []) if id(node) in own]
-        if len(nodes) > 1:
-            return None  # a shared layer: its input and output are not one tensor each
-        if not nodes or layer.__class__.__name__ == "InputLayer":
-            continue
-        for tensor in _inputs(layer):
-            consumers.setdefault(id(tensor), []).append(layer)
-    return consumers
-
-
 def find_blocks(tf: Any, model: Any) -> List[Block]:
     """The dense blocks of ``model`` (at least ``MIN_LAYERS`` layers each), input to output."""
-    consumers = _graph(model)
+    consumers = graph_consumers(model)
     if consumers is None:
         return []
     outputs = {id(tensor) for tensor in model.outputs}
@@ -99,8 +79,8 @@ def find_blocks(tf: Any, model: Any) -> List[Block]:
         """The layers from ``start`` to ``end``, each with one input that feeds only it."""
         chain, tensor = [], end
         while tensor is not start:
-            layer = _producer(tensor)
-            inputs = _inputs(layer)
+            layer = producer(tensor)
+            inputs = inputs_of(layer)
             if (len(inputs) != 1 or _random(layer) or isinstance(layer, concatenate)
                     or isinstance(layer, tf.keras.Model) or len(chain) >= MAX_UNIT_LAYERS):
                 return None
@@ -116,7 +96,7 @@ def find_blocks(tf: Any, model: Any) -> List[Block]:
     for layer in model.layers:
         if not isinstance(layer, concatenate) or id(layer.output) in outputs:
             continue
-        inputs = _inputs(layer)
+        inputs = inputs_of(layer)
         rank = len(layer.output.shape)
         if len(inputs) != 2 or layer.axis not in (-1, rank - 1) or rank < 2:
             continue
@@ -141,7 +121,7 @@ def find_blocks(tf: Any, model: Any) -> List[Block]:
         tail = []
         while id(current) not in outputs and len(consumers.get(id(current), [])) == 1:
             after = consumers[id(current)][0]
-            if len(_inputs(after)) != 1 or _random(after) or isinstance(after, tf.keras.Model):
+            if len(inputs_of(after)) != 1 or _random(after) or isinstance(after, tf.keras.Model):
                 break
             tail.append(after)
             current = after.output
@@ -149,30 +129,6 @@ def find_blocks(tf: Any, model: Any) -> List[Block]:
             members = [part for unit in units for part in unit] + tail
             blocks.append(Block(tensor, units, first, tail, current, members))
     return blocks
-
-
-def _pointwise_affine(layer: Any) -> bool:
-    """A 1x1, stride-1 Conv2D without an activation: an affine map of each pixel alone."""
-    return (layer.__class__.__name__ == "Conv2D"
-            and tuple(layer.kernel_size) == (1, 1) and tuple(layer.strides) == (1, 1)
-            and getattr(layer.activation, "__name__", "") == "linear")
-
-
-def pool_first(layers: Sequence[Any]) -> List[Any]:
-    """``layers`` with each 1x1 convolution and the average pooling right after it swapped.
-
-    Averaging pixels commutes with an affine map of each pixel, so the swapped pair computes the
-    same (up to rounding) with the convolution on the pooled image: in a DenseNet's transition
-    (BatchNorm, ReLU, 1x1 convolution, 2x2 average pooling) its output and its gradient are a
-    quarter of the size, where the block's tail holds the most memory of the backward pass.
-    """
-    ordered = list(layers)
-    for index in range(len(ordered) - 1):
-        conv, pool = ordered[index], ordered[index + 1]
-        if _pointwise_affine(conv) and pool.__class__.__name__ == "AveragePooling2D" \
-                and getattr(conv, "data_format", None) == getattr(pool, "data_format", None):
-            ordered[index], ordered[index + 1] = pool, conv
-    return ordered
 
 
 def _run(layers: Sequence[Any], tensor: Any) -> Any:

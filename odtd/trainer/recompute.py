@@ -32,53 +32,13 @@ import math
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from odtd.trainer.dense_blocks import Block, dense_block, find_blocks
+from odtd.trainer.graph import valid_cuts
 from odtd.trainer.imported import leaf_layers
 
 
 def _leaves(part: Any) -> List[Any]:
     """The leaf layers of a segment: a sub-model's, or a dense block's own."""
     return list(part.layers) if isinstance(part, Block) else [leaf for _, leaf in leaf_layers(part)]
-
-
-def _owner(node: Any) -> Any:
-    """The layer that made a node (Keras 3: ``operation``; tf.keras 2: ``layer``)."""
-    return getattr(node, "operation", None) or getattr(node, "layer", None)
-
-
-def valid_cuts(model: Any) -> List[int]:
-    """Indices k of ``model.layers`` whose output is all that layers after k need of layers up to k.
-
-    A cut after layer k is valid when every edge from a layer at or before k to a layer after k
-    starts at layer k itself, and layer k has one output and is called once.
-    """
-    layers = list(model.layers)
-    index = {id(layer): position for position, layer in enumerate(layers)}
-    # The model's own graph (both Keras stacks keep ``_nodes_by_depth``): a layer's nodes in
-    # other graphs, such as the segments an earlier ``Checkpointed`` built over it, do not count.
-    own = {id(node) for nodes in getattr(model, "_nodes_by_depth", {}).values() for node in nodes}
-    violated = [0] * (len(layers) + 1)
-    called_once = []
-    for position, layer in enumerate(layers):
-        nodes = [node for node in getattr(layer, "_inbound_nodes", [])
-                 if (not own or id(node) in own)
-                 and any(id(_owner(parent)) in index for parent in getattr(node, "parent_nodes", []))]
-        called_once.append(len(nodes) <= 1)
-        for node in nodes:
-            for parent in node.parent_nodes:
-                start = index.get(id(_owner(parent)))
-                if start is None:
-                    continue
-                # This edge spans cuts start..position-1; all but the one at `start` break.
-                if start + 1 <= position - 1:
-                    violated[start + 1] += 1
-                    violated[position] -= 1
-    cuts, running = [], 0
-    for k in range(len(layers) - 1):
-        running += violated[k]
-        single = not isinstance(getattr(layers[k], "output", None), (list, tuple))
-        if k >= 1 and running == 0 and called_once[k] and single:
-            cuts.append(k)
-    return cuts
 
 
 def choose_cuts(cuts: Sequence[int], layer_count: int, segments: Optional[int] = None) -> List[int]:

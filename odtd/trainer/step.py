@@ -1,9 +1,10 @@
 """One training step in the worker: batches, the optimizer and its rate, augmentation, the step.
 
-``make_train_step`` compiles what one step does: augment, forward (checkpointed with the job's
-``recompute``), loss (with distillation's term when the job distils), gradients (summed over
-micro-batches with ``micro_batch_size``), one update. ``training.train_and_evaluate`` runs the
-steps ``iterate_batches`` gives it.
+``make_train_step`` compiles what one step does: augment, forward (``make_forward``:
+checkpointed with the job's ``recompute``, else pooling first where the model allows), loss
+(with distillation's term when the job distils), gradients (summed over micro-batches with
+``micro_batch_size``), one update. ``training.train_and_evaluate`` runs the steps
+``iterate_batches`` gives it.
 
 TensorFlow is passed in (``tf``), never imported here. Python 3.6-compatible; tf.keras 2 and
 Keras 3 alike.
@@ -90,20 +91,36 @@ def augment_batch(tf: Any, images: Any, pad: int) -> Any:
     return tf.gather(padded, cols, axis=2, batch_dims=1)
 
 
-def make_train_step(tf: Any, model: Any, optimizer: Any, job: Dict[str, Any]
-                    ) -> Callable[[Any, Any, Any, Any], Any]:
+def make_forward(tf: Any, model: Any, job: Dict[str, Any]) -> Any:
+    """What the train step calls for the model's output.
+
+    With the job's ``recompute``, the model checkpointed (``recompute.Checkpointed``); else the
+    model pooling first where it can (``pool_first.PoolFirst``: a transition's 1x1 convolution
+    on a quarter of the pixels, the same step); else the model itself.
+    """
+    if job["recompute"]:
+        from odtd.trainer.recompute import Checkpointed
+
+        return Checkpointed(tf, model, share=job["recompute"])
+    from odtd.trainer.pool_first import PoolFirst
+
+    return PoolFirst.of(tf, model) or model
+
+
+def make_train_step(tf: Any, model: Any, forward_model: Any, optimizer: Any,
+                    job: Dict[str, Any]) -> Callable[[Any, Any, Any, Any], Any]:
     """Return a step ``(uint8 images, int64 labels, teacher, weights) -> mean loss``.
 
-    One step updates the weights once. With the job's ``distill``, ``teacher`` (float32
-    logits, one row per image) and ``weights`` (float32, one per image) add each image's
-    distillation term (``distill.distillation_loss``); without it they are not used.
+    One step updates the weights once, ``forward_model`` (``make_forward``) giving the model's
+    output. With the job's ``distill``, ``teacher`` (float32 logits, one row per image) and
+    ``weights`` (float32, one per image) add each image's distillation term
+    (``distill.distillation_loss``); without it they are not used.
 
     The compiled parts' input signature has a free batch dimension, so a short last batch does
-    not retrace. With the job's ``recompute`` the model runs checkpointed
-    (``recompute.Checkpointed``). With ``micro_batch_size`` below the batch, the batch runs as
-    micro-batches whose gradients are summed before one update: the same step as the whole
-    batch at the memory of a micro-batch (a BatchNorm that trains normalises each micro-batch
-    by its own statistics).
+    not retrace. With ``micro_batch_size`` below the batch, the batch runs as micro-batches
+    whose gradients are summed before one update: the same step as the whole batch at the
+    memory of a micro-batch (a BatchNorm that trains normalises each micro-batch by its own
+    statistics).
     """
     from odtd.trainer import networks
     from odtd.trainer.distill import distillation_loss
@@ -115,12 +132,8 @@ def make_train_step(tf: Any, model: Any, optimizer: Any, job: Dict[str, Any]
 
     input_shape, input_scale, output = job["input_shape"], job["input_scale"], job["output"]
     pad = augment_pad_px(input_shape)
-    checkpointed = None
-    if job["recompute"]:
-        from odtd.trainer.recompute import Checkpointed
-
-        checkpointed = Checkpointed(tf, model, share=job["recompute"])
-    forward_model = checkpointed or model
+    # A recomputation updates BatchNorm's moving statistics a second time: put them back.
+    checkpointed = forward_model if hasattr(forward_model, "restore_statistics") else None
     signature = [networks.images_spec(job), tf.TensorSpec([None], tf.int64),
                  tf.TensorSpec([None, len(job["classes"])], tf.float32),
                  tf.TensorSpec([None], tf.float32), tf.TensorSpec([], tf.float32)]

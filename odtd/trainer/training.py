@@ -37,7 +37,7 @@ from odtd.trainer.evaluation import (
 )
 from odtd.trainer.fused_batchnorm import fuse, keep_relu_apart
 from odtd.trainer.imported import leaf_layers
-from odtd.trainer.step import iterate_batches, make_optimizer, make_rate, make_train_step
+from odtd.trainer.step import iterate_batches, make_forward, make_optimizer, make_rate, make_train_step
 
 Emit = Callable[..., None]
 
@@ -147,7 +147,9 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     batches = list(iterate_batches(len(y_train), batch_size, None if profiling else job["epochs"],
                                    job["max_steps"], np.random.RandomState(job["seed"])))
     rate = make_rate(tf, job, None if profiling else len(batches))
-    train_step = make_train_step(tf, model, make_optimizer(tf, job, precision, rate), job)
+    forward = make_forward(tf, model, job)
+    fields["pool_first"] = list(getattr(forward, "swapped", []))
+    train_step = make_train_step(tf, model, forward, make_optimizer(tf, job, precision, rate), job)
     steps = samples = 0
     train_started = time.monotonic()
     for epoch, indices in batches:
