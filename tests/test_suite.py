@@ -23,7 +23,7 @@ SUITE = ("squeezenet", "inceptionv1", "resnet50", "vgg16", "xception", "mobilene
 BUILD_SCRIPT = """
 import json
 import tensorflow as tf
-from odtd.trainer import catalog, dense_blocks, networks, recompute
+from odtd.trainer import catalog, dense_blocks, graph, networks, recompute
 
 cases = [(name, [info.min_input_size, info.min_input_size + 8, 3], 7)
          for name, info in ((n, catalog.get(n)) for n in {suite!r})]
@@ -33,7 +33,7 @@ for name, shape, classes in cases:
     model = networks.build(name, classes, shape)
     images = tf.random.uniform([2] + shape, 0, 256, tf.int32, seed=1)
     logits = networks.forward(model, tf.cast(images, tf.uint8), "0-1", "logits", training=False)
-    cuts = recompute.valid_cuts(model)
+    cuts = graph.valid_cuts(model)
     chosen = recompute.choose_cuts(cuts, len(model.layers))
     row = dict(name=name, shape=shape, classes=classes, params=int(model.count_params()),
                logits_shape=list(logits.shape), logits_dtype=logits.dtype.name,

@@ -3,13 +3,15 @@
 ``consumers`` maps each tensor to the layers that read it, for a model whose layers are each
 called once (``dense_blocks`` walks dense blocks with it); ``valid_cuts`` lists the layers whose
 output is all the rest of the model needs of the layers before (``recompute`` cuts segments
-there, ``pool_first`` runs a pair of layers apart there). Both read the model's own nodes: a
-layer's nodes in other graphs, such as sub-models built over it, do not count.
+there, ``pool_first`` runs a pair of layers apart there); ``nested_chain`` says whether the model
+is a chain around nested models, which both then take layer by layer. All read the model's own
+nodes: a layer's nodes in other graphs, such as sub-models built over it, do not count.
+``training_runner`` is how both run a part (a sub-model, a layer) in a step.
 
-Python 3.6-compatible; tf.keras 2 and Keras 3 alike (no TensorFlow needed here).
+Python 3.6-compatible; tf.keras 2 and Keras 3 alike (TensorFlow passed in where needed).
 """
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 
 def producer(tensor: Any) -> Any:
@@ -24,12 +26,20 @@ def inputs_of(layer: Any) -> List[Any]:
 
 
 def _own_nodes(model: Any) -> set:
+    """The nodes of ``model``'s own graph (both Keras stacks keep ``_nodes_by_depth``)."""
     return {id(node) for nodes in getattr(model, "_nodes_by_depth", {}).values() for node in nodes}
 
 
 def _owner(node: Any) -> Any:
     """The layer that made a node (Keras 3: ``operation``; tf.keras 2: ``layer``)."""
     return getattr(node, "operation", None) or getattr(node, "layer", None)
+
+
+def training_runner(part: Any) -> Callable[[Any], Any]:
+    """``tensor -> part(tensor, training=True)``: a sub-model or layer as a step runs it."""
+    def run(tensor: Any) -> Any:
+        return part(tensor, training=True)
+    return run
 
 
 def consumers(model: Any) -> Optional[Dict[int, List[Any]]]:
@@ -83,3 +93,18 @@ def valid_cuts(model: Any) -> List[int]:
         if k >= 1 and running == 0 and called_once[k] and single:
             cuts.append(k)
     return cuts
+
+
+def nested_chain(tf: Any, model: Any, cuts: List[int]) -> Optional[List[Any]]:
+    """The layers after the input when ``model`` is a chain of layers around nested models.
+
+    An exported model (rescaling and softmax around its network) or a backbone in a wrapper: a
+    nested model's output is not a tensor of this graph, so whatever runs the model in parts
+    takes such a chain layer by layer and each nested model inside itself. ``cuts``:
+    ``valid_cuts(model)``. None for any other model.
+    """
+    layers = list(model.layers)
+    if any(isinstance(layer, tf.keras.Model) for layer in layers) \
+            and cuts == list(range(1, len(layers) - 1)):
+        return layers[1:]
+    return None

@@ -19,7 +19,7 @@ TensorFlow is passed in. Python 3.6-compatible; tf.keras 2 and Keras 3 alike.
 
 from typing import Any, Callable, List, Optional, Sequence
 
-from odtd.trainer.graph import consumers, inputs_of, valid_cuts
+from odtd.trainer.graph import consumers, inputs_of, nested_chain, training_runner, valid_cuts
 
 
 def swaps(conv: Any, pool: Any) -> bool:
@@ -41,12 +41,6 @@ def pool_first(layers: Sequence[Any]) -> List[Any]:
         if swaps(ordered[index], ordered[index + 1]):
             ordered[index], ordered[index + 1] = ordered[index + 1], ordered[index]
     return ordered
-
-
-def _runner(part: Any) -> Callable[[Any], Any]:
-    def run(tensor: Any) -> Any:
-        return part(tensor, training=True)
-    return run
 
 
 def _pooled(pool: Any, conv: Any) -> Callable[[Any], Any]:
@@ -79,7 +73,8 @@ class PoolFirst:
         rescaling and softmax around its network), runs layer by layer, each nested model
         pooling first inside itself. Any other functional model with one input and one output
         runs as sub-models between the pairs; a pair counts where the graph can be cut right
-        before and right after it (nothing else reads the convolution's input or output).
+        before and right after it (nothing else reads the convolution's input or output). A
+        model with a layer called twice (a shared layer) is left as it is.
         """
         keras = tf.keras
         layers = list(model.layers)
@@ -89,9 +84,9 @@ class PoolFirst:
         if len(model.inputs) != 1 or len(model.outputs) != 1 or consumers(model) is None:
             return None
         cuts = valid_cuts(model)
-        if any(isinstance(layer, keras.Model) for layer in layers) \
-                and cuts == list(range(1, len(layers) - 1)):
-            return cls._chain(tf, model, layers[1:])
+        chain = nested_chain(tf, model, cuts)
+        if chain is not None:
+            return cls._chain(tf, model, chain)
         cut, output = set(cuts), model.outputs[0]
         pairs = [k for k in range(2, len(layers) - 1)
                  if swaps(layers[k], layers[k + 1]) and k - 1 in cut
@@ -105,11 +100,11 @@ class PoolFirst:
         start = model.inputs[0]
         for k in pairs:
             if layers[k - 1].output is not start:
-                steps.append(_runner(keras.Model(start, layers[k - 1].output)))
+                steps.append(training_runner(keras.Model(start, layers[k - 1].output)))
             steps.append(_pooled(layers[k + 1], layers[k]))
             start = layers[k + 1].output
         if start is not output:
-            steps.append(_runner(keras.Model(start, output)))
+            steps.append(training_runner(keras.Model(start, output)))
         return cls(model, steps, [layers[k].name for k in pairs])
 
     @classmethod
@@ -125,7 +120,7 @@ class PoolFirst:
                        if before is not part and part.__class__.__name__ == "Conv2D")
         if not swapped:
             return None
-        return cls(model, [_runner(part) for part in ordered], swapped)
+        return cls(model, [training_runner(part) for part in ordered], swapped)
 
     def __call__(self, images: Any, training: bool = True) -> Any:
         """The model's output; with ``training`` False, the model as it is."""

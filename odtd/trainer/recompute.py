@@ -32,7 +32,7 @@ import math
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from odtd.trainer.dense_blocks import Block, dense_block, find_blocks
-from odtd.trainer.graph import valid_cuts
+from odtd.trainer.graph import nested_chain, training_runner, valid_cuts
 from odtd.trainer.imported import leaf_layers
 
 
@@ -87,15 +87,11 @@ class Checkpointed:
         self.chain = None  # type: Optional[List[Any]]
         self.steps: List[Callable[[Any], Any]] = []
         self.dense_blocks = 0
-        if any(isinstance(layer, keras.Model) for layer in layers) \
-                and cuts == list(range(1, len(layers) - 1)):
-            # A chain of layers around nested models (an exported model's rescaling and
-            # softmax around its network, a backbone in a wrapper): a nested model's output
-            # is not a tensor of this graph, so run the chain layer by layer and checkpoint
-            # each nested model inside itself.
+        chain = nested_chain(tf, model, cuts)
+        if chain is not None:
+            # Layer by layer, each nested model checkpointed inside itself.
             self.chain = [Checkpointed(tf, layer, segments, share)
-                          if isinstance(layer, keras.Model)
-                          else layer for layer in layers[1:]]
+                          if isinstance(layer, keras.Model) else layer for layer in chain]
             nested = [part for part in self.chain if isinstance(part, Checkpointed)]
             self.cuts = [cut for part in nested for cut in part.cuts]
             self.batchnorm = [layer for part in nested for layer in part.batchnorm]
@@ -120,14 +116,14 @@ class Checkpointed:
             for block in blocks:
                 if block.start is not start:
                     recomputed.append(keras.Model(start, block.start))
-                    self.steps.append(tf.recompute_grad(self._runner(recomputed[-1])))
+                    self.steps.append(tf.recompute_grad(training_runner(recomputed[-1])))
                 self.steps.append(dense_block(tf, block))
                 recomputed.append(block)
                 start = block.end
             self.cuts = sorted({position[id(t)] for b in blocks for t in (b.start, b.end)
                                 if id(t) in position and t is not model.outputs[0]})
             if start is not model.outputs[0]:
-                self.steps.append(self._runner(keras.Model(start, model.outputs[0])))
+                self.steps.append(training_runner(keras.Model(start, model.outputs[0])))
         else:
             chosen = choose_cuts(cuts, len(layers), segments)
             self.cuts = [k for k in chosen if k <= share * len(layers)] or chosen[:1]
@@ -135,17 +131,11 @@ class Checkpointed:
                           + [model.outputs[0]])
             parts = [keras.Model(start, end) for start, end in zip(boundaries, boundaries[1:])]
             recomputed = parts[:-1]
-            self.steps = [tf.recompute_grad(self._runner(part)) for part in recomputed]
-            self.steps.append(self._runner(parts[-1]))
+            self.steps = [tf.recompute_grad(training_runner(part)) for part in recomputed]
+            self.steps.append(training_runner(parts[-1]))
         self.batchnorm = [layer for part in recomputed for layer in _leaves(part)
                           if isinstance(layer, keras.layers.BatchNormalization)
                           and layer.trainable]
-
-    @staticmethod
-    def _runner(part: Any) -> Any:
-        def run(tensor: Any) -> Any:
-            return part(tensor, training=True)
-        return run
 
     def __call__(self, images: Any, training: bool = True) -> Any:
         """The model's output; with ``training`` False, the plain model (nothing to recompute)."""

@@ -5,7 +5,7 @@ builders in ``BUILDERS``), and the benchmarks import this module.
 
 ResNet50, VGG16, Xception, MobileNetV2 (width 1.0) and DenseNet121 come from keras.applications
 with ``include_top=False, weights=None``, built on the model's own input tensor: their layers are
-the model's layers, not one nested model, so gradient checkpointing (``recompute.valid_cuts``)
+the model's layers, not one nested model, so gradient checkpointing (``graph.valid_cuts``)
 finds cuts inside them. Their layers are Keras's as they are (VGG16's convolutions have biases;
 Keras's default initialisers); no ImageNet weights are loaded, so ImageNet's input preprocessing
 does not apply and they take ``0-1`` pixels like the other built-in networks. VGG16's two
