@@ -110,11 +110,6 @@ class TrainingPolicy(_Strict):
         "each rehearsed image of the replay seed also pulls the candidate toward the served "
         "model's own prediction for it (soft targets at temperature 2, computed once before "
         "training), with this weight beside its label's loss; 0 = off")
-    restyle_replay: float = Field(
-        default=0.0, ge=0, le=1, description="this share of the rehearsed images of the replay "
-        "seed trains as the device's camera would see them: their colour and spatial spectrum "
-        "(blur, noise) matched to the device's images, label-free, each session (distillation's "
-        "targets stay the served model's view of the originals); 0 = off")
     trained_share: Union[Literal["auto"], float] = Field(
         default=1.0, description="the candidate is this share of the trained weights and the "
         "rest of the served model's (BatchNorm statistics too): keeps part of what the session "

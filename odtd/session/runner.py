@@ -244,8 +244,7 @@ class SessionRunner:
             learning_rate=training.learning_rate, lr_schedule=training.lr_schedule,
             momentum=training.momentum, augment=training.augment, freeze_bn=training.freeze_bn,
             recalibrate_bn=training.recalibrate_bn, bn_device_weight=training.bn_device_weight,
-            distill=training.distill, restyle_replay=training.restyle_replay,
-            trained_share=training.trained_share,
+            distill=training.distill, trained_share=training.trained_share,
             reference_tolerance=None if self.policy.acceptance.reference_tolerance is None
             else self.policy.acceptance.reference_tolerance / 100.0,
             reference_origin=self.store.reference_origin(),
@@ -263,16 +262,13 @@ class SessionRunner:
         return write_job(job, job_dir)
 
     def _device_images(self, rows: list[dict[str, Any]], new_count: int) -> dict[str, np.ndarray]:
-        """The train file's ``device`` mask and ``device_x`` (``bn_device_weight`` and others).
-
-        Read by ``bn_device_weight``, ``distill`` and ``restyle_replay``.
+        """The train file's ``device`` mask and ``device_x`` (``bn_device_weight``, ``distill``).
 
         The device's images are the day's (the first ``new_count`` rows), rehearsed ones a
         session trained on before (not the replay seed's) and, in ``device_x``, earlier days'
         images not drawn this time, the newest first, up to ``DEVICE_IMAGES`` in all.
         """
-        training = self.policy.training
-        if training.bn_device_weight is None and not training.distill and not training.restyle_replay:
+        if self.policy.training.bn_device_weight is None and not self.policy.training.distill:
             return {}
         mask = np.array([i < new_count or bool(row.get("session_id")) for i, row in enumerate(rows)],
                         dtype=bool)

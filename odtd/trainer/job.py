@@ -47,7 +47,6 @@ JOB_KEYS = {
     "recalibrate_bn": ("bool", False),
     "bn_device_weight": ("share_or_auto", None),
     "distill": ("float", 0.0),
-    "restyle_replay": ("share", 0.0),
     "trained_share": ("share_or_auto", 1.0),
     "reference_tolerance": ("share", None),
     "reference_origin": ("share", None),

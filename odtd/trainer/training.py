@@ -37,7 +37,6 @@ from odtd.trainer.evaluation import (
 )
 from odtd.trainer.fused_batchnorm import fuse, keep_relu_apart
 from odtd.trainer.imported import leaf_layers
-from odtd.trainer.restyle import restyle_rehearsed
 from odtd.trainer.step import iterate_batches, make_forward, make_optimizer, make_rate, make_train_step
 
 Emit = Callable[..., None]
@@ -133,9 +132,6 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     if teacher is None:  # nothing to distil: the step's teacher inputs, all weight 0
         teacher = (np.zeros((len(y_train), num_classes), np.float32),
                    np.zeros(len(y_train), np.float32))
-    if job["restyle_replay"] and data.get("rehearsed") is not None and not profiling:
-        x_train, fields["restyled_images"] = restyle_rehearsed(
-            x_train, data["rehearsed"], data["device_split"][0], job["restyle_replay"], job["seed"])
     device_split = data.get("device_split") if job["bn_device_weight"] is not None else None
     weight = job["bn_device_weight"]
     if device_split is not None:  # the steps see the device's statistics

@@ -380,14 +380,12 @@ def main(argv: Optional[List[str]] = None,
                     data[key] = load_dataset(key, job[key], job["input_shape"],
                                              len(job["classes"]))
             mask = None  # which training images the device saw (BatchNorm, distillation)
-            restyle = job["restyle_replay"] > 0 and job["mode"] == "train"
-            if (job["bn_device_weight"] is not None or job["distill"] or restyle) \
-                    and job["train_data"]:
+            if (job["bn_device_weight"] is not None or job["distill"]) and job["train_data"]:
                 mask = load_device_mask(job["train_data"], len(data["train_data"][1]))
-            if mask is not None and (job["bn_device_weight"] is not None or restyle):
+            if mask is not None and job["bn_device_weight"] is not None:
                 data["device_split"] = load_device_split(job["train_data"],
                                                          data["train_data"][0], mask)
-            if mask is not None and (job["distill"] or restyle):
+            if mask is not None and job["distill"]:
                 data["rehearsed"] = ~mask
         for name, value in ENVIRONMENT_DEFAULTS.items():
             os.environ.setdefault(name, value)
