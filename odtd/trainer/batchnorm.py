@@ -83,6 +83,7 @@ def _statistics_pass(tf: Any, model: Any, job: Any, layers: List[Any]) -> Callab
     every call).
     """
     from odtd.trainer import networks
+    from odtd.trainer.pool_first import pooling_first
 
     key = (id(model), tuple(id(layer) for layer in layers),
            tuple(bool(layer.trainable) for layer in batchnorm_layers(tf, model)),
@@ -90,9 +91,11 @@ def _statistics_pass(tf: Any, model: Any, job: Any, layers: List[Any]) -> Callab
     if key in _COMPILED:
         return _COMPILED[key][1]
 
+    forward_model = pooling_first(tf, model)
+
     @networks.compiled([networks.images_spec(job)])
     def batch_statistics(images: Any) -> Any:
-        networks.forward(model, images, job["input_scale"], job["output"], training=True)
+        networks.forward(forward_model, images, job["input_scale"], job["output"], training=True)
         return [(tf.identity(tf.convert_to_tensor(layer.moving_mean)),
                  tf.identity(tf.convert_to_tensor(layer.moving_variance))) for layer in layers]
 

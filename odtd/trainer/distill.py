@@ -42,12 +42,15 @@ def teacher_targets(tf: Any, model: Any, job: Dict[str, Any], x: np.ndarray,
         ``(N,)`` (``job["distill"]`` where rehearsed, else 0); None if a stop was requested.
     """
     from odtd.trainer import networks
+    from odtd.trainer.pool_first import pooling_first
 
     num_classes = len(job["classes"])
+    forward_model = pooling_first(tf, model)
 
     @networks.compiled([networks.images_spec(job)])
     def logits_of(images: Any) -> Any:
-        return networks.forward(model, images, job["input_scale"], job["output"], training=False)
+        return networks.forward(forward_model, images, job["input_scale"], job["output"],
+                                training=False)
 
     logits = np.zeros((len(x), num_classes), dtype=np.float32)
     chosen = np.flatnonzero(rehearsed)

@@ -16,14 +16,19 @@ from odtd.trainer import evalcache
 
 
 def make_eval_step(tf: Any, model: Any, job: Dict[str, Any]) -> Callable[[Any, Any], Any]:
-    """Return a compiled ``(images, labels) -> (per-sample losses, predicted classes)``."""
+    """Return a compiled ``(images, labels) -> (per-sample losses, predicted classes)``.
+
+    The model runs pooling first where it can (``pool_first.pooling_first``).
+    """
     from odtd.trainer import networks
+    from odtd.trainer.pool_first import pooling_first
 
     input_scale, output = job["input_scale"], job["output"]
+    forward_model = pooling_first(tf, model)
 
     @networks.compiled([networks.images_spec(job), tf.TensorSpec([None], tf.int64)])
     def eval_step(images: Any, labels: Any) -> Any:
-        logits = networks.forward(model, images, input_scale, output, training=False)
+        logits = networks.forward(forward_model, images, input_scale, output, training=False)
         losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
         return losses, tf.argmax(logits, axis=-1)
 

@@ -6,7 +6,7 @@ output is all the rest of the model needs of the layers before (``recompute`` cu
 there, ``pool_first`` runs a pair of layers apart there); ``nested_chain`` says whether the model
 is a chain around nested models, which both then take layer by layer. All read the model's own
 nodes: a layer's nodes in other graphs, such as sub-models built over it, do not count.
-``training_runner`` is how both run a part (a sub-model, a layer) in a step.
+``part_runner`` is how both run a part (a sub-model, a layer).
 
 Python 3.6-compatible; tf.keras 2 and Keras 3 alike (TensorFlow passed in where needed).
 """
@@ -35,10 +35,10 @@ def _owner(node: Any) -> Any:
     return getattr(node, "operation", None) or getattr(node, "layer", None)
 
 
-def training_runner(part: Any) -> Callable[[Any], Any]:
-    """``tensor -> part(tensor, training=True)``: a sub-model or layer as a step runs it."""
-    def run(tensor: Any) -> Any:
-        return part(tensor, training=True)
+def part_runner(part: Any) -> Callable[..., Any]:
+    """``(tensor, training=True) -> part(tensor, training=training)``: a sub-model or a layer."""
+    def run(tensor: Any, training: bool = True) -> Any:
+        return part(tensor, training=training)
     return run
 
 

@@ -8,18 +8,19 @@ and its gradient on the pooled image. A DenseNet's transition (BatchNorm, ReLU, 
 written convolution first, and so convolves four times the pixels it needs.
 
 ``pool_first`` swaps such pairs in a chain of layers (a dense block's tail, which
-``dense_blocks`` runs by hand under recomputation). ``PoolFirst`` runs a whole model that way in
-training, for the plans without recomputation: the model is cut where its graph allows
-(``graph.valid_cuts``) before and after every such pair, the parts between run as sub-models of
-the same layers, and each pair runs pooling first. The same weights train and the same BatchNorm
-statistics move; with ``training`` False the model runs as it is.
+``dense_blocks`` runs by hand under recomputation). ``PoolFirst`` runs a whole model that way:
+the model is cut where its graph allows (``graph.valid_cuts``) before and after every such pair,
+the parts between run as sub-models of the same layers, and each pair runs pooling first. The
+same weights train and the same BatchNorm statistics move. The train step of the plans without
+recomputation runs it (``step.make_forward``), and so do the passes outside a step
+(``pooling_first``): scoring, BatchNorm's statistics, distillation's targets.
 
 TensorFlow is passed in. Python 3.6-compatible; tf.keras 2 and Keras 3 alike.
 """
 
 from typing import Any, Callable, List, Optional, Sequence
 
-from odtd.trainer.graph import consumers, inputs_of, nested_chain, training_runner, valid_cuts
+from odtd.trainer.graph import consumers, inputs_of, nested_chain, part_runner, valid_cuts
 
 
 def swaps(conv: Any, pool: Any) -> bool:
@@ -43,16 +44,17 @@ def pool_first(layers: Sequence[Any]) -> List[Any]:
     return ordered
 
 
-def _pooled(pool: Any, conv: Any) -> Callable[[Any], Any]:
-    def run(tensor: Any) -> Any:
-        return conv(pool(tensor, training=True), training=True)
+def _pooled(pool: Any, conv: Any) -> Callable[..., Any]:
+    def run(tensor: Any, training: bool = True) -> Any:
+        return conv(pool(tensor, training=training), training=training)
     return run
 
 
 class PoolFirst:
-    """A model run in training with every (1x1 convolution, average pooling) pair swapped.
+    """A model run with every (1x1 convolution, average pooling) pair swapped.
 
-    Build one with ``PoolFirst.of``; call it like the model (``forward(images, training=True)``).
+    Build one with ``PoolFirst.of``; call it like the model (``forward(images, training=True)``,
+    or ``training=False`` for inference).
 
     Attributes:
         model: The model (its layers, weights and BatchNorm statistics are the ones trained).
@@ -100,11 +102,11 @@ class PoolFirst:
         start = model.inputs[0]
         for k in pairs:
             if layers[k - 1].output is not start:
-                steps.append(training_runner(keras.Model(start, layers[k - 1].output)))
+                steps.append(part_runner(keras.Model(start, layers[k - 1].output)))
             steps.append(_pooled(layers[k + 1], layers[k]))
             start = layers[k + 1].output
         if start is not output:
-            steps.append(training_runner(keras.Model(start, output)))
+            steps.append(part_runner(keras.Model(start, output)))
         return cls(model, steps, [layers[k].name for k in pairs])
 
     @classmethod
@@ -120,13 +122,20 @@ class PoolFirst:
                        if before is not part and part.__class__.__name__ == "Conv2D")
         if not swapped:
             return None
-        return cls(model, [training_runner(part) for part in ordered], swapped)
+        return cls(model, [part_runner(part) for part in ordered], swapped)
 
     def __call__(self, images: Any, training: bool = True) -> Any:
-        """The model's output; with ``training`` False, the model as it is."""
-        if not training:
-            return self.model(images, training=training)
+        """The model's output, in training (``training``) or inference."""
         hidden = images
         for step in self.steps:
-            hidden = step(hidden)
+            hidden = step(hidden, training=training)
         return hidden
+
+
+def pooling_first(tf: Any, model: Any) -> Any:
+    """``PoolFirst.of(tf, model)``, or the model itself where no pair swaps: what a pass calls.
+
+    For the passes outside a train step (scoring, BatchNorm's statistics, distillation's
+    targets); build it before tracing them.
+    """
+    return PoolFirst.of(tf, model) or model

@@ -32,7 +32,7 @@ import math
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from odtd.trainer.dense_blocks import Block, dense_block, find_blocks
-from odtd.trainer.graph import nested_chain, training_runner, valid_cuts
+from odtd.trainer.graph import nested_chain, part_runner, valid_cuts
 from odtd.trainer.imported import leaf_layers
 
 
@@ -116,14 +116,14 @@ class Checkpointed:
             for block in blocks:
                 if block.start is not start:
                     recomputed.append(keras.Model(start, block.start))
-                    self.steps.append(tf.recompute_grad(training_runner(recomputed[-1])))
+                    self.steps.append(tf.recompute_grad(part_runner(recomputed[-1])))
                 self.steps.append(dense_block(tf, block))
                 recomputed.append(block)
                 start = block.end
             self.cuts = sorted({position[id(t)] for b in blocks for t in (b.start, b.end)
                                 if id(t) in position and t is not model.outputs[0]})
             if start is not model.outputs[0]:
-                self.steps.append(training_runner(keras.Model(start, model.outputs[0])))
+                self.steps.append(part_runner(keras.Model(start, model.outputs[0])))
         else:
             chosen = choose_cuts(cuts, len(layers), segments)
             self.cuts = [k for k in chosen if k <= share * len(layers)] or chosen[:1]
@@ -131,8 +131,8 @@ class Checkpointed:
                           + [model.outputs[0]])
             parts = [keras.Model(start, end) for start, end in zip(boundaries, boundaries[1:])]
             recomputed = parts[:-1]
-            self.steps = [tf.recompute_grad(training_runner(part)) for part in recomputed]
-            self.steps.append(training_runner(parts[-1]))
+            self.steps = [tf.recompute_grad(part_runner(part)) for part in recomputed]
+            self.steps.append(part_runner(parts[-1]))
         self.batchnorm = [layer for part in recomputed for layer in _leaves(part)
                           if isinstance(layer, keras.layers.BatchNormalization)
                           and layer.trainable]
