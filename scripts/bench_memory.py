@@ -23,7 +23,10 @@ Intel Xeon), which the kernel can drop and read again from the files; the anonym
 (``RssAnon``: tensors, the heap, Python) is what a board must find. ``peak_anon_mb`` is the
 largest ``RssAnon`` of the arm's processes, read from ``/proc`` every 20 ms while the arm runs
 (a sample, so a spike shorter than that can be missed; the peaks of a training step last
-seconds).
+seconds). Run enough steps: within a run the worker's peak can grow in jumps of 35-50 MB over its
+first 10 to 20 steps and then hold (with TensorFlow's BFC allocator and with its default one
+alike; the cause is not isolated), while ``model.fit``'s barely moves, so a short run can miss
+the peak a long session reaches (docs/memory.md, "A session's peak after its first steps").
 
     python scripts/bench_memory.py [--json] [--batch 64] [--bn frozen] [--rounds 2]
 
@@ -195,7 +198,9 @@ def main() -> int:
     parser.add_argument("--bn", choices=["frozen", "trained"], default="frozen",
                         help="odtd's BatchNorm: frozen (default policy) or trained and recalibrated "
                              "(DenseNet40's recipe)")
-    parser.add_argument("--steps", type=int, default=6, help="measured steps per arm (default 6)")
+    parser.add_argument("--steps", type=int, default=27,
+                        help="measured steps per arm (default 27: the worker's peak grows in steps "
+                             "over its first 10-20 and then holds)")
     parser.add_argument("--warmup-steps", type=int, default=3, help="steps skipped first")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (default 2)")
     args = parser.parse_args()
