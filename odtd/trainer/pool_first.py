@@ -135,7 +135,8 @@ class PoolFirst:
 def pooling_first(tf: Any, model: Any) -> Any:
     """``PoolFirst.of(tf, model)``, or the model itself where no pair swaps: what a pass calls.
 
-    For the passes outside a train step (scoring, BatchNorm's statistics, distillation's
-    targets); build it before tracing them.
+    The train step without recomputation (``step.make_forward``) and the passes outside a step
+    (scoring, BatchNorm's statistics, distillation's targets) call it; build it before tracing
+    them.
     """
     return PoolFirst.of(tf, model) or model

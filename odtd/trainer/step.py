@@ -95,16 +95,17 @@ def make_forward(tf: Any, model: Any, job: Dict[str, Any]) -> Any:
     """What the train step calls for the model's output.
 
     With the job's ``recompute``, the model checkpointed (``recompute.Checkpointed``); else the
-    model pooling first where it can (``pool_first.PoolFirst``: a transition's 1x1 convolution
-    on a quarter of the pixels, the same step); else the model itself.
+    model pooling first where it can (``pool_first.pooling_first``: a transition's 1x1
+    convolution on a quarter of the pixels, the same step), which is the model itself where
+    nothing swaps.
     """
     if job["recompute"]:
         from odtd.trainer.recompute import Checkpointed
 
         return Checkpointed(tf, model, share=job["recompute"])
-    from odtd.trainer.pool_first import PoolFirst
+    from odtd.trainer.pool_first import pooling_first
 
-    return PoolFirst.of(tf, model) or model
+    return pooling_first(tf, model)
 
 
 def make_train_step(tf: Any, model: Any, forward_model: Any, optimizer: Any,
