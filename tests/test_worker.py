@@ -3,6 +3,7 @@
 TensorFlow is only ever imported in child processes, never in the test process.
 """
 
+import ctypes
 import json
 import shutil
 import signal
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import built_once, tensorflow_report
 
-from odtd.trainer import catalog, precision, worker
+from odtd.trainer import catalog, precision, training, worker
 
 pytestmark = pytest.mark.trains  # every test here runs the real worker
 
@@ -427,6 +428,25 @@ def test_peak_rss_reads_vmhwm_in_mib(tmp_path):
     status = tmp_path / "status"
     status.write_text("Name:\tpython\nVmHWM:\t 104857600 kB\nVmRSS:\t 1024 kB\n")
     assert worker.peak_rss_mb(str(status)) == 102400.0
+
+
+def test_release_free_heap_gives_freed_heap_pages_back_to_the_system():
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "malloc_trim"):
+        pytest.skip("the C library has no malloc_trim")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    size = 64 * 1024  # below malloc's mmap threshold: these come from the heap
+    blocks = [libc.malloc(size) for _ in range(1600)]  # 100 MB
+    for block in blocks:
+        ctypes.memset(block, 1, size)
+    for block in blocks[:-1]:  # the last one keeps the freed ones off the heap's top
+        libc.free(block)
+    status = Path("/proc/self/status")
+    before = worker.read_proc_mb("RssAnon", status)
+    assert training.release_free_heap()
+    assert before - worker.read_proc_mb("RssAnon", status) > 80
+    libc.free(blocks[-1])
 
 
 def test_a_worker_error_of_several_lines_is_said_in_one(tmp_path):
