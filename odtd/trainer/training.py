@@ -11,6 +11,7 @@ Keras 3 alike.
 
 import contextlib
 import ctypes
+import gc
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -61,7 +62,8 @@ def release_free_heap() -> bool:
     """Give the free pages inside malloc's heap back to the system (glibc's ``malloc_trim``).
 
     The first train step traces its graph and optimises it; what that leaves freed in the heap
-    (about 40 MB for DenseNet40) would stay resident under every later step's tensors. Returns
+    (about 40 MB for DenseNet40) would stay resident under every later step's tensors, and the
+    step's graph, once freed after the last step, under the passes after training. Returns
     False where the C library has no ``malloc_trim`` or nothing was returned.
     """
     try:
@@ -188,6 +190,11 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
             fields.update(status="diverged", diverged_at_step=steps - 1)
             break
     fields.update(steps=steps, samples=samples, train_seconds=time.monotonic() - train_started)
+    # The step's graph is not run again: freed, and the heap it held given back, before the
+    # passes after training trace theirs (a session's peak could otherwise come after its steps).
+    del train_step, forward
+    gc.collect()
+    release_free_heap()
     if should_stop() or fields["status"] == "diverged":
         return fields
     after = None
