@@ -50,12 +50,11 @@ EXIT_PARENT_GONE = 3
 PARENT_POLL_INTERVAL_S = 0.5
 _STARTED_AT = time.monotonic()
 # Set before TensorFlow is imported, unless the environment already has them: TensorFlow's log
-# kept to warnings; its own best-fit allocator for CPU tensors rather than malloc, so freed
-# activations are reused in place rather than spread over malloc's arenas; and one operation
-# at a time (each still on every core), so no two run side by side holding their tensors
-# together: about 50 MB lower for DenseNet40 recomputed at batch 64, no slower (docs/memory.md).
-ENVIRONMENT_DEFAULTS = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_CPU_ALLOCATOR_USE_BFC": "true",
-                        "TF_NUM_INTEROP_THREADS": "1"}
+# kept to warnings, and its own best-fit allocator for CPU tensors rather than malloc, so freed
+# activations are reused in place rather than spread over malloc's arenas (docs/memory.md).
+# (One operation at a time, TF_NUM_INTEROP_THREADS=1, lowered DenseNet40's recomputed peak by
+# 50 MB but spread VGG16's at 128x128 from 2.0 to 3.1 GB: not a default; docs/memory.md.)
+ENVIRONMENT_DEFAULTS = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_CPU_ALLOCATOR_USE_BFC": "true"}
 
 
 class BadModel(Exception):
