@@ -23,10 +23,10 @@ Intel Xeon), which the kernel can drop and read again from the files; the anonym
 (``RssAnon``: tensors, the heap, Python) is what a board must find. ``peak_anon_mb`` is the
 largest ``RssAnon`` of the arm's processes, read from ``/proc`` every 20 ms while the arm runs
 (a sample, so a spike shorter than that can be missed; the peaks of a training step last
-seconds). Run enough steps: within a run the worker's peak can grow in jumps of 35-50 MB over its
-first 10 to 20 steps and then hold (with TensorFlow's BFC allocator and with its default one
-alike; the cause is not isolated), while ``model.fit``'s barely moves, so a short run can miss
-the peak a long session reaches (docs/memory.md, "A session's peak after its first steps").
+seconds). Run enough steps: in some runs the worker's peak jumps by about 50 MB at a step among
+its first 10 to 20 (TensorFlow's BFC allocator mapping one more region when fragmentation needs
+it; docs/memory.md, "The heap given back, and one operation at a time"), while ``model.fit``'s
+barely moves, so a short run can miss the peak a long session reaches.
 
     python scripts/bench_memory.py [--json] [--batch 64] [--bn frozen] [--rounds 2]
 

@@ -142,6 +142,7 @@ def test_train_reports_ordered_spans_and_writes_loadable_weights(tmp_path, initi
     assert result["accuracy_after"] == after["accuracy"]
     assert result["weights_out"] == str(out) and result["peak_rss_mb"] > 0
     assert result["tf_peak_memory_mb"] is None  # no GPU here
+    assert isinstance(result["heap_released"], bool)  # malloc's free heap, after the first step
     # tinycnn's BatchNorm trains fused in float32 (Keras 3: odtd's kernel; tf.keras 2: its own),
     # so on this CPU Grappler is kept from merging it with its ReLU.
     assert result["batchnorm_relu_apart"] is True
