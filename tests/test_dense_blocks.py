@@ -38,7 +38,7 @@ SCRIPT = r"""
 import json
 import numpy as np
 import tensorflow as tf
-from odtd.trainer import dense_blocks, networks, recompute
+from odtd.trainer import dense_blocks, dense_chunks, networks, recompute
 from odtd.trainer.fused_batchnorm import fuse
 from odtd.trainer.imported import keras_major
 from odtd.trainer.pool_first import pool_first
@@ -152,6 +152,39 @@ plain = step(flipped, flipped, images, labels)
 lean = step(flipped, recompute.Checkpointed(tf, flipped), images, labels)
 report["flipped_losses"] = [plain[0], lean[0]]
 report["flipped_gradient_gap"] = max(float(np.max(np.abs(a - b))) for a, b in zip(plain[1], lean[1]))
+# Which layers (the tail last) take their gradient a chunk of channels at a time.
+report["chunked"] = [[dense_chunks.split_head(layers) is not None
+                      for layers in b.units + [pool_first(b.tail)]]
+                     for b in dense_blocks.find_blocks(tf, model)]
+# LayerNormalization normalises across the channels: such layers take their gradient whole.
+inputs = tf.keras.Input((8, 8, 3))
+x = L.Conv2D(6, 3, padding="same")(inputs)
+for i in range(3):
+    y = L.LayerNormalization()(x) if i != 1 else L.BatchNormalization()(x)
+    y = L.Conv2D(4, 3, padding="same")(L.Activation("relu")(y))
+    x = L.Concatenate()([x, y])
+normed = tf.keras.Model(inputs, L.Dense(3)(L.GlobalAveragePooling2D()(x)))
+report["normed_chunked"] = [dense_chunks.split_head(layers) is not None
+                            for layers in dense_blocks.find_blocks(tf, normed)[0].units]
+plain = step(normed, normed, images, labels)
+lean = step(normed, recompute.Checkpointed(tf, normed), images, labels)
+report["normed_gradient_gap"] = max(float(np.max(np.abs(a - b))) for a, b in zip(plain[1], lean[1]))
+# In mixed_bfloat16 (what precision auto trains in on a CPU with bfloat16): chunked against the
+# whole input, relative to the largest gradient. (Against the plain model, recomputation in
+# bfloat16 rounds differently wherever it runs: up to a quarter of a BatchNorm's gradient.)
+tf.keras.mixed_precision.set_global_policy("mixed_bfloat16")
+half = small(name="half")
+half.set_weights(model.get_weights())
+fuse(tf, half)
+chunked = step(half, recompute.Checkpointed(tf, half), images, labels)
+split_head = dense_blocks.split_head
+dense_blocks.split_head = lambda layers: None
+whole = step(half, recompute.Checkpointed(tf, half), images, labels)
+dense_blocks.split_head = split_head
+report["bfloat16_gradient_gap"] = (
+    max(float(np.max(np.abs(a - b))) for a, b in zip(chunked[1], whole[1]))
+    / max(float(np.max(np.abs(a))) for a in whole[1]))
+tf.keras.mixed_precision.set_global_policy("float32")
 report["densenet40"] = [len(b.units) for b in dense_blocks.find_blocks(
     tf, networks.build("densenet40", 10, [16, 16, 3]))]
 print(json.dumps(report))
@@ -195,3 +228,12 @@ def test_dense_blocks_are_found_and_train_with_the_same_gradients_and_statistics
     assert report["flipped_first"] == [[False, True, False], [True, True]]
     assert report["flipped_losses"][0] == pytest.approx(report["flipped_losses"][1], rel=1e-6)
     assert report["flipped_gradient_gap"] < 1e-5 * max(1.0, report["gradient_scale"])
+    # Every layer of the two blocks starts per channel, then a convolution or a Dense: each takes
+    # its gradient a chunk of channels at a time (the gaps above are that gradient's).
+    assert report["chunked"] == [[True] * 4, [True] * 3]
+    # LayerNormalization mixes the channels: its layers take the whole input, the same step.
+    assert report["normed_chunked"] == [False, True, False]
+    assert report["normed_gradient_gap"] < 1e-5 * max(1.0, report["gradient_scale"])
+    # bfloat16 keeps 8 bits of mantissa (0.4%): the chunks sum a bottleneck's 1x1 convolution
+    # in float32 from bfloat16 parts, so its recomputation rounds a little differently.
+    assert report["bfloat16_gradient_gap"] < 0.03

@@ -11,10 +11,13 @@ there, because the tensors a segment starts from are those concatenations themse
 network depends on alone (a transition, or the classifier), as one function with its own
 gradient, after Pleiss et al., "Memory-Efficient Implementation of DenseNets" (2017): the
 forward pass keeps only ``x0`` and the narrow ``y_l``; the backward pass goes through the layers
-last to first, rebuilds each layer's concatenated input, recomputes ``f_l`` on it and takes its
-gradient, and carries one running gradient of the concatenation, narrowed layer by layer. The
-recomputation waits for the gradient it serves (a control dependency), so one layer's
-recomputed tensors are alive at a time. The cost is a forward pass of the block.
+last to first, recomputes each ``f_l`` on the parts it reads and takes its gradient, and adds
+it to a running gradient kept per part. Where ``f_l`` starts per channel and then mixes the
+channels linearly (BatchNorm, ReLU, convolution: every DenseNet), the gradient is taken a chunk
+of parts at a time (``dense_chunks``), never over the whole concatenated input; elsewhere the
+input is concatenated and ``f_l`` recomputed whole. Each recomputation waits for everything the
+previous one produced (control dependencies), so one layer's (or one chunk's) recomputed
+tensors are alive at a time. The cost is a forward pass of the block.
 
 ``find_blocks`` finds such blocks in any functional Keras model from its graph: the built-in
 DenseNet-40, keras.applications' DenseNets, or a user's own, whichever side of the concatenation
@@ -31,6 +34,7 @@ TensorFlow is passed in. Python 3.6-compatible; tf.keras 2 and Keras 3 alike.
 
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
+from odtd.trainer.dense_chunks import accumulate, chunk_gradient, split_head
 from odtd.trainer.graph import consumers as graph_consumers
 from odtd.trainer.graph import inputs_of, producer
 from odtd.trainer.pool_first import pool_first
@@ -141,11 +145,13 @@ def dense_block(tf: Any, block: Block) -> Callable[[Any], Any]:
     """``x0 -> end``, computing what the block and its tail compute, with the lean gradient."""
     units, tail = block.units, pool_first(block.tail)
     # Which parts (0: x0, l: layer l's output) each layer's input concatenates, in order; the
-    # tail's last. Each layer's output joins its input at one end, so every gradient split
-    # below is a slice from one end of the running gradient.
+    # tail's last.
     orders = [[0]]
     for index, first in enumerate(block.first):
         orders.append([index + 1] + orders[-1] if first else orders[-1] + [index + 1])
+
+    # Per layer (the tail last), its layers split for a gradient a chunk at a time, or None.
+    heads = [split_head(layers) for layers in units + [tail]]
 
     @tf.custom_gradient
     def run(start: Any) -> Any:
@@ -158,31 +164,42 @@ def dense_block(tf: Any, block: Block) -> Callable[[Any], Any]:
         def gradient(d_end: Any, variables: Optional[List[Any]] = None) -> Any:
             variables = list(variables or [])
             summed = [None] * len(variables)  # type: List[Any]
+            # The running gradient, one tensor per part: a layer adds to the parts it read.
+            d_parts = [None] * len(parts)  # type: List[Any]
 
-            def backward(layers: Sequence[Any], order: Sequence[int], d_out: Any) -> Any:
+            def backward(layers: Sequence[Any], head: Any, order: Sequence[int], d_out: Any,
+                         after: Sequence[Any]) -> List[Any]:
                 """Recompute ``layers`` on the parts in ``order`` once ``d_out`` exists."""
-                with tf.control_dependencies([d_out]):
-                    kept = [tf.identity(parts[i]) for i in order]
-                with tf.GradientTape() as tape:
-                    joined = tf.concat(kept, -1) if len(kept) > 1 else kept[0]
-                    tape.watch(joined)
-                    out = _run(layers, joined)
-                found = tape.gradient(out, [joined] + variables, output_gradients=d_out)
-                for index, grad in enumerate(found[1:]):
-                    if grad is not None:
-                        summed[index] = grad if summed[index] is None else summed[index] + grad
-                return found[0]
-
-            d_joined = backward(tail, orders[-1], d_end) if tail else d_end
-            for layer in reversed(range(len(units))):
-                width = int(parts[layer + 1].shape[-1])
-                if block.first[layer]:
-                    d_new, d_rest = d_joined[..., :width], d_joined[..., width:]
+                running = [d_parts[i] for i in order]
+                if head is not None:
+                    found, barrier = chunk_gradient(tf, head, [parts[i] for i in order],
+                                                    running, d_out, variables, _run, after)
                 else:
-                    d_rest, d_new = d_joined[..., :-width], d_joined[..., -width:]
-                d_joined = d_rest + backward(units[layer], orders[layer], d_new)
-            return d_joined, [tf.zeros_like(variable) if grad is None else grad
-                              for variable, grad in zip(variables, summed)]
+                    with tf.control_dependencies([d_out] + list(after)):
+                        kept = [tf.identity(parts[i]) for i in order]
+                    with tf.GradientTape() as tape:
+                        tape.watch(kept)
+                        joined = tf.concat(kept, -1) if len(kept) > 1 else kept[0]
+                        out = _run(layers, joined)
+                    found = tape.gradient(out, kept + variables, output_gradients=d_out)
+                    barrier = accumulate(tf, running, range(len(kept)), found[:len(kept)])
+                    found = found[len(kept):]
+                for index, grad in zip(order, running):
+                    d_parts[index] = grad
+                return barrier + accumulate(tf, summed, range(len(variables)), found)
+
+            if tail:
+                barrier = backward(tail, heads[-1], orders[-1], d_end, [])
+            else:
+                widths = [int(parts[i].shape[-1]) for i in orders[-1]]
+                for index, grad in zip(orders[-1], tf.split(d_end, widths, -1)):
+                    d_parts[index] = grad
+                barrier = []
+            for layer in reversed(range(len(units))):
+                d_new, d_parts[layer + 1] = d_parts[layer + 1], None
+                barrier = backward(units[layer], heads[layer], orders[layer], d_new, barrier)
+            return d_parts[0], [tf.zeros_like(variable) if grad is None else grad
+                                for variable, grad in zip(variables, summed)]
 
         return end, gradient
 
