@@ -152,10 +152,18 @@ plain = step(flipped, flipped, images, labels)
 lean = step(flipped, recompute.Checkpointed(tf, flipped), images, labels)
 report["flipped_losses"] = [plain[0], lean[0]]
 report["flipped_gradient_gap"] = max(float(np.max(np.abs(a - b))) for a, b in zip(plain[1], lean[1]))
-# Which layers (the tail last) take their gradient a chunk of channels at a time.
+# Which layers (the tail last) can take their gradient a chunk of channels at a time, and how
+# large their inputs are: the worker chunks those with at least half the largest input.
 report["chunked"] = [[dense_chunks.split_head(layers) is not None
                       for layers in b.units + [pool_first(b.tail)]]
                      for b in dense_blocks.find_blocks(tf, model)]
+report["input_sizes"] = [dense_blocks.input_sizes(b) for b in dense_blocks.find_blocks(tf, model)]
+# Every layer chunked (the bottleneck's rest included), against the plain model.
+default_share, recompute.CHUNKED_SHARE = recompute.CHUNKED_SHARE, 0.0
+plain = step(model, model, images, labels)
+lean = step(model, recompute.Checkpointed(tf, model), images, labels)
+report["all_chunked_gradient_gap"] = max(float(np.max(np.abs(a - b))) for a, b in zip(plain[1], lean[1]))
+report["all_chunked_statistics_gap"] = max(float(np.max(np.abs(a - b))) for a, b in zip(plain[2], lean[2]))
 # LayerNormalization normalises across the channels: such layers take their gradient whole.
 inputs = tf.keras.Input((8, 8, 3))
 x = L.Conv2D(6, 3, padding="same")(inputs)
@@ -169,9 +177,10 @@ report["normed_chunked"] = [dense_chunks.split_head(layers) is not None
 plain = step(normed, normed, images, labels)
 lean = step(normed, recompute.Checkpointed(tf, normed), images, labels)
 report["normed_gradient_gap"] = max(float(np.max(np.abs(a - b))) for a, b in zip(plain[1], lean[1]))
-# In mixed_bfloat16 (what precision auto trains in on a CPU with bfloat16): chunked against the
-# whole input, relative to the largest gradient. (Against the plain model, recomputation in
-# bfloat16 rounds differently wherever it runs: up to a quarter of a BatchNorm's gradient.)
+# In mixed_bfloat16 (what precision auto trains in on a CPU with bfloat16), every layer chunked
+# (CHUNKED_SHARE is still 0) against every layer whole, relative to the largest gradient.
+# (Against the plain model, recomputation in bfloat16 rounds differently wherever it runs: up
+# to a quarter of a BatchNorm's gradient.)
 tf.keras.mixed_precision.set_global_policy("mixed_bfloat16")
 half = small(name="half")
 half.set_weights(model.get_weights())
@@ -181,6 +190,7 @@ split_head = dense_blocks.split_head
 dense_blocks.split_head = lambda layers: None
 whole = step(half, recompute.Checkpointed(tf, half), images, labels)
 dense_blocks.split_head = split_head
+recompute.CHUNKED_SHARE = default_share
 report["bfloat16_gradient_gap"] = (
     max(float(np.max(np.abs(a - b))) for a, b in zip(chunked[1], whole[1]))
     / max(float(np.max(np.abs(a))) for a in whole[1]))
@@ -231,6 +241,12 @@ def test_dense_blocks_are_found_and_train_with_the_same_gradients_and_statistics
     # Every layer of the two blocks starts per channel, then a convolution or a Dense: each takes
     # its gradient a chunk of channels at a time (the gaps above are that gradient's).
     assert report["chunked"] == [[True] * 4, [True] * 3]
+    assert report["input_sizes"] == [[8 * 8 * 6, 8 * 8 * 10, 8 * 8 * 14, 8 * 8 * 18],
+                                     [4 * 4 * 9, 4 * 4 * 13, 4 * 4 * 17]]
+    # At half the largest input (the default share) block 1's last two layers and its tail are
+    # chunked, the rest taken whole: the gaps above. Every layer chunked, the same step:
+    assert report["all_chunked_gradient_gap"] < 1e-5 * max(1.0, report["gradient_scale"])
+    assert report["all_chunked_statistics_gap"] < 1e-6
     # LayerNormalization mixes the channels: its layers take the whole input, the same step.
     assert report["normed_chunked"] == [False, True, False]
     assert report["normed_gradient_gap"] < 1e-5 * max(1.0, report["gradient_scale"])

@@ -11,13 +11,16 @@ there, because the tensors a segment starts from are those concatenations themse
 network depends on alone (a transition, or the classifier), as one function with its own
 gradient, after Pleiss et al., "Memory-Efficient Implementation of DenseNets" (2017): the
 forward pass keeps only ``x0`` and the narrow ``y_l``; the backward pass goes through the layers
-last to first, recomputes each ``f_l`` on the parts it reads and takes its gradient, and adds
-it to a running gradient kept per part. Where ``f_l`` starts per channel and then mixes the
-channels linearly (BatchNorm, ReLU, convolution: every DenseNet), the gradient is taken a chunk
-of parts at a time (``dense_chunks``), never over the whole concatenated input; elsewhere the
-input is concatenated and ``f_l`` recomputed whole. Each recomputation waits for everything the
-previous one produced (control dependencies), so one layer's (or one chunk's) recomputed
-tensors are alive at a time. The cost is a forward pass of the block.
+last to first, rebuilds each layer's concatenated input, recomputes ``f_l`` on it and takes its
+gradient, and carries one running gradient of the concatenation, narrowed layer by layer. The
+recomputation waits for the gradient it serves (a control dependency), so one layer's
+recomputed tensors are alive at a time. The cost is a forward pass of the block.
+
+The layers with the largest inputs (``chunk_from``: in ``recompute.Checkpointed``, at least half
+the model's largest) take their gradient a chunk of parts at a time where ``f_l`` starts per
+channel and then mixes the channels linearly (BatchNorm, ReLU, convolution: every DenseNet;
+``dense_chunks``), never over the whole concatenated input; while they do, the running gradient
+is kept per part.
 
 ``find_blocks`` finds such blocks in any functional Keras model from its graph: the built-in
 DenseNet-40, keras.applications' DenseNets, or a user's own, whichever side of the concatenation
@@ -141,8 +144,23 @@ def _run(layers: Sequence[Any], tensor: Any) -> Any:
     return tensor
 
 
-def dense_block(tf: Any, block: Block) -> Callable[[Any], Any]:
-    """``x0 -> end``, computing what the block and its tail compute, with the lean gradient."""
+def input_sizes(block: Block) -> List[Optional[int]]:
+    """Per dense layer (the tail last), its input's values per sample (None: not static)."""
+    spatial = 1  # type: Optional[int]
+    for dim in block.start.shape[1:-1]:
+        spatial = None if dim is None or spatial is None else spatial * int(dim)
+    channels = [int(block.start.shape[-1])] + [int(unit[-1].output.shape[-1])
+                                               for unit in block.units]
+    return [None if spatial is None else spatial * sum(channels[:count + 1])
+            for count in range(len(channels))]
+
+
+def dense_block(tf: Any, block: Block, chunk_from: Optional[int] = None) -> Callable[[Any], Any]:
+    """``x0 -> end``, computing what the block and its tail compute, with the lean gradient.
+
+    Layers whose input has at least ``chunk_from`` values per sample (None: every layer) take
+    their gradient a chunk of channels at a time where they can (``dense_chunks``).
+    """
     units, tail = block.units, pool_first(block.tail)
     # Which parts (0: x0, l: layer l's output) each layer's input concatenates, in order; the
     # tail's last.
@@ -151,7 +169,8 @@ def dense_block(tf: Any, block: Block) -> Callable[[Any], Any]:
         orders.append([index + 1] + orders[-1] if first else orders[-1] + [index + 1])
 
     # Per layer (the tail last), its layers split for a gradient a chunk at a time, or None.
-    heads = [split_head(layers) for layers in units + [tail]]
+    heads = [split_head(layers) if chunk_from is None or size is None or size >= chunk_from
+             else None for layers, size in zip(units + [tail], input_sizes(block))]
 
     @tf.custom_gradient
     def run(start: Any) -> Any:
@@ -164,42 +183,64 @@ def dense_block(tf: Any, block: Block) -> Callable[[Any], Any]:
         def gradient(d_end: Any, variables: Optional[List[Any]] = None) -> Any:
             variables = list(variables or [])
             summed = [None] * len(variables)  # type: List[Any]
-            # The running gradient, one tensor per part: a layer adds to the parts it read.
+            # The running gradient: of the concatenation a layer reads (``d_joined``), or
+            # per part while the layers are chunked (``d_parts``, ``d_joined`` None).
             d_parts = [None] * len(parts)  # type: List[Any]
+            d_joined = None  # type: Any
 
-            def backward(layers: Sequence[Any], head: Any, order: Sequence[int], d_out: Any,
-                         after: Sequence[Any]) -> List[Any]:
+            def whole(layers: Sequence[Any], order: Sequence[int], d_out: Any) -> Any:
                 """Recompute ``layers`` on the parts in ``order`` once ``d_out`` exists."""
+                with tf.control_dependencies([d_out]):
+                    kept = [tf.identity(parts[i]) for i in order]
+                with tf.GradientTape() as tape:
+                    joined = tf.concat(kept, -1) if len(kept) > 1 else kept[0]
+                    tape.watch(joined)
+                    out = _run(layers, joined)
+                found = tape.gradient(out, [joined] + variables, output_gradients=d_out)
+                accumulate(tf, summed, range(len(variables)), found[1:])
+                return found[0]
+
+            def chunked(head: Any, order: Sequence[int], d_out: Any) -> None:
                 running = [d_parts[i] for i in order]
-                if head is not None:
-                    found, barrier = chunk_gradient(tf, head, [parts[i] for i in order],
-                                                    running, d_out, variables, _run, after)
-                else:
-                    with tf.control_dependencies([d_out] + list(after)):
-                        kept = [tf.identity(parts[i]) for i in order]
-                    with tf.GradientTape() as tape:
-                        tape.watch(kept)
-                        joined = tf.concat(kept, -1) if len(kept) > 1 else kept[0]
-                        out = _run(layers, joined)
-                    found = tape.gradient(out, kept + variables, output_gradients=d_out)
-                    barrier = accumulate(tf, running, range(len(kept)), found[:len(kept)])
-                    found = found[len(kept):]
+                found, _ = chunk_gradient(tf, head, [parts[i] for i in order], running, d_out,
+                                          variables, _run)
                 for index, grad in zip(order, running):
                     d_parts[index] = grad
-                return barrier + accumulate(tf, summed, range(len(variables)), found)
+                accumulate(tf, summed, range(len(variables)), found)
 
-            if tail:
-                barrier = backward(tail, heads[-1], orders[-1], d_end, [])
+            def widths(order: Sequence[int]) -> List[int]:
+                return [int(parts[i].shape[-1]) for i in order]
+
+            if not tail:
+                d_joined = d_end
+            elif heads[-1] is not None:
+                chunked(heads[-1], orders[-1], d_end)
             else:
-                widths = [int(parts[i].shape[-1]) for i in orders[-1]]
-                for index, grad in zip(orders[-1], tf.split(d_end, widths, -1)):
-                    d_parts[index] = grad
-                barrier = []
+                d_joined = whole(tail, orders[-1], d_end)
             for layer in reversed(range(len(units))):
-                d_new, d_parts[layer + 1] = d_parts[layer + 1], None
-                barrier = backward(units[layer], heads[layer], orders[layer], d_new, barrier)
-            return d_parts[0], [tf.zeros_like(variable) if grad is None else grad
-                                for variable, grad in zip(variables, summed)]
+                head, order = heads[layer], orders[layer]
+                if d_joined is not None:  # split off the new part's gradient
+                    width = int(parts[layer + 1].shape[-1])
+                    if block.first[layer]:
+                        d_new, d_rest = d_joined[..., :width], d_joined[..., width:]
+                    else:
+                        d_rest, d_new = d_joined[..., :-width], d_joined[..., -width:]
+                    if head is not None:  # to per part
+                        for index, grad in zip(order, tf.split(d_rest, widths(order), -1)):
+                            d_parts[index] = grad
+                        d_joined = None
+                else:
+                    d_new, d_parts[layer + 1] = d_parts[layer + 1], None
+                    if head is None:  # back to the concatenation
+                        kept = [d_parts[i] for i in order]
+                        d_rest = tf.concat(kept, -1) if len(kept) > 1 else kept[0]
+                if head is not None:
+                    chunked(head, order, d_new)
+                else:
+                    d_joined = d_rest + whole(units[layer], order, d_new)
+            return (d_parts[0] if d_joined is None else d_joined,
+                    [tf.zeros_like(variable) if grad is None else grad
+                     for variable, grad in zip(variables, summed)])
 
         return end, gradient
 

@@ -17,8 +17,8 @@ parameters sliced alike (a training BatchNorm's batch statistics are per channel
 after the other), so one chunk's tensors are alive at a time. Each chunk's gradients are the
 slices of the whole layer's: the mixer's gradients for an input channel involve that channel
 alone. The rest of ``f_l`` (a bottleneck's second BatchNorm, activation and convolution) runs on
-the mixer's output, which is narrow; only then is the mixer's output recomputed, as a sum of
-the chunks' parts in float32.
+the mixer's output, which is narrow; where there is such a rest (or the mixer has an
+activation), the mixer's output is recomputed first, as a float32 sum of the chunks' parts.
 
 BatchNorm here normalises as the layer does when it trains (the fused kernel, the batch's
 statistics) or, frozen, by its moving statistics; it moves no statistics (this is a
