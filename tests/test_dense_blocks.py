@@ -253,3 +253,18 @@ def test_dense_blocks_are_found_and_train_with_the_same_gradients_and_statistics
     # bfloat16 keeps 8 bits of mantissa (0.4%): the chunks sum a bottleneck's 1x1 convolution
     # in float32 from bfloat16 parts, so its recomputation rounds a little differently.
     assert report["bfloat16_gradient_gap"] < 0.03
+
+
+def test_chunk_spans_cover_the_parts_in_order_in_about_equal_widths():
+    from odtd.trainer.dense_chunks import chunk_spans
+
+    # DenseNet40's widest layer input: 16 channels, then twelve layers' 12 each (160 in all).
+    widths = [16] + [12] * 12
+    spans = chunk_spans(widths)
+    assert [p for span in spans for p in span] == list(range(13))  # every part once, in order
+    assert len(spans) == 4
+    # Each within one part's width of a quarter of the 160 channels.
+    assert all(abs(sum(widths[p] for p in span) - 40) <= 12 for span in spans)
+    assert chunk_spans([8]) == [[0]]  # one part: one chunk
+    assert chunk_spans([100, 1, 1]) == [[0], [1], [2]]  # at most one chunk per part
+    assert chunk_spans([3, 3], chunks=1) == [[0, 1]]

@@ -37,7 +37,7 @@ TensorFlow is passed in. Python 3.6-compatible; tf.keras 2 and Keras 3 alike.
 
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
-from odtd.trainer.dense_chunks import accumulate, chunk_gradient, split_head
+from odtd.trainer.dense_chunks import accumulate, chunk_gradient, kept_after, split_head
 from odtd.trainer.graph import consumers as graph_consumers
 from odtd.trainer.graph import inputs_of, producer
 from odtd.trainer.pool_first import pool_first
@@ -190,8 +190,7 @@ def dense_block(tf: Any, block: Block, chunk_from: Optional[int] = None) -> Call
 
             def whole(layers: Sequence[Any], order: Sequence[int], d_out: Any) -> Any:
                 """Recompute ``layers`` on the parts in ``order`` once ``d_out`` exists."""
-                with tf.control_dependencies([d_out]):
-                    kept = [tf.identity(parts[i]) for i in order]
+                kept = kept_after(tf, [parts[i] for i in order], [d_out])
                 with tf.GradientTape() as tape:
                     joined = tf.concat(kept, -1) if len(kept) > 1 else kept[0]
                     tape.watch(joined)
@@ -202,14 +201,10 @@ def dense_block(tf: Any, block: Block, chunk_from: Optional[int] = None) -> Call
 
             def chunked(head: Any, order: Sequence[int], d_out: Any) -> None:
                 running = [d_parts[i] for i in order]
-                found, _ = chunk_gradient(tf, head, [parts[i] for i in order], running, d_out,
-                                          variables, _run)
+                chunk_gradient(tf, head, [parts[i] for i in order], running, summed, d_out,
+                               variables, _run)
                 for index, grad in zip(order, running):
                     d_parts[index] = grad
-                accumulate(tf, summed, range(len(variables)), found)
-
-            def widths(order: Sequence[int]) -> List[int]:
-                return [int(parts[i].shape[-1]) for i in order]
 
             if not tail:
                 d_joined = d_end
@@ -226,7 +221,8 @@ def dense_block(tf: Any, block: Block, chunk_from: Optional[int] = None) -> Call
                     else:
                         d_rest, d_new = d_joined[..., :-width], d_joined[..., -width:]
                     if head is not None:  # to per part
-                        for index, grad in zip(order, tf.split(d_rest, widths(order), -1)):
+                        widths = [int(parts[i].shape[-1]) for i in order]
+                        for index, grad in zip(order, tf.split(d_rest, widths, -1)):
                             d_parts[index] = grad
                         d_joined = None
                 else:

@@ -29,7 +29,7 @@ TensorFlow is passed in. Python 3.6-compatible; tf.keras 2 and Keras 3 alike.
 
 from typing import Any, List, NamedTuple, Optional, Sequence
 
-from odtd.trainer.fused_batchnorm import MIN_EPSILON
+from odtd.trainer.fused_batchnorm import MIN_EPSILON, train_normalise
 
 CHUNKS = 4  # chunks per layer: one chunk's tensors are about a quarter of the layer's input
 # Activations that act on each value alone (not softmax: it mixes the channels).
@@ -188,8 +188,7 @@ def _batchnorm(tf: Any, layer: Any, x: Any, pieces: Sequence[Any]) -> Any:
     x32 = tf.cast(x, tf.float32)
     if layer.trainable:
         gamma, beta = pieces
-        y, _, _ = tf.compat.v1.nn.fused_batch_norm(
-            x32, gamma, beta, epsilon=layer.epsilon, data_format="NHWC", is_training=True)
+        y, _, _ = train_normalise(tf, layer, x32, gamma, beta)
     else:  # frozen: normalised by the moving statistics, in inference mode
         gamma, beta, mean, variance = pieces
         y = tf.nn.batch_normalization(x32, mean, variance, beta, gamma, layer.epsilon)
@@ -254,44 +253,39 @@ def accumulate(tf: Any, running: List[Any], positions: Sequence[int],
     return made
 
 
+def kept_after(tf: Any, tensors: Sequence[Any], barrier: Sequence[Any]) -> List[Any]:
+    """``tensors`` read again once everything in ``barrier`` exists (a recomputation's inputs)."""
+    with tf.control_dependencies(list(barrier)):
+        return [tf.identity(tensor) for tensor in tensors]
+
+
 def chunk_gradient(tf: Any, head: Head, parts: Sequence[Any], running: List[Any],
-                   d_out: Any, variables: Sequence[Any], run: Any,
-                   after: Sequence[Any] = ()) -> Any:
-    """Add ``f(concat(parts))``'s gradients to ``running``, one chunk of ``parts`` at a time.
+                   summed: List[Any], d_out: Any, variables: Sequence[Any], run: Any) -> None:
+    """Add ``f(concat(parts))``'s gradients to ``running`` and ``summed``, a chunk at a time.
 
     Args:
         tf: TensorFlow.
         head: ``f`` (``split_head``).
         parts: The tensors ``f``'s input concatenates, in order.
         running: Per part, the gradient summed so far (None: none yet); updated in place.
-        d_out: The gradient at ``f``'s output.
+        summed: Per variable, the gradient summed so far (None: none yet); updated in place.
+        d_out: The gradient at ``f``'s output; nothing starts before it exists.
         variables: The variables to take gradients for.
         run: ``run(layers, tensor)``: the layers in training mode.
-        after: Tensors to wait for before the first chunk starts (with ``d_out``).
-
-    Returns:
-        ``(variable gradients, barrier)``: per variable its gradient or None, and the tensors
-        the next computation should wait for.
     """
     widths = [int(part.shape[-1]) for part in parts]
     spans = chunk_spans(widths)
     variables = list(variables)
-    summed = [None] * len(variables)  # type: List[Any]
-    with tf.control_dependencies([d_out] + list(after)):
+    with tf.control_dependencies([d_out]):
         pieces = _Pieces(tf, head, [sum(widths[p] for p in span) for span in spans],
                          variables)
-
-    def chunk_input(span: Sequence[int], barrier: Sequence[Any]) -> List[Any]:
-        with tf.control_dependencies(list(barrier)):
-            return [tf.identity(parts[p]) for p in span]
-
     activation = getattr(head.mixer, "activation", None)
-    d_mixed, barrier = d_out, [d_out] + list(after)
+    d_mixed, barrier = d_out, [d_out]
     if head.rest or _activation_name(head.mixer) not in ("linear", ""):
         # The mixer's output, recomputed as a float32 sum over the chunks, then the rest.
         mixed = None  # type: Any
         for chunk, span in enumerate(spans):
-            kept = chunk_input(span, barrier)
+            kept = kept_after(tf, [parts[p] for p in span], barrier)
             x = tf.concat(kept, -1) if len(kept) > 1 else kept[0]
             part = tf.cast(_chunk_output(tf, head, pieces, x, chunk), tf.float32)
             mixed = part if mixed is None else mixed + part
@@ -306,7 +300,7 @@ def chunk_gradient(tf: Any, head: Head, parts: Sequence[Any], running: List[Any]
         barrier = [d_mixed]
     piece_gradients = []  # type: List[List[Any]]
     for chunk, span in enumerate(spans):
-        kept = chunk_input(span, barrier)
+        kept = kept_after(tf, [parts[p] for p in span], barrier)
         watched = pieces.watched(chunk)
         with tf.GradientTape(watch_accessed_variables=False) as tape:
             tape.watch(kept + watched)
@@ -317,4 +311,3 @@ def chunk_gradient(tf: Any, head: Head, parts: Sequence[Any], running: List[Any]
         piece_gradients.append(found[len(kept):])
     for index, grad in pieces.gradients(piece_gradients):
         accumulate(tf, summed, [index], [grad])
-    return summed, barrier

@@ -101,6 +101,17 @@ def keep_relu_apart(tf: Any, model: Any) -> bool:
     return False
 
 
+def train_normalise(tf: Any, layer: Any, x: Any, gamma: Any, beta: Any) -> Any:
+    """``x`` (float32, channels last) normalised as ``layer`` trains: ``(y, mean, variance)``.
+
+    The fused kernel over the batch's statistics with the layer's epsilon; its variance is the
+    unbiased one. ``gamma`` and ``beta`` may be a slice of the layer's channels
+    (``dense_chunks``).
+    """
+    return tf.compat.v1.nn.fused_batch_norm(
+        x, gamma, beta, epsilon=layer.epsilon, data_format="NHWC", is_training=True)
+
+
 def _fused_call(tf: Any, layer: Any, own: Callable[..., Any]) -> Callable[..., Any]:
     def call(inputs: Any, training: Any = None, mask: Any = None) -> Any:
         if mask is not None or not training or not layer.trainable:
@@ -109,8 +120,7 @@ def _fused_call(tf: Any, layer: Any, own: Callable[..., Any]) -> Callable[..., A
         channels = int(x.shape[-1])
         gamma = tf.cast(layer.gamma, tf.float32) if layer.scale else tf.ones([channels])
         beta = tf.cast(layer.beta, tf.float32) if layer.center else tf.zeros([channels])
-        y, mean, variance = tf.compat.v1.nn.fused_batch_norm(
-            x, gamma, beta, epsilon=layer.epsilon, data_format="NHWC", is_training=True)
+        y, mean, variance = train_normalise(tf, layer, x, gamma, beta)
         count = tf.cast(tf.size(x, out_type=tf.int64) // channels, tf.float32)
         variance = variance * tf.maximum(count - 1.0, 0.0) / tf.maximum(count, 1.0)
         momentum = layer.momentum
