@@ -1,4 +1,4 @@
-"""The memory line: least squares, prediction error, and sizing a batch under a budget."""
+"""The memory model (a line, or a floor and a line), its errors, a batch under a budget."""
 
 import pytest
 
@@ -25,6 +25,30 @@ def test_noisy_points_report_residual_and_leave_one_out_error_per_size():
     assert fit.errors_pct[8] > 0
     assert "leave-one-out error: batch 4" in fit.describe()
     assert fit.to_dict()["errors_pct"]["8"] == round(fit.errors_pct[8], 2)
+
+
+def test_a_flat_start_then_a_rise_is_fitted_as_a_floor_and_a_line():
+    # Xception 71x71 recomputed, profiled here: nothing that grows with the batch sets the peak
+    # up to batch 16, then the step's tensors do.
+    points = [(4, 1064.0), (8, 1061.0), (16, 1063.0), (32, 1144.0), (64, 1344.0)]
+    fit = fit_memory(points)
+    assert fit.floor_mb == pytest.approx((1064.0 + 1061.0 + 1063.0) / 3)
+    assert fit.per_sample_mb == pytest.approx(200.0 / 32)  # the line through 32 and 64
+    assert fit.predict_mb(4) == fit.floor_mb and fit.predict_mb(48) == pytest.approx(1244.0)
+    assert fit.formula().startswith("peak_mb = max(1062.7, 944.0 + 6.25 x batch")
+    # The line alone misses batch 64 by 8.5% when the others predict it; the floor and the line
+    # through 16 and 32 by 2.8%.
+    assert fit.errors_pct[64] == pytest.approx(-2.8, abs=0.05)
+    assert max(abs(e) for e in fit.errors_pct.values()) < 5
+    largest = fit.largest_batch(1100.0, 0)
+    assert fit.predict_mb(largest) <= 1100.0 < fit.predict_mb(largest + 1)
+    assert fit.largest_batch(1050.0, 0) is None  # the floor alone is over the budget
+    assert fit.to_dict()["floor_mb"] == 1062.7
+
+
+def test_a_straight_line_keeps_no_floor():
+    fit = fit_memory([(4, 700.0), (8, 900.0), (16, 1300.0), (32, 2100.0)])
+    assert fit.floor_mb is None and fit.formula() == "peak_mb = 500.0 + 50.00 x batch"
 
 
 def test_two_sizes_fit_exactly_and_say_the_error_is_in_sample():
@@ -57,6 +81,16 @@ def test_one_point_cannot_fit_and_says_so():
 def test_repeated_size_is_not_two_sizes():
     assert not fit_memory([(8, 900.0), (8, 905.0)]).fitted
     assert not fit_memory([]).fitted
+
+
+def test_repeated_runs_of_a_size_give_the_spread_and_are_predicted_by_their_mean():
+    fit = fit_memory([(4, 100.0), (8, 140.0), (8, 160.0), (16, 230.0), (16, 250.0)])
+    assert fit.spread_pct == pytest.approx(100.0 * 20.0 / 150.0)
+    intercept_without_8, slope = 160.0 / 3, 35.0 / 3  # through (4, 100), (16, 230), (16, 250)
+    assert fit.errors_pct[8] == pytest.approx(100.0 * (intercept_without_8 + slope * 8 - 150) / 150)
+    assert "runs of one size differ by up to 13.3%" in fit.describe()
+    assert "over 3 sizes" in fit.describe()
+    assert fit_memory([(4, 100.0), (8, 140.0)]).spread_pct is None
 
 
 def test_largest_batch_none_when_nothing_fits():

@@ -22,7 +22,7 @@ exec {python} "$@"
 
 @pytest.fixture(scope="session")
 def profiled(_base_home, tmp_path_factory):
-    """A tinycnn home profiled at batch 2, 3 (killed) and 4, with the policy it wrote."""
+    """A tinycnn home profiled twice over at batch 2, 3 (killed) and 4, with its policy."""
     def build(root: Path) -> None:
         home = root / "home"
         shutil.copytree(_base_home, home, symlinks=True)
@@ -35,7 +35,8 @@ def profiled(_base_home, tmp_path_factory):
         # 60 measured steps (about 0.1 s of tinycnn): a span of a few milliseconds can fall
         # wholly inside a gap of the 10 ms energy sampler when a loaded machine starves it
         # (over 3 intervals), leaving the row no energy and the energy objective no choice.
-        proc = odtctl("profile", "--batch-sizes", "2,3,4", "--steps", "60", "--json",
+        proc = odtctl("profile", "--batch-sizes", "2,3,4", "--steps", "60", "--repeats", "2",
+                      "--json",
                       "--write-policy", str(root / "written.yaml"), "--memory-budget-mb", "4000",
                       home=home)
         (root / "stdout.json").write_text(proc.stdout)
@@ -60,9 +61,25 @@ def test_rows_are_measured_and_the_crash_is_a_data_point(profiled):
     assert rows[3]["reason"].startswith("worker killed by SIGKILL")
     fit = data["memory_model"]["fp32"]
     assert fit["per_sample_mb"] is not None and fit["fixed_mb"] > 0
-    assert [point[0] for point in fit["points"]] == [2, 4]
+    assert sorted({point[0] for point in fit["points"]}) == [2, 4]
     assert data["profile_id"] == 1 and data["model"] == "tinycnn"
     assert "batch 3: does not fit" in stderr and "worker starting" in stderr
+
+
+def test_repeats_run_each_size_again_and_fit_through_every_run(profiled):
+    home, _, data, stderr = profiled
+    rows = {row["batch_size"]: row for row in data["rows"]}
+    for size in (2, 4):
+        runs = rows[size]["peak_memory_runs_mb"]
+        assert len(runs) == 2 and rows[size]["peak_memory_mb"] == max(runs)
+    assert rows[3]["peak_memory_runs_mb"] is None  # killed in pass 1, not run again
+    job_dirs = sorted(path.name.rsplit("-", 2)[-2:] for path in (home / "runs").iterdir()
+                      if path.name.startswith("profile-"))
+    assert job_dirs == [["b2", "r1"], ["b2", "r2"], ["b3", "r1"], ["b4", "r1"], ["b4", "r2"]]
+    fit = data["memory_model"]["fp32"]
+    assert [point[0] for point in fit["points"]] == [2, 2, 4, 4]
+    assert fit["spread_pct"] is not None and fit["spread_pct"] >= 0
+    assert "pass 2 of 2" in stderr
 
 
 def test_written_policy_validates_and_explains(profiled):

@@ -65,6 +65,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise ConfigError(f"--steps {args.steps}: measure at least 1 step")
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats {args.repeats}: run each size at least once")
     if not args.write_policy and (args.objective or args.memory_budget_mb is not None):
         raise ConfigError("--objective and --memory-budget-mb choose the batch size of "
                           "--write-policy FILE; add --write-policy FILE")
@@ -82,10 +84,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
             else [policy.training.precision]
         recompute = _recompute_shares(args.recompute)
         result = run_profile(home, store, config, model, sizes, args.steps, precisions,
-                             progress=progress, training=policy.training, recompute=recompute)
+                             progress=progress, training=policy.training, recompute=recompute,
+                             repeats=args.repeats)
         data = result.to_dict()
+        runs = f", {args.repeats} runs of each" if args.repeats > 1 else ""
         lines = [f"profile {result.profile_id}: {model} on {result.board}, telemetry "
-                 f"{result.backend}, {result.steps} measured steps per size", "",
+                 f"{result.backend}, {result.steps} measured steps per size{runs}", "",
                  *profile_table(result), ""]
         lines += [f"memory fit ({plan_name(p, r)}): {result.memory_fit(p, r).describe()}"
                   for p, r in result.plans()]
@@ -164,10 +168,10 @@ def _validate(args: argparse.Namespace) -> int:
             largest = fit.largest_batch(batch.memory_budget_mb, batch.headroom_pct) \
                 if (fit.per_sample_mb or 0) > 0 else None  # type: ignore[arg-type]
             raise PolicyError(
-                f"{path}: batch.size={batch.size}: needs ~{prediction.peak_mb:.0f} MB at the "
-                f"profiled {fit.per_sample_mb:.1f} MB/sample + {fit.fixed_mb:.0f} MB "
-                f"(profile {profile.profile_id}); the memory budget {batch.memory_budget_mb:.0f}"
-                f" MB less {batch.headroom_pct:g}% headroom is {limit:.0f} MB. Lower batch.size"
+                f"{path}: batch.size={batch.size}: needs ~{prediction.peak_mb:.0f} MB by the "
+                f"profile's {fit.formula()} (profile {profile.profile_id}); the memory "
+                f"budget {batch.memory_budget_mb:.0f} MB less {batch.headroom_pct:g}% headroom "
+                f"is {limit:.0f} MB. Lower batch.size"
                 f"{f' to {largest} or less' if largest else ''} or raise batch.memory_budget_mb")
         summary["memory_check"] = {"profile_id": profile.profile_id,
                                    "predicted_peak_mb": _round(prediction.peak_mb),
@@ -300,6 +304,11 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, reader: argparse.Argu
     p.add_argument("--steps", type=int, default=DEFAULT_PROFILE_STEPS,
                    help=f"measured steps per size after the warm-up (default "
                         f"{DEFAULT_PROFILE_STEPS})")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the sweep this many times over and fit memory through every run: a "
+                        "size's peak moves between runs by up to about 10%% on large batches, "
+                        "and the peak kept is the largest run's (default 1; 3 where a memory "
+                        "budget is tight)")
     p.add_argument("--precisions", help="comma-separated, from " + ", ".join(PRECISIONS) +
                                         " (default: the policy's training.precision)")
     p.add_argument("--recompute", default="off", metavar="off,on,SHARE",

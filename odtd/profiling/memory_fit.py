@@ -4,6 +4,12 @@ Parameters, gradients, optimizer state and the framework itself are constant; fe
 workspace grow with the batch (DESIGN.md). A least-squares line through the measured peaks of a
 profile predicts sizes that were not run, which is how a policy can refuse a batch size before a
 session dies for it. Pure arithmetic: no TensorFlow, no I/O.
+
+Some networks' peak is flat over the small sizes and rises only beyond them: there something
+that does not grow with the batch (tracing the step, the allocator's first regions) sets the
+peak until the step's tensors outgrow it. For those the model is a floor and a line,
+``peak_mb = max(floor_mb, fixed_mb + per_sample_mb x batch)``. With four or more profiled sizes
+both shapes are fitted and the one whose leave-one-out predictions are closer is kept.
 """
 
 from __future__ import annotations
@@ -28,19 +34,75 @@ def _least_squares(points: Sequence[Tuple[int, float]]) -> Tuple[float, float]:
     return mean_y - slope * mean_x, slope
 
 
+# (floor MB or None, intercept MB, slope MB per sample): max(floor, intercept + slope x batch).
+_Shape = Tuple[Optional[float], float, float]
+
+
+def _at(shape: _Shape, batch_size: float) -> float:
+    floor, intercept, slope = shape
+    line = intercept + slope * batch_size
+    return line if floor is None else max(floor, line)
+
+
+def _line(points: Sequence[Tuple[int, float]]) -> _Shape:
+    return (None, *_least_squares(points))
+
+
+def _floor_and_line(points: Sequence[Tuple[int, float]]) -> Optional[_Shape]:
+    """The best floor-then-line through points of at least 3 sizes; None when none rises.
+
+    The smallest ``k`` sizes set the floor (their mean), a least-squares line runs through the
+    others (two sizes or more, rising); the ``k`` with the least squared error wins.
+    """
+    sizes = sorted({size for size, _ in points})
+    best: Optional[Tuple[float, _Shape]] = None
+    for count in range(1, len(sizes) - 1):
+        low = [peak for size, peak in points if size in sizes[:count]]
+        shape = (sum(low) / len(low), *_least_squares(
+            [point for point in points if point[0] in sizes[count:]]))
+        if shape[2] <= 0:
+            continue
+        error = sum((peak - _at(shape, size)) ** 2 for size, peak in points)
+        if best is None or error < best[0]:
+            best = (error, shape)
+    return best[1] if best else None
+
+
+def _leave_one_out(points: Sequence[Tuple[int, float]], fit: Any) -> Dict[int, float]:
+    """Each size's error in percent of its mean peak, predicted by ``fit`` of the others."""
+    errors = {}
+    for size in sorted({size for size, _ in points}):
+        rest = [point for point in points if point[0] != size]
+        shape = fit(rest) or _line(rest)
+        measured = [peak for s, peak in points if s == size]
+        mean_peak = sum(measured) / len(measured)
+        errors[size] = 100.0 * (_at(shape, size) - mean_peak) / mean_peak
+    return errors
+
+
+def _rms(values: Iterable[float]) -> float:
+    values = list(values)
+    return math.sqrt(sum(v * v for v in values) / len(values))
+
+
 @dataclass(frozen=True)
 class MemoryFit:
-    """A fitted (or unfittable) memory line.
+    """A fitted (or unfittable) memory model: a line, or a floor and a line.
 
     Attributes:
         points: (batch size, measured peak MB) pairs the fit used, by batch size.
         fixed_mb: Intercept in MB, or None when no line could be fitted.
         per_sample_mb: Slope in MB per sample of batch, or None.
+        floor_mb: The flat peak of the small sizes, None when the line alone fits better:
+            ``peak_mb = max(floor_mb, fixed_mb + per_sample_mb x batch)``.
         residual_rms_mb: Root mean square of the in-sample residuals in MB (0 for two points).
         errors_pct: Batch size -> signed prediction error in percent of the measured peak.
         error_method: ``leave-one-out`` (three or more sizes: each size predicted by the line
             through the others) or ``in-sample`` (two sizes), None without a fit.
         reason: Why there is no fit, None when there is one.
+        spread_pct: The largest run-to-run spread of one size's peaks (max - min, in percent of
+            their mean), None when no size was measured twice (``odtctl profile --repeats``). A
+            prediction cannot be closer than the measurement repeats.
     """
 
     points: Tuple[Tuple[int, float], ...]
@@ -50,6 +112,8 @@ class MemoryFit:
     errors_pct: Dict[int, float] = field(default_factory=dict)
     error_method: Optional[str] = None
     reason: Optional[str] = None
+    spread_pct: Optional[float] = None
+    floor_mb: Optional[float] = None
 
     @property
     def fitted(self) -> bool:
@@ -64,7 +128,8 @@ class MemoryFit:
         """
         if not self.fitted:
             raise PolicyError(f"cannot predict memory at batch {batch_size}: {self.reason}")
-        return self.fixed_mb + self.per_sample_mb * batch_size  # type: ignore[operator]
+        return _at((self.floor_mb, self.fixed_mb, self.per_sample_mb),  # type: ignore[arg-type]
+                   batch_size)
 
     def largest_batch(self, budget_mb: float, headroom_pct: float,
                       candidates: Optional[Iterable[int]] = None) -> Optional[int]:
@@ -92,6 +157,8 @@ class MemoryFit:
             raise PolicyError(
                 f"the memory fit has no positive per-sample memory ({self.per_sample_mb:.3f} MB); "
                 "profile sizes further apart, or give candidate sizes")
+        if self.floor_mb is not None and self.floor_mb > limit_mb:
+            return None
         size = math.floor((limit_mb - self.fixed_mb) / self.per_sample_mb)  # type: ignore[operator]
         return size if size >= 1 else None
 
@@ -101,18 +168,29 @@ class MemoryFit:
             return f"no memory fit: {self.reason}"
         errors = ", ".join(f"batch {size} {error:+.1f}%" for size, error in
                            sorted(self.errors_pct.items()))
-        return (f"peak_mb = {self.fixed_mb:.1f} + {self.per_sample_mb:.2f} x batch "
-                f"(residual RMS {self.residual_rms_mb:.1f} MB over {len(self.points)} sizes; "
-                f"{self.error_method} error: {errors})")
+        sizes = len({size for size, _ in self.points})
+        spread = "" if self.spread_pct is None else \
+            f"; runs of one size differ by up to {self.spread_pct:.1f}%"
+        return (f"{self.formula()} "
+                f"(residual RMS {self.residual_rms_mb:.1f} MB over {sizes} sizes; "
+                f"{self.error_method} error: {errors}{spread})")
+
+    def formula(self) -> str:
+        """``peak_mb = 808.5 + 2.38 x batch`` or ``peak_mb = max(1062.9, 911.1 + 6.53 x batch)``."""
+        line = f"{self.fixed_mb:.1f} + {self.per_sample_mb:.2f} x batch"
+        return f"peak_mb = {line}" if self.floor_mb is None else \
+            f"peak_mb = max({self.floor_mb:.1f}, {line})"
 
     def to_dict(self) -> Dict[str, Any]:
         """Return a JSON-ready dict (batch-size keys become strings in JSON)."""
         return {
             "fixed_mb": _round(self.fixed_mb), "per_sample_mb": _round(self.per_sample_mb, 3),
+            "floor_mb": _round(self.floor_mb),
             "residual_rms_mb": _round(self.residual_rms_mb),
             "points": [[size, round(peak, 1)] for size, peak in self.points],
             "errors_pct": {str(size): round(error, 2) for size, error in self.errors_pct.items()},
             "error_method": self.error_method, "reason": self.reason,
+            "spread_pct": _round(self.spread_pct, 2),
         }
 
 
@@ -126,38 +204,53 @@ def allowed_mb(budget_mb: float, headroom_pct: float) -> float:
 
 
 def fit_memory(points: Iterable[Tuple[int, float]]) -> MemoryFit:
-    """Fit ``peak_mb = fixed_mb + per_sample_mb x batch`` by least squares.
+    """Fit the peak against the batch: a least-squares line, or a floor and a line.
 
     Args:
         points: (batch size, measured peak MB) of the sizes that ran (``ok`` rows). A size
-            measured more than once contributes each measurement.
+            measured more than once contributes each measurement to the fit, and is predicted
+            against the mean of its measurements.
 
     Returns:
         The fit, or a ``MemoryFit`` with ``reason`` set when fewer than two distinct sizes
-        were measured.
+        were measured. With three sizes or more its errors are leave-one-out; with four or
+        more the floor-and-line shape is kept where its leave-one-out errors are smaller
+        (by root mean square) than the line's.
     """
     ordered = tuple(sorted((int(size), float(peak)) for size, peak in points))
     sizes = sorted({size for size, _ in ordered})
+    spread = _spread_pct(ordered)
     if len(sizes) < 2:
         shown = f"only batch {sizes[0]} ran" if sizes else "no batch size ran"
         return MemoryFit(ordered, reason=f"{shown}; a line needs two profiled sizes "
-                                         "(profile at least two batch sizes)")
-    fixed_mb, per_sample_mb = _least_squares(ordered)
-    residuals = [peak - (fixed_mb + per_sample_mb * size) for size, peak in ordered]
-    rms_mb = math.sqrt(sum(r * r for r in residuals) / len(residuals))
-    errors: Dict[int, float] = {}
+                                         "(profile at least two batch sizes)", spread_pct=spread)
+    shape = _line(ordered)
     if len(sizes) >= 3:
         method = LEAVE_ONE_OUT
-        for size in sizes:
-            rest = [point for point in ordered if point[0] != size]
-            intercept, slope = _least_squares(rest)
-            measured = [peak for s, peak in ordered if s == size]
-            mean_peak = sum(measured) / len(measured)
-            errors[size] = 100.0 * (intercept + slope * size - mean_peak) / mean_peak
+        errors = _leave_one_out(ordered, _line)
+        stepped = _floor_and_line(ordered) if len(sizes) >= 4 else None
+        if stepped is not None:
+            stepped_errors = _leave_one_out(ordered, _floor_and_line)
+            if _rms(stepped_errors.values()) < _rms(errors.values()):
+                shape, errors = stepped, stepped_errors
     else:
         method = IN_SAMPLE
+        errors = {}
         for size in sizes:
             measured = [peak for s, peak in ordered if s == size]
             mean_peak = sum(measured) / len(measured)
-            errors[size] = 100.0 * (fixed_mb + per_sample_mb * size - mean_peak) / mean_peak
-    return MemoryFit(ordered, fixed_mb, per_sample_mb, rms_mb, errors, method)
+            errors[size] = 100.0 * (_at(shape, size) - mean_peak) / mean_peak
+    rms_mb = _rms(peak - _at(shape, size) for size, peak in ordered)
+    floor_mb, fixed_mb, per_sample_mb = shape
+    return MemoryFit(ordered, fixed_mb, per_sample_mb, rms_mb, errors, method,
+                     spread_pct=spread, floor_mb=floor_mb)
+
+
+def _spread_pct(points: Sequence[Tuple[int, float]]) -> Optional[float]:
+    """The largest (max - min) / mean of one size's peaks in percent; None without repeats."""
+    by_size: Dict[int, list] = {}
+    for size, peak in points:
+        by_size.setdefault(size, []).append(peak)
+    spreads = [100.0 * (max(peaks) - min(peaks)) * len(peaks) / sum(peaks)
+               for peaks in by_size.values() if len(peaks) > 1]
+    return max(spreads) if spreads else None

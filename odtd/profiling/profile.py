@@ -39,7 +39,10 @@ class ProfileRow:
         energy_source: Telemetry source label (``ina3221``, ``estimate``, ...), or None.
         energy_coverage: Covered fraction of the measured span, 0..1.
         mean_power_w: Mean board power over the measured span in watts.
-        peak_memory_mb: The worker's peak RSS in MB (None when it died before reporting).
+        peak_memory_mb: The worker's peak RSS in MB (None when it died before reporting); the
+            largest of the runs' when the size ran more than once.
+        peak_memory_runs_mb: Each run's peak RSS in MB when the size ran more than once
+            (``odtctl profile --repeats``; the other figures are then the runs' means), else None.
         profile_id: The run that measured this row (set once stored).
     """
 
@@ -57,6 +60,7 @@ class ProfileRow:
     energy_coverage: Optional[float] = None
     mean_power_w: Optional[float] = None
     peak_memory_mb: Optional[float] = None
+    peak_memory_runs_mb: Optional[List[float]] = None
     profile_id: Optional[int] = None
 
     def to_dict(self) -> Dict[str, Any]:
@@ -99,10 +103,13 @@ class ProfileResult:
         return min(failed, key=lambda r: r.batch_size) if failed else None
 
     def memory_fit(self, precision: str, recompute: float = 0.0) -> MemoryFit:
-        """Fit peak memory against batch size over the ok rows at ``precision``."""
-        return fit_memory((r.batch_size, r.peak_memory_mb)
-                          for r in self.ok_rows(precision, recompute)
-                          if r.peak_memory_mb is not None)
+        """Fit peak memory against batch size over the ok rows at ``precision``.
+
+        A size that ran more than once contributes each run's peak.
+        """
+        return fit_memory((r.batch_size, peak) for r in self.ok_rows(precision, recompute)
+                          for peak in (r.peak_memory_runs_mb or [r.peak_memory_mb])
+                          if peak is not None)
 
     def plans(self) -> List[Tuple[str, float]]:
         """The (precision, recompute share) pairs this profile measured."""
@@ -219,5 +226,12 @@ def profile_table(profile: ProfileResult) -> List[str]:
         lines.append(f"{r.batch_size:>5} {shown:<22} {r.status:<12} "
                      f"{num(r.samples_per_s, '>9.2f')} {num(r.step_s, '>8.3f')} "
                      f"{num(r.energy_per_sample_j, '>9.4f')} {num(r.peak_memory_mb, '>8.0f')}"
-                     + (f"  {r.reason}" if r.reason else ""))
+                     + (f"  {r.reason}" if r.reason else "") + _runs(r.peak_memory_runs_mb))
     return lines
+
+
+def _runs(peaks: Optional[List[float]]) -> str:
+    """`` (3 runs: 1,544-1,739 MB)`` beside a peak measured more than once, else nothing."""
+    if not peaks or len(peaks) < 2:
+        return ""
+    return f"  ({len(peaks)} runs: {min(peaks):,.0f}-{max(peaks):,.0f} MB)"

@@ -14,8 +14,9 @@ import os
 import platform
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -40,9 +41,15 @@ def run_profile(
     steps: int, precisions: Sequence[str] = ("fp32",),
     progress: Optional[Callable[[str], None]] = None,
     training: Optional[TrainingPolicy] = None, root: Path = Path("/"),
-    recompute: Sequence[float] = (0.0,),
+    recompute: Sequence[float] = (0.0,), repeats: int = 1,
 ) -> ProfileResult:
     """Profile ``model`` at each (precision, recompute, batch size) and store the rows.
+
+    With ``repeats`` above 1 the whole sweep runs that many times over, one pass after the
+    other (so a slow drift of the machine touches every size alike), and each size's runs
+    become one row (``merge_runs``): a size's peak memory moves between runs by more than the
+    memory model's error (the order in which TensorFlow's threads run a step's ops), so the line
+    is fitted through every run. A size that did not fit is not run again.
 
     Args:
         home: The home (its session lock is held: a profile and a session never overlap).
@@ -57,6 +64,7 @@ def run_profile(
         root: Filesystem root for the board description.
         recompute: Shares of the network under gradient checkpointing, 0 for none
             (admission's plans).
+        repeats: Runs of each size, at least 1.
 
     Raises:
         SessionBusy: A session is running.
@@ -68,28 +76,72 @@ def run_profile(
     if model != spec.name:  # another built-in network, profiled on this board
         spec = ModelSpec(model, BUILTIN, spec.classes, list(catalog.get(model).input_shape))
     sampler = _start_sampler(config, say)
-    rows = []
+    runs: Dict[Tuple[str, float, int], List[ProfileRow]] = {}
     try:
         with SessionLock(home.session_lock):
             stamp = utc_now().replace(":", "").replace("+0000", "Z")
-            for precision in precisions:
-                for checkpointed in recompute:
-                    for batch_size in sorted(set(batch_sizes)):
-                        plan = plan_name(precision, checkpointed)
-                        job_dir = home.runs / f"profile-{stamp}-{plan}-b{batch_size}"
-                        rows.append(_profile_one(
-                            home, store, config, sampler, job_dir, say, spec,
-                            training, precision, batch_size, steps, checkpointed))
+            for repeat in range(1, repeats + 1):
+                if repeats > 1:
+                    say(f"pass {repeat} of {repeats}")
+                for precision in precisions:
+                    for checkpointed in recompute:
+                        for batch_size in sorted(set(batch_sizes)):
+                            key = (precision, checkpointed, batch_size)
+                            if any(r.status != OK for r in runs.get(key, [])):
+                                continue
+                            plan = plan_name(precision, checkpointed)
+                            job_dir = home.runs / (f"profile-{stamp}-{plan}-b{batch_size}"
+                                                   + (f"-r{repeat}" if repeats > 1 else ""))
+                            runs.setdefault(key, []).append(_profile_one(
+                                home, store, config, sampler, job_dir, say, spec,
+                                training, precision, batch_size, steps, checkpointed))
     finally:
         if sampler is not None:
             sampler.stop()
             sampler.backend.close()
+    rows = [merge_runs(measured) for measured in runs.values()]
     board = board_description(root)
     backend_name = sampler.backend.name if sampler is not None else None
     profile_id = store.add_profile_rows(model, backend_name, board, steps,
                                         [r.to_dict() for r in rows])
     stored = tuple(ProfileRow(**dict(r.to_dict(), profile_id=profile_id)) for r in rows)
     return ProfileResult(profile_id, model, backend_name, board, steps, stored)
+
+
+def merge_runs(runs: Sequence[ProfileRow]) -> ProfileRow:
+    """One row for a size that ran more than once.
+
+    A run that did not fit makes the size not fit. Otherwise the throughput, step time and
+    energy are the runs' means, the peak memory is the largest run's (what a session may meet)
+    and ``peak_memory_runs_mb`` keeps every run's. One run is returned as it is.
+    """
+    if len(runs) == 1:
+        return runs[0]
+    failed = [r for r in runs if r.status != OK]
+    if failed:
+        return failed[0]
+
+    def mean(name: str) -> Optional[float]:
+        values = [getattr(r, name) for r in runs]
+        return None if None in values else sum(values) / len(values)
+
+    by_rail = [r.energy_per_sample_by_rail_j for r in runs]
+    rails = sorted(set.intersection(*(set(b) for b in by_rail))) if None not in by_rail else []
+    step_s = mean("step_s")
+    peaks = [r.peak_memory_mb for r in runs if r.peak_memory_mb is not None]
+    energy = mean("energy_per_sample_j")
+    power, coverage = mean("mean_power_w"), mean("energy_coverage")
+    return replace(
+        runs[0],
+        samples_per_s=None if step_s is None else round(runs[0].batch_size / step_s, 3),
+        step_s=None if step_s is None else round(step_s, 4),
+        energy_per_sample_j=None if energy is None else round(energy, 5),
+        energy_per_sample_by_rail_j={rail: round(sum(b[rail] for b in by_rail) / len(runs), 5)
+                                     for rail in rails} if rails else None,
+        energy_coverage=None if coverage is None else round(coverage, 4),
+        mean_power_w=None if power is None else round(power, 3),
+        peak_memory_mb=max(peaks) if peaks else None,
+        peak_memory_runs_mb=peaks or None)
 
 
 def _start_sampler(config: Config, say: Callable[[str], None]) -> Any:

@@ -398,7 +398,8 @@ class Store:
         """Store one profile run (a row per precision, recompute and batch size); return its id."""
         keys = ("batch_size", "precision", "recompute", "precision_resolved", "status", "reason",
                 "samples_per_s", "step_s", "energy_per_sample_j", "energy_per_sample_by_rail_j",
-                "energy_source", "energy_coverage", "mean_power_w", "peak_memory_mb")
+                "energy_source", "energy_coverage", "mean_power_w", "peak_memory_mb",
+                "peak_memory_runs_mb")
         with self.transaction():
             profile_id = self._query(
                 "SELECT COALESCE(MAX(profile_id), 0) + 1 AS next FROM profiles")[0]["next"]
@@ -410,6 +411,8 @@ class Store:
                 by_rail = record["energy_per_sample_by_rail_j"]
                 record["energy_per_sample_by_rail_j"] = (
                     json.dumps(by_rail, sort_keys=True) if by_rail is not None else None)
+                runs = record["peak_memory_runs_mb"]
+                record["peak_memory_runs_mb"] = json.dumps(runs) if runs else None
                 record.update(profile_id=profile_id, created_at=created_at, model=model,
                               backend=backend, board=board, steps=steps)
                 records.append(record)
@@ -436,6 +439,8 @@ class Store:
                 row["recompute"] = float(row["recompute"])
                 by_rail = row["energy_per_sample_by_rail_j"]
                 row["energy_per_sample_by_rail_j"] = json.loads(by_rail) if by_rail else None
+                runs = row.get("peak_memory_runs_mb")
+                row["peak_memory_runs_mb"] = json.loads(runs) if runs else None
                 latest[key] = row
         return [latest[key] for key in sorted(latest)]
 

@@ -213,4 +213,9 @@ MIGRATIONS: list[str] = [
     ALTER TABLE profiles_v5 RENAME TO profiles;
     CREATE INDEX profiles_model ON profiles (model, profile_id);
     """,
+    # 6: a profiled size may run more than once (``odtctl profile --repeats``): each run's peak
+    # memory, a JSON list, beside the largest in ``peak_memory_mb``.
+    """
+    ALTER TABLE profiles ADD COLUMN peak_memory_runs_mb TEXT;
+    """,
 ]
