@@ -1,6 +1,7 @@
 """Admission: every on_over_budget branch, the memory budget, and the runtime OOM rule."""
 
 import signal
+from dataclasses import replace
 
 import pytest
 
@@ -29,6 +30,16 @@ def make_profile(energy=(1.0, 0.8, 0.7, 0.65), sps=(10.0, 15.0, 20.0, 22.0), fai
     rows += [ProfileRow(size, "fp32", DOES_NOT_FIT, reason="worker killed by SIGKILL")
              for size in failed]
     return ProfileResult(1, "densenet40", "ina3221", "Jetson TX2", 10, tuple(rows))
+
+
+def test_a_profiled_size_is_predicted_at_no_less_than_its_largest_run():
+    rows = [replace(r, peak_memory_mb=1900.0, peak_memory_runs_mb=[1800.0, 1900.0])
+            if r.batch_size == 16 else r for r in make_profile().rows]
+    profile = replace(make_profile(), rows=tuple(rows))
+    assert profile.memory_fit("fp32").predict_mb(16) < 1900.0
+    assert predict(profile, "fp32", 16, samples=100, epochs=1).peak_mb == 1900.0
+    assert predict(profile, "fp32", 8, samples=100, epochs=1).peak_mb == \
+        round(profile.memory_fit("fp32").predict_mb(8), 1)
 
 
 def policy(size=16, epochs=3, budget_mb=None, budget_j=None, on_over_budget="fewer_epochs",

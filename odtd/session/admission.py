@@ -124,10 +124,11 @@ def predict(profile: ProfileResult, precision: str, batch_size: int, samples: in
     """Predict a session's training time, energy and peak memory from a profile.
 
     Time is ``samples x epochs / samples_per_s``; energy ``samples x epochs x J/sample``; peak
-    memory the fitted line at the step's size (the measured peak when the size was profiled but
-    no line can be fitted). A micro-batched step runs, and is predicted, as a step of the
-    micro-batch's size plus ``accumulator_mb`` for the summed gradients. Start-up and the
-    before/after evaluations are not included.
+    memory the memory model at the step's size, or the measured peak where the size was
+    profiled and peaked higher (the largest of its runs; the model is a fit through the runs).
+    A micro-batched step runs, and is predicted, as a step of the micro-batch's size plus
+    ``accumulator_mb`` for the summed gradients. Start-up and the before/after evaluations are
+    not included.
     """
     step = micro_batch_size if micro_batch_size and micro_batch_size < batch_size else batch_size
     samples_per_s, joules_per_sample, basis = profile.estimate_at(step, precision, recompute)
@@ -136,10 +137,9 @@ def predict(profile: ProfileResult, precision: str, batch_size: int, samples: in
     rows = profile.ok_rows(precision, recompute)
     measured = [r.peak_memory_mb for r in rows if r.batch_size == step]
     largest = max((r.batch_size for r in rows), default=0)
-    if fit.fitted:
-        peak_mb: Optional[float] = fit.predict_mb(step)
-    else:
-        peak_mb = measured[0] if measured else None
+    peak_mb: Optional[float] = fit.predict_mb(step) if fit.fitted else None
+    if measured:
+        peak_mb = max(measured + ([peak_mb] if peak_mb is not None else []))
     if peak_mb is not None and step < batch_size:
         peak_mb += accumulator_mb
     failure = profile.smallest_failure(precision, recompute)
