@@ -362,7 +362,9 @@ def main() -> int:
                              ".keras file and imported with init --model-file; every arm, "
                              "the controls and the scoring then run that imported model")
     parser.add_argument("--policy", default=str(REPO / "policies" / "densenet40.yaml"),
-                        help="odtd's policy (the recipe); precision and eval batch come from here")
+                        help="odtd's policy (the recipe; default policies/densenet40.yaml, the "
+                             "published scenario's; for a --shift camera the measured recipe is "
+                             "policies/new-camera.yaml); precision and eval batch come from here")
     parser.add_argument("--precision", default="auto", help="fp32 | mixed_bfloat16 | auto")
     parser.add_argument("--telemetry", default="auto", help="telemetry backend (default auto)")
     parser.add_argument("--plot", metavar="PNG",
