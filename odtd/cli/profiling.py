@@ -306,7 +306,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, reader: argparse.Argu
                         f"{DEFAULT_PROFILE_STEPS})")
     p.add_argument("--repeats", type=int, default=1,
                    help="run the sweep this many times over and fit memory through every run: a "
-                        "size's peak moves between runs by up to about 10%% on large batches, "
+                        "size's peak moved between runs by up to 12%% on large batches here, "
                         "and the peak kept is the largest run's (default 1; 3 where a memory "
                         "budget is tight)")
     p.add_argument("--precisions", help="comma-separated, from " + ", ".join(PRECISIONS) +

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 from odtd.errors import PolicyError
 
@@ -68,16 +68,26 @@ def _floor_and_line(points: Sequence[Tuple[int, float]]) -> Optional[_Shape]:
     return best[1] if best else None
 
 
-def _leave_one_out(points: Sequence[Tuple[int, float]], fit: Any) -> Dict[int, float]:
-    """Each size's error in percent of its mean peak, predicted by ``fit`` of the others."""
+def _errors_pct(points: Sequence[Tuple[int, float]],
+                predict: Callable[[int], float]) -> Dict[int, float]:
+    """Each size's error in percent of the mean of its peaks, as ``predict(size)`` has it."""
     errors = {}
     for size in sorted({size for size, _ in points}):
-        rest = [point for point in points if point[0] != size]
-        shape = fit(rest) or _line(rest)
         measured = [peak for s, peak in points if s == size]
         mean_peak = sum(measured) / len(measured)
-        errors[size] = 100.0 * (_at(shape, size) - mean_peak) / mean_peak
+        errors[size] = 100.0 * (predict(size) - mean_peak) / mean_peak
     return errors
+
+
+def _leave_one_out(points: Sequence[Tuple[int, float]],
+                   fit: Callable[[Sequence[Tuple[int, float]]], Optional[_Shape]]
+                   ) -> Dict[int, float]:
+    """Each size's error predicted by ``fit`` of the others (the line where ``fit`` has none)."""
+    def predict(size: int) -> float:
+        rest = [point for point in points if point[0] != size]
+        return _at(fit(rest) or _line(rest), size)
+
+    return _errors_pct(points, predict)
 
 
 def _rms(values: Iterable[float]) -> float:
@@ -235,11 +245,7 @@ def fit_memory(points: Iterable[Tuple[int, float]]) -> MemoryFit:
                 shape, errors = stepped, stepped_errors
     else:
         method = IN_SAMPLE
-        errors = {}
-        for size in sizes:
-            measured = [peak for s, peak in ordered if s == size]
-            mean_peak = sum(measured) / len(measured)
-            errors[size] = 100.0 * (_at(shape, size) - mean_peak) / mean_peak
+        errors = _errors_pct(ordered, lambda size: _at(shape, size))
     rms_mb = _rms(peak - _at(shape, size) for size, peak in ordered)
     floor_mb, fixed_mb, per_sample_mb = shape
     return MemoryFit(ordered, fixed_mb, per_sample_mb, rms_mb, errors, method,

@@ -135,11 +135,12 @@ def predict(profile: ProfileResult, precision: str, batch_size: int, samples: in
     total = samples * epochs
     fit = profile.memory_fit(precision, recompute)
     rows = profile.ok_rows(precision, recompute)
-    measured = [r.peak_memory_mb for r in rows if r.batch_size == step]
     largest = max((r.batch_size for r in rows), default=0)
-    peak_mb: Optional[float] = fit.predict_mb(step) if fit.fitted else None
-    if measured:
-        peak_mb = max(measured + ([peak_mb] if peak_mb is not None else []))
+    # The model at the step's size, and the measured peak where the size was profiled.
+    peaks = [r.peak_memory_mb for r in rows if r.batch_size == step and r.peak_memory_mb]
+    if fit.fitted:
+        peaks.append(fit.predict_mb(step))
+    peak_mb = max(peaks) if peaks else None
     if peak_mb is not None and step < batch_size:
         peak_mb += accumulator_mb
     failure = profile.smallest_failure(precision, recompute)

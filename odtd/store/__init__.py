@@ -1,8 +1,9 @@
 """The state database, ``odtd.db``: the only package that touches SQLite.
 
-Modules: ``database`` (``Store``: samples, sessions, steps, profiles, model versions, events,
-the replay buffer, the daemon's liveness row, through sqlite-utils) and ``schema`` (the ordered
-migrations; ``PRAGMA user_version`` counts the applied ones).
+Modules: ``database`` (``Store``: samples, sessions, steps, model versions, events, the replay
+buffer, the daemon's liveness row, through sqlite-utils), ``profiles`` (``ProfileRows``, mixed
+into ``Store``: the profiles table) and ``schema`` (the ordered migrations; ``PRAGMA
+user_version`` counts the applied ones).
 
 May import: ``errors`` and the standard library; sqlite-utils only here.
 """

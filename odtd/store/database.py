@@ -23,6 +23,7 @@ from sqlite_utils.db import NotFoundError
 
 from odtd.errors import StoreError
 from odtd.store.liveness import utc_now
+from odtd.store.profiles import ProfileRows
 from odtd.store.records import JUDGED, OUTCOMES, SessionRecord
 from odtd.store.schema import MIGRATIONS
 
@@ -53,7 +54,7 @@ class _SavepointConnection(sqlite3.Connection):
         return False
 
 
-class Store:
+class Store(ProfileRows):
     """Typed access to ``odtd.db``; the only module that imports sqlite_utils.
 
     Args:
@@ -390,59 +391,6 @@ class Store:
             self.db["replay_buffer"].insert_all(added, replace=True)
             self.db["replay_seen"].insert_all(
                 [{"label": label, "seen": count} for label, count in seen.items()], replace=True)
-
-    # -- profiles -------------------------------------------------------------------------
-
-    def add_profile_rows(self, model: str, backend: Optional[str], board: Optional[str],
-                         steps: int, rows: list[dict[str, Any]]) -> int:
-        """Store one profile run (a row per precision, recompute and batch size); return its id."""
-        keys = ("batch_size", "precision", "recompute", "precision_resolved", "status", "reason",
-                "samples_per_s", "step_s", "energy_per_sample_j", "energy_per_sample_by_rail_j",
-                "energy_source", "energy_coverage", "mean_power_w", "peak_memory_mb",
-                "peak_memory_runs_mb")
-        with self.transaction():
-            profile_id = self._query(
-                "SELECT COALESCE(MAX(profile_id), 0) + 1 AS next FROM profiles")[0]["next"]
-            created_at = utc_now()
-            records = []
-            for row in rows:
-                record = {key: row.get(key) for key in keys}
-                record["recompute"] = float(record["recompute"] or 0)
-                by_rail = record["energy_per_sample_by_rail_j"]
-                record["energy_per_sample_by_rail_j"] = (
-                    json.dumps(by_rail, sort_keys=True) if by_rail is not None else None)
-                runs = record["peak_memory_runs_mb"]
-                record["peak_memory_runs_mb"] = json.dumps(runs) if runs else None
-                record.update(profile_id=profile_id, created_at=created_at, model=model,
-                              backend=backend, board=board, steps=steps)
-                records.append(record)
-            self.db["profiles"].insert_all(records)
-        return profile_id
-
-    def latest_profile(self, model: str) -> list[dict[str, Any]]:
-        """Return the newest measurement of each (precision, recompute, batch size) of ``model``.
-
-        Later runs add sizes to earlier ones (``odtctl profile --batch-sizes 32`` after 4,8,16
-        extends that profile) and replace re-measured sizes. Only runs on the board of the newest
-        run count. Rows keep their own ``profile_id``; ``[]`` when the model was never profiled.
-        """
-        newest = self._rows("profiles", "model = ?", [model], select="board",
-                            order_by="profile_id DESC", limit=1)
-        if not newest:
-            return []
-        rows = self._rows("profiles", "model = ? AND board IS ?", [model, newest[0]["board"]],
-                          order_by="profile_id DESC")
-        latest: dict[tuple[str, float, int], dict[str, Any]] = {}
-        for row in rows:
-            key = (row["precision"], row["recompute"], row["batch_size"])
-            if key not in latest:
-                row["recompute"] = float(row["recompute"])
-                by_rail = row["energy_per_sample_by_rail_j"]
-                row["energy_per_sample_by_rail_j"] = json.loads(by_rail) if by_rail else None
-                runs = row.get("peak_memory_runs_mb")
-                row["peak_memory_runs_mb"] = json.loads(runs) if runs else None
-                latest[key] = row
-        return [latest[key] for key in sorted(latest)]
 
     def _query(self, sql: str, params: Optional[Sequence[Any]] = None) -> list[dict[str, Any]]:
         with self._lock:
