@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Literal, Optional, Union
 
@@ -91,6 +92,19 @@ class TrainingPolicy(_Strict):
     lr_schedule: Literal[LR_SCHEDULES] = Field(  # type: ignore[valid-type]
         default="constant", description="cosine: the rate decays to 0 over each session's steps")
     momentum: float = Field(default=0.9, ge=0, lt=1)
+    clip_norm: Optional[float] = Field(
+        default=1.0, gt=0, description="clip each step's gradient to this global norm (every "
+        "optimizer): a step of a model the rate was not chosen for cannot blow up the weights; "
+        "null = off")
+    diverged_retries: int = Field(
+        default=2, ge=0, le=10, description="when the loss diverges (not finite, or 100 times "
+        "its start), the session "
+        "trains again from where its training began at diverged_lr_factor times the rate, up "
+        "to this many times; the rate that trained is remembered for the model and later "
+        "sessions start there (until training.learning_rate is changed); 0 = refuse the session")
+    diverged_lr_factor: float = Field(
+        default=0.1, gt=0, lt=1, description="the learning rate of each retry after a "
+        "divergence, as a share of the rate that diverged")
     augment: bool = True
     freeze_bn: bool = Field(default=True, description="BatchNorm in inference mode while training")
     recalibrate_bn: bool = Field(
@@ -288,12 +302,37 @@ def load_policy(path: Path, missing_ok: bool = True) -> Policy:
     return policy
 
 
-def default_policy_text(model: Optional[str] = None) -> str:
-    """Return the commented default policy that ``odtctl init`` writes for ``model``.
+@dataclass(frozen=True)
+class Recipe:
+    """The policy ``odtctl init`` installs for a model, and why, in one line."""
 
-    A model with a recipe of its own has ``policies/<model>.yaml`` (packaged as
+    name: str  # the file in policies/ it ships as
+    text: str
+    why: str
+
+
+def recipe_for(model: Optional[str] = None, imported: bool = False) -> Recipe:
+    """The commented policy ``odtctl init`` installs for a built-in ``model`` or an imported one.
+
+    An imported model (``init --model-file``: a user's classifier, trained on a server, now
+    behind the device's camera) gets ``policies/new-camera.yaml`` (packaged as
+    ``odtd/default_policy_imported.yaml``), the recipe measured best on imported models. A
+    built-in network with a recipe of its own has ``policies/<model>.yaml`` (packaged as
     ``odtd/default_policy_<model>.yaml``); any other gets ``policies/default.yaml``.
     """
-    own = Path(__file__).with_name(f"default_policy_{model}.yaml")
-    path = own if model and own.exists() else Path(__file__).with_name("default_policy.yaml")
-    return path.read_text(encoding="utf-8")
+    here = Path(__file__).parent
+    if imported:
+        return Recipe("new-camera.yaml", (here / "default_policy_imported.yaml").read_text(
+            encoding="utf-8"), "the recipe for a model trained on a server that now sees "
+            "through the device's camera (imported with --model-file)")
+    own = here / f"default_policy_{model}.yaml"
+    if model and own.exists():
+        return Recipe(f"{model}.yaml", own.read_text(encoding="utf-8"),
+                      f"the built-in {model}'s own recipe")
+    return Recipe("default.yaml", (here / "default_policy.yaml").read_text(encoding="utf-8"),
+                  "the default recipe for a built-in network")
+
+
+def default_policy_text(model: Optional[str] = None) -> str:
+    """Return the commented default policy that ``odtctl init`` writes for a built-in ``model``."""
+    return recipe_for(model).text

@@ -11,6 +11,7 @@ ones as tf.keras 2.15 and Keras 3.15 wrote them, so each stack's tests import th
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import numpy as np  # noqa: E402
@@ -149,6 +150,18 @@ def dialect_details():
     return keras.Model(inp, out, name="dialect_details")
 
 
+def exploding():
+    """Pixels scaled to 0..10, averaged, a Dense layer (zeros: it starts at exp(0)) and an
+    exponential: at a learning rate of 10 the first step's update overflows the exponential
+    (the loss 1.09 -> 257,555), at 0.01 it trains. 16x16 RGB, 3 classes, logits."""
+    inp = keras.Input((16, 16, 3), name="image")
+    x = L.Rescaling(1.0 / 25.5, name="rescale")(inp)
+    x = L.GlobalAveragePooling2D(name="gap")(x)
+    x = L.Dense(8, kernel_initializer="zeros", name="hidden")(x)
+    x = L.Activation("exponential", name="exp")(x)
+    return keras.Model(inp, L.Dense(3, name="logits")(x), name="exploding")
+
+
 def with_lambda():
     inp = keras.Input((16, 16, 3), name="image")
     x = L.Lambda(lambda t: t * 2.0, name="doubler")(inp)
@@ -180,10 +193,182 @@ def four_channels():
     return keras.Model(inp, L.Dense(3, activation="softmax", name="probs")(x), name="rgba")
 
 
+# --- the zoo: models as users write them, trained briefly with Adam on a toy task -------------
+# ``--zoo SIZE`` (after OUTDIR) builds them at SIZExSIZE and trains them on the built-in synthetic
+# server images (odtd.sim.datasets, the first ZOO_CLASSES classes) scaled to that size: the
+# server a user trained on before the device's camera saw anything. ``--width`` scales the
+# tutorial's and the Sequential model's channels (1.0: as the tutorials write them).
+ZOO_CLASSES = 5
+
+
+def _width(channels, width):
+    return max(4, int(round(channels * width)))
+
+
+def tutorial_residual(size, classes, width):
+    """Keras's "image classification from scratch": augmentation, Rescaling(1/255), a strided
+    Conv2D, residual blocks of SeparableConv2D + BatchNormalization + MaxPooling2D with a 1x1
+    strided Conv2D shortcut, GlobalAveragePooling2D, Dropout, a Dense layer giving logits."""
+    augment = keras.Sequential([L.RandomFlip("horizontal"), L.RandomRotation(0.1)],
+                               name="data_augmentation")
+    inputs = keras.Input((size, size, 3))
+    x = L.Rescaling(1.0 / 255)(augment(inputs))
+    x = L.Conv2D(_width(128, width), 3, strides=2, padding="same")(x)
+    x = L.BatchNormalization()(x)
+    x = L.Activation("relu")(x)
+    previous = x
+    for channels in (256, 512, 728):
+        channels = _width(channels, width)
+        x = L.Activation("relu")(x)
+        x = L.SeparableConv2D(channels, 3, padding="same")(x)
+        x = L.BatchNormalization()(x)
+        x = L.Activation("relu")(x)
+        x = L.SeparableConv2D(channels, 3, padding="same")(x)
+        x = L.BatchNormalization()(x)
+        x = L.MaxPooling2D(3, strides=2, padding="same")(x)
+        residual = L.Conv2D(channels, 1, strides=2, padding="same")(previous)
+        x = L.add([x, residual])
+        previous = x
+    x = L.SeparableConv2D(_width(1024, width), 3, padding="same")(x)
+    x = L.BatchNormalization()(x)
+    x = L.Activation("relu")(x)
+    x = L.GlobalAveragePooling2D()(x)
+    x = L.Dropout(0.25)(x)
+    return keras.Model(inputs, L.Dense(classes, activation=None)(x), name="tutorial_residual")
+
+
+def sequential_dropout(size, classes, width):
+    """TensorFlow's "image classification" tutorial: a Sequential CNN with Rescaling, three
+    Conv2D + MaxPooling2D, Dropout, Flatten, Dense and a softmax output; no BatchNormalization.
+    As the tutorial writes it at any ``width`` (it is small)."""
+    return keras.Sequential([
+        keras.Input((size, size, 3)),
+        L.Rescaling(1.0 / 255),
+        L.Conv2D(16, 3, padding="same", activation="relu"),
+        L.MaxPooling2D(),
+        L.Conv2D(32, 3, padding="same", activation="relu"),
+        L.MaxPooling2D(),
+        L.Conv2D(64, 3, padding="same", activation="relu"),
+        L.MaxPooling2D(),
+        L.Dropout(0.2),
+        L.Flatten(),
+        L.Dense(128, activation="relu"),
+        L.Dense(classes, activation="softmax"),
+    ], name="sequential_dropout")
+
+
+def mobilenet_v3_small(size, classes, width):
+    """keras.applications.MobileNetV3Small with its own preprocessing (include_preprocessing;
+    its BatchNormalization momentum is 0.999), built offline (weights=None)."""
+    return keras.applications.MobileNetV3Small(
+        input_shape=(size, size, 3), weights=None, classes=classes, include_preprocessing=True)
+
+
+def efficientnet_b0(size, classes, width):
+    """keras.applications.EfficientNetB0 (its own Rescaling and Normalization in front), offline."""
+    return keras.applications.EfficientNetB0(input_shape=(size, size, 3), weights=None,
+                                             classes=classes)
+
+
+def transfer_frozen_base(size, classes, width):
+    """Transfer learning: a MobileNetV2 base trained first (as on ImageNet; here on the toy task),
+    then frozen (``trainable = False``) under a new head that trains alone."""
+    base = keras.applications.MobileNetV2(input_shape=(size, size, 3), weights=None,
+                                          include_top=False, alpha=0.35)
+    inputs = keras.Input((size, size, 3))
+    x = L.Rescaling(1.0 / 127.5, offset=-1.0)(inputs)
+    x = L.GlobalAveragePooling2D()(base(x))
+    x = L.Dropout(0.2)(x)
+    return keras.Model(inputs, L.Dense(classes, activation="softmax", name="head")(x),
+                       name="transfer_frozen_base")
+
+
+ZOO = {"tutorial_residual": tutorial_residual, "sequential_dropout": sequential_dropout,
+       "mobilenet_v3_small": mobilenet_v3_small, "efficientnet_b0": efficientnet_b0,
+       "transfer_frozen_base": transfer_frozen_base}
+
+
+def server_images(size, count, seed):
+    """The toy task's server images: synthetic shapes of the first ZOO_CLASSES classes, resized."""
+    from odtd.sim.datasets import synthetic
+
+    x, y = synthetic(count * 10 // ZOO_CLASSES + 10, "server", seed)
+    keep = y < ZOO_CLASSES
+    x, y = x[keep][:count], y[keep][:count]
+    if size != x.shape[1]:
+        x = tf.image.resize(x, (size, size)).numpy().round().clip(0, 255).astype("uint8")
+    return x, y
+
+
+def settle_batchnorm(model, x, batches=30, batch_size=32):
+    """BatchNorm's moving statistics as a long training leaves them: the mean of the last batches'.
+
+    A user's model trains for thousands of steps; a brief training leaves the moving statistics
+    near their initial values (a variance of 0.47 where the batches' is 0.01, after 76 steps at
+    Keras's momentum 0.99; MobileNetV3's is 0.999), and no user's model scores at chance in
+    inference mode as such a model does. Forward passes in training mode at momentum 0.7
+    meanwhile (0.7 ** 30: nothing of the initial values is left), no weight changes.
+    """
+    layers = [layer for layer in _leaves(model) if isinstance(layer, L.BatchNormalization)]
+    momenta = [layer.momentum for layer in layers]
+    for layer in layers:
+        layer.momentum = 0.7
+    order = np.concatenate([rng.permutation(len(x)) for _ in range(batches * batch_size // len(x) + 1)])
+    for begin in range(0, batches * batch_size, batch_size):
+        model(tf.constant(x[order[begin:begin + batch_size]], tf.float32), training=True)
+    for layer, momentum in zip(layers, momenta):
+        layer.momentum = momentum
+
+
+def _leaves(model):
+    for layer in model.layers:
+        if hasattr(layer, "layers"):
+            yield from _leaves(layer)
+        else:
+            yield layer
+
+
+def train_zoo_model(name, size, images, epochs, width):
+    """Build a zoo model and train it as its user did: Adam, a few epochs, the toy task.
+
+    Returns the model and its accuracy on the training images in inference mode."""
+    model = ZOO[name](size, ZOO_CLASSES, width)
+    x, y = server_images(size, images, seed=1)
+    logits = name == "tutorial_residual"
+    if name == "transfer_frozen_base":  # the base learns first (as on ImageNet), then the head
+        model.compile(keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy")
+        model.fit(x, y, epochs=epochs, batch_size=32, verbose=0)
+        settle_batchnorm(model, x)
+        model.layers[2].trainable = False
+    model.compile(keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=logits))
+    model.fit(x, y, epochs=epochs, batch_size=32, verbose=0)
+    settle_batchnorm(model, x)
+    predicted = model.predict(x, batch_size=64, verbose=0).argmax(-1)
+    return model, float((predicted == y).mean())
+
+
+if len(sys.argv) > 3 and sys.argv[2] == "--zoo":
+    # python make_keras_models.py OUTDIR --zoo SIZE [IMAGES EPOCHS WIDTH [NAME..]]
+    size = int(sys.argv[3])
+    images, epochs, width = (int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])) \
+        if len(sys.argv) > 6 else (1000, 4, 1.0)
+    written = {}
+    for name in sys.argv[7:] or list(ZOO):
+        started = time.time()
+        model, accuracy = train_zoo_model(name, size, images, epochs, width)
+        model.save(os.path.join(OUT, name + ".keras"))
+        written[name] = {"input_shape": list(model.input_shape[1:]), "classes": ZOO_CLASSES,
+                         "train_accuracy": accuracy, "params": int(model.count_params()),
+                         "train_seconds": round(time.time() - started, 1)}
+    print(json.dumps(written))
+    sys.exit(0)
+
+
 TRAINABLE = {"cnn_softmax": cnn_softmax, "gray_logits": gray_logits, "mobilenet": mobilenet,
              "frozen_augmented": frozen_augmented, "arithmetic": arithmetic,
              "slash_names": slash_names, "slash_nested": slash_nested,
-             "dialect_details": dialect_details}
+             "dialect_details": dialect_details, "exploding": exploding}
 REFUSED = {"lambda": with_lambda, "custom_layer": with_custom_layer, "vector_input": vector_input,
            "four_channels": four_channels}
 KERAS2_ONLY = {"slash_names", "slash_nested"}  # Keras 3 allows no "/" in a layer's name
@@ -198,7 +383,7 @@ for name in wanted:
         x = rng.integers(0, 256, (32,) + tuple(shape)).astype("float32")
         y = rng.integers(0, model.output_shape[-1], 32)
         model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(
-            from_logits=name == "gray_logits"))
+            from_logits=name in ("gray_logits", "exploding")))
         model.fit(x, y, epochs=1, batch_size=16, verbose=0)
         probe = x[:2]
         np.savez(os.path.join(OUT, name + ".ref.npz"), x=probe.astype(np.uint8),

@@ -1,4 +1,4 @@
-"""``odtctl profile`` and ``odtctl policy validate | explain | schema``.
+"""``odtctl profile`` and ``odtctl policy validate | explain | check | schema``.
 
 Handlers register with ``odtd.cli.command``; ``add_parsers`` adds their argument parsers. Like
 the rest of the CLI, only these handlers print (through ``emit`` and ``progress``).
@@ -116,7 +116,31 @@ def cmd_policy(args: argparse.Namespace) -> int:
         return 0
     if args.policy_command == "validate":
         return _validate(args)
+    if args.policy_command == "check":
+        return _check(args)
     return _explain(args)
+
+
+def _check(args: argparse.Namespace) -> int:
+    """``policy check [FILE]``: a few steps of the policy on the home's images (exit 1: diverged)."""
+    from odtd.session.check import check_policy
+
+    home = home_of(args)
+    store = home.open_store()  # an error line where the home is not initialised
+    config = home.load_config()
+    path = Path(args.file) if args.file else home.policy_path(config)
+    try:
+        policy = load_policy(path, missing_ok=args.file is None)
+    except PolicyError:
+        store.close()
+        raise
+    try:
+        found = check_policy(home, store, config, policy, progress,
+                             remember=path.resolve() == home.policy_path(config).resolve())
+    finally:
+        store.close()
+    emit(args, {"policy": str(path), **found.to_dict()}, found.message)
+    return 1 if found.verdict == "diverged" else 0
 
 
 def _profile_context(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
@@ -236,8 +260,10 @@ def _explain(args: argparse.Namespace) -> int:
                             "samples": samples, "epochs": epochs, "predictions": [],
                             "admission": admission.to_dict(),
                             "gates": [vars(g) for g in gates]}
+    rate = _learning_rate(context, policy)
+    data["learning_rate"] = rate.to_dict()
     lines = [f"policy {path}: objective {policy.objective}, batch {policy.batch.size}, "
-             f"{epochs} epochs, precision {precision}"]
+             f"{epochs} epochs, precision {precision}, learning rate {rate.describe()}"]
     if profile is None:
         lines.append("no profile: run `odtctl profile` to predict time, energy and memory")
     else:
@@ -277,6 +303,19 @@ def _explain(args: argparse.Namespace) -> int:
     lines += [f"  {g.name:<12} {'open' if g.passed else 'CLOSED':<7} {g.reason}" for g in gates]
     emit(args, data, "\n".join(lines))
     return 0
+
+
+def _learning_rate(context: Optional[Dict[str, Any]], policy: Policy) -> Any:
+    """The rate tonight's session starts at (``session.learning_rate.starting_rate``)."""
+    from odtd.session.learning_rate import LearningRate, starting_rate
+
+    if context is None:
+        return LearningRate(policy.training.learning_rate, policy.training.learning_rate)
+    store = context["home"].open_store()
+    try:
+        return starting_rate(store, context["model"], policy.training)
+    finally:
+        store.close()
 
 
 def _num(value: Optional[float], fmt: str) -> str:
@@ -325,7 +364,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, reader: argparse.Argu
                         "(default: the policy's batch.memory_budget_mb)")
 
     p = sub.add_parser("policy", parents=[common], help="validate, explain or describe a policy",
-                       description="validate FILE | explain [FILE] | schema")
+                       description="validate FILE | explain [FILE] | check [FILE] | schema")
     actions = p.add_subparsers(dest="policy_command", metavar="ACTION", required=True)
     v = actions.add_parser(
         "validate", parents=[reader], help="check a policy file, and its batch size against "
@@ -345,6 +384,17 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser, reader: argparse.Argu
     e.add_argument("file", nargs="?", help="policy YAML (default: the home's active policy)")
     e.add_argument("--samples", type=int,
                    help="samples per epoch to predict for (default: pending + replay)")
+    c = actions.add_parser(
+        "check", parents=[reader], help="train a few steps of a policy on the home's images "
+                                        "and report a loss that diverges or rises",
+        description="Train a copy of the served model for a few steps of the policy's recipe "
+                    "(at least 16) on a session's worth of the home's images (the replay "
+                    "seed, else the validation set), in a worker, writing no model version. "
+                    "Prints the loss over the first and last third of the steps, or a "
+                    "one-line warning with the fix: a loss that is not finite at every rate "
+                    "the policy lets a session retry at (exit 1), or one that rises. A lower "
+                    "rate that trained after a retry is remembered, and sessions start there.")
+    c.add_argument("file", nargs="?", help="policy YAML (default: the home's active policy)")
     actions.add_parser("schema", parents=[reader], help="print the policy's JSON schema",
                        description="Print the JSON schema of policy.yaml (every key, type, "
                                    "default and description).")

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from odtd.cli.output import command, emit, home_of, progress
 from odtd.errors import ConfigError
-from odtd.home.paths import REFERENCE_EVERY
+from odtd.home.paths import REFERENCE_EVERY, Home
+
+if TYPE_CHECKING:
+    from odtd.session.check import PolicyCheck
 
 
 @command("init")
@@ -35,19 +38,42 @@ def cmd_init(args: argparse.Namespace) -> int:
         replay=Path(args.replay) if args.replay else None, reference_every=args.reference_every,
         model_file=Path(args.model_file) if args.model_file else None, name=args.name,
         input_scale=args.input_scale, output=args.output, progress=progress,
-        input_size=input_size,
+        input_size=input_size, policy=Path(args.policy) if args.policy else None,
     )
     for note in summary["notes"]:
         progress(f"note: {note}")
+    policy = summary["policy"]
+    installed = f"policy {policy['file']}: " + (
+        policy["why"] if policy["recipe"] == policy["file"] else
+        f"{policy['recipe']}, {policy['why']}" + ("" if args.policy else
+                                                   "; --policy FILE installs another"))
+    checked = None
+    if args.check if args.check is not None else args.model_file is not None:
+        checked = _check_installed_policy(home)
+        summary["policy_check"] = checked.to_dict()
     shape = "x".join(map(str, summary["input_shape"]))
-    emit(args, summary,
-         f"initialised {summary['home']}: {summary['model']} v{summary['version']} "
+    emit(args, summary, "\n".join(
+        [f"initialised {summary['home']}: {summary['model']} v{summary['version']} "
          f"({summary['param_count']:,} parameters, input {shape} in {summary['input_scale']}, "
          f"output {summary['output']}, weights {summary['weights']}), "
          f"{summary['validation_samples']} validation images, "
          f"{summary['replay_samples']} replay images, "
-         f"{summary['reference_samples']} reference images")
+         f"{summary['reference_samples']} reference images", installed]
+        + ([checked.message] if checked else [])))
     return 0
+
+
+def _check_installed_policy(home: Home) -> PolicyCheck:
+    """Run ``policy check`` on a new home's installed policy (``check.check_policy``)."""
+    from odtd.policy import load_policy
+    from odtd.session.check import check_policy
+
+    config = home.load_config()
+    store = home.open_store()
+    try:
+        return check_policy(home, store, config, load_policy(home.policy_path(config)), progress)
+    finally:
+        store.close()
 
 
 @command("ingest")
@@ -92,9 +118,14 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
                        description="Create ODTD_HOME: config, policy, database, model v0, validation set. "
                        "Version 0 is a built-in network (--model) or your own Keras classifier "
                        "(--model-file: read without running any code in it; Lambda layers and "
-                       "custom objects are refused). The policy is the model's own recipe where it "
-                       "has one (policies/<model>.yaml), else policies/default.yaml; an existing "
-                       "policy file is kept.")
+                       "custom objects are refused). The policy installed is --policy FILE, or: "
+                       "for --model-file the recipe for a model on a new camera "
+                       "(policies/new-camera.yaml), for a built-in network its own recipe where "
+                       "it has one (policies/<model>.yaml), else policies/default.yaml; without "
+                       "--policy an existing policy file is kept. With --model-file, a few "
+                       "steps of the policy train on the --replay (or --validation) images "
+                       "first (`odtctl policy check`), and a loss that diverges or rises is "
+                       "reported with the fix.")
     p.add_argument("--model", help="a built-in network (see `odtctl models`)")
     p.add_argument("--input-size", metavar="HxW",
                    help="with --model: the network's input, HEIGHTxWIDTH in pixels or N for NxN "
@@ -123,6 +154,15 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
                         "domain, which a candidate must not forget (acceptance.reference_tolerance); "
                         f"0 = none (default {REFERENCE_EVERY})")
     p.add_argument("--force", action="store_true", help="replace an existing home (deletes its state)")
+    p.add_argument("--policy", metavar="FILE",
+                   help="the policy to install (validated first; replaces the home's policy "
+                        "file); default: the recipe for the model")
+    p.add_argument("--check", action="store_true", default=None,
+                   help="train a few steps of the installed policy before the first night and "
+                        "report a loss that diverges or rises (`odtctl policy check`); the "
+                        "default with --model-file")
+    p.add_argument("--no-check", dest="check", action="store_false",
+                   help="do not check the installed policy")
 
     p = sub.add_parser("ingest", parents=[reader], help="add images as pending samples",
                        description="Add images: a file (with --label), a <label>/<file> directory, "

@@ -28,7 +28,7 @@ from odtd.home.spec import (
     imported_name,
 )
 from odtd.home.versions import ModelRepo, check_weights_file
-from odtd.policy import default_policy_text, load_policy
+from odtd.policy import Recipe, load_policy, recipe_for
 from odtd.session.replay_buffer import update_buffer
 from odtd.store.database import Store, utc_now
 from odtd.trainer import catalog
@@ -92,6 +92,7 @@ def init_home(
     output: Optional[str] = None,
     progress: Optional[Callable[[str], None]] = None,
     input_size: Optional[tuple[int, int]] = None,
+    policy: Optional[Path] = None,
 ) -> dict[str, Any]:
     """Create an ODTD_HOME and return a summary.
 
@@ -122,6 +123,8 @@ def init_home(
             ``min_input_size``; None = the catalogue's default. Samples are fitted to it. With
             ``model_file``: the size of a model whose input has no height and width (refused
             for one that has them, unless the same).
+        policy: a policy file to install (validated first); None = the recipe for the model
+            (``policy.recipe_for``), unless the home already has a policy file.
 
     Raises:
         ConfigError: the home exists and ``force`` is not set, or an argument is invalid.
@@ -159,6 +162,11 @@ def init_home(
         if reference_every:
             reference_files = replay_files[reference_every - 1::reference_every]
             replay_files = [f for i, f in enumerate(replay_files) if (i + 1) % reference_every]
+    if policy is not None:
+        load_policy(policy, missing_ok=False)  # a bad file is refused before anything is made
+        recipe = Recipe(str(policy), policy.read_text(encoding="utf-8"), "given with --policy")
+    else:
+        recipe = recipe_for(model, imported=model_file is not None)
     config = home.load_config()
     with tempfile.TemporaryDirectory(prefix="odtd-init-") as staging:
         stage = Path(staging)
@@ -188,8 +196,10 @@ def init_home(
         if not home.config_path.exists():
             home.config_path.write_text(default_config_text(), encoding="utf-8")
         policy_path = home.policy_path(config)
-        if not policy_path.exists():
-            policy_path.write_text(default_policy_text(model), encoding="utf-8")
+        if policy is not None or not policy_path.exists():
+            policy_path.write_text(recipe.text, encoding="utf-8")
+        else:
+            recipe = Recipe(str(policy_path), "", "the home's policy file, kept")
         if val is not None:
             np.savez(home.validation_file(), x=val[0], y=val[1])
         if reference is not None:
@@ -229,6 +239,7 @@ def init_home(
         "validation_samples": int(len(val[1])) if val is not None else 0,
         "replay_samples": seeded["size"],
         "reference_samples": int(len(reference[1])) if reference is not None else 0,
+        "policy": {"file": str(policy_path), "recipe": recipe.name, "why": recipe.why},
         "notes": [],
     }
     if spec.imported and input_scale is None and not result.get("rescales_input"):

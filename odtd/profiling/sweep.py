@@ -175,6 +175,7 @@ def _profile_one(home: Home, store: Store, config: Config, sampler: Any, job_dir
         "profile", model, classes, input_shape, train_data=str(data_path),
         batch_size=batch_size, max_steps=total_steps, optimizer=training.optimizer,
         learning_rate=training.learning_rate, momentum=training.momentum,
+        clip_norm=training.clip_norm,
         augment=training.augment, freeze_bn=training.freeze_bn,
         # Recalibration runs the model eagerly and can set a session's peak memory: profile it too.
         recalibrate_bn=training.recalibrate_bn, seed=training.seed, parent_pid=os.getpid(),

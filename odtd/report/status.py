@@ -80,6 +80,18 @@ def model_status(home: Home, store: Store) -> dict[str, Any]:
             "resume": resume}
 
 
+def learning_rate_status(home: Home, store: Store, model: str) -> Optional[dict[str, Any]]:
+    """The rate sessions of ``model`` start at under the home's policy (None: invalid policy)."""
+    from odtd.policy import load_policy
+    from odtd.session.learning_rate import starting_rate
+
+    try:
+        policy = load_policy(home.policy_path(home.load_config()))
+    except OdtdError:
+        return None
+    return starting_rate(store, model, policy.training).to_dict()
+
+
 def gates_status(home: Home) -> dict[str, Any]:
     """Return the ``gates`` section: each configured gate's verdict right now."""
     from odtd.policy import load_policy
@@ -96,10 +108,12 @@ def gates_status(home: Home) -> dict[str, Any]:
 
 def status(home: Home, store: Store, limit: int = 10) -> dict[str, Any]:
     """Return the ``odtctl status --json`` object."""
+    model = model_status(home, store)
+    model["learning_rate"] = learning_rate_status(home, store, model["name"])
     return {
         "home": str(home.root),
         "daemon": daemon_status(store),
-        "model": model_status(home, store),
+        "model": model,
         "samples": store.sample_counts(),
         "gates": gates_status(home),
         "sessions": session_objects(store, limit),
@@ -197,6 +211,11 @@ def render_status(data: dict[str, Any]) -> str:
         lines.append(f"         training goes on from session {r['session']}'s refused candidate: "
                      f"{pct(r['accuracy'])} on validation against the current model's "
                      f"{pct(r['current_accuracy'])}")
+    rate = m.get("learning_rate") or {}
+    if rate.get("found_by"):
+        lines.append(f"         learning rate {rate['rate']:g}: the policy's "
+                     f"{rate['policy_rate']:g} diverged on this model ({rate['found_by']}); "
+                     "sessions start at the lower rate until training.learning_rate changes")
     lines.append(f"samples  total {s['total']}  pending {s['pending']}  trained {s['trained']}  "
                  f"holdout {s['holdout']}  quarantined {s['quarantined']}")
     gates = data.get("gates") or {}

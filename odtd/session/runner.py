@@ -33,6 +33,7 @@ from odtd.session.gates import (
     check_gates,
     samples_wanted,
 )
+from odtd.session.learning_rate import remember_rate, starting_rate
 from odtd.session.lock import SessionLock, recover_stale_sessions
 from odtd.session.oom import oom_retry_batch, record_oom
 from odtd.session.promotion import CANDIDATE_EVAL_CACHE, Promotion
@@ -147,6 +148,7 @@ class SessionRunner:
         admission = admit_session(self.store, policy, samples=len(pending) + len(replay_rows))
         record.batch_size, record.epochs = admission.batch_size, admission.epochs
         record.details.admission = admission.to_dict()
+        record.details.learning_rate = starting_rate(self.store, self.model, policy.training).rate
         # Resuming trains on from the last refused candidate, always judged against current.
         record.details.resumed = policy.training.resume_within is not None and \
             self.repo.resume_path.exists()
@@ -198,6 +200,10 @@ class SessionRunner:
                 record.outcome, record.reason = "interrupted", end.stop_reason
                 return None
             if end.failure is None:
+                if remember_rate(self.store, self.model, self.policy.training, end.result,
+                                 f"session {record.id}"):
+                    self.progress(f"session {record.id}: trained at learning rate "
+                                  f"{end.result['learning_rate']:g}; later sessions start there")
                 return end.result
             record.details.attempts.append({"batch_size": record.batch_size, "reason": end.failure,
                                             "oom": end.oom})
@@ -241,8 +247,11 @@ class SessionRunner:
             weights_out=str(job_dir / "candidate.npz"), train_data=str(train),
             validation_data=str(validation) if validation else None,
             batch_size=record.batch_size, epochs=record.epochs, optimizer=training.optimizer,
-            learning_rate=training.learning_rate, lr_schedule=training.lr_schedule,
-            momentum=training.momentum, augment=training.augment, freeze_bn=training.freeze_bn,
+            learning_rate=record.details.learning_rate or training.learning_rate,
+            lr_schedule=training.lr_schedule, momentum=training.momentum,
+            clip_norm=training.clip_norm, diverged_retries=training.diverged_retries,
+            diverged_lr_factor=training.diverged_lr_factor, augment=training.augment,
+            freeze_bn=training.freeze_bn,
             recalibrate_bn=training.recalibrate_bn, bn_device_weight=training.bn_device_weight,
             distill=training.distill, trained_share=training.trained_share,
             reference_tolerance=None if self.policy.acceptance.reference_tolerance is None
@@ -334,6 +343,11 @@ class SessionRunner:
                     self.progress(f"session {record.id}: epoch {message.get('epoch', 0) + 1}"
                                   f"/{record.epochs}")
                 steps.append(message)
+            elif event == "retry":
+                self.progress(f"session {record.id}: training diverged at learning rate "
+                              f"{message.get('learning_rate'):g} (step "
+                              f"{message.get('diverged_at_step')}); training again from its "
+                              f"start at {message.get('next_learning_rate'):g}")
             elif event == "eval":
                 cached = message.get("cached")
                 self.progress(f"session {record.id}: accuracy {message.get('phase')} training "
@@ -384,6 +398,8 @@ class SessionRunner:
         details.per_class_after = _by_class(self.classes, result.get("per_class_after"))
         details.precision = result.get("precision")
         details.tf_peak_memory_mb = result.get("tf_peak_memory_mb")
+        details.learning_rate = result.get("learning_rate", details.learning_rate)
+        details.lr_attempts = result.get("lr_attempts") or None
 
     def _finish(self, record: SessionRecord, outcome: Optional[str], reason: Optional[str]
                 ) -> SessionRecord:

@@ -33,7 +33,8 @@ _OMITTED_AT_DEFAULT = {"attempts": [], "kept_for_resume": False,
                        "reference_accuracy_before": None, "reference_accuracy_after": None,
                        "reference_paired": None, "bn_device_weight": None,
                        "bn_weights_tried": None, "trained_share": None,
-                       "trained_shares_tried": None}
+                       "trained_shares_tried": None, "learning_rate": None,
+                       "lr_attempts": None}
 
 
 @dataclass
@@ -73,6 +74,10 @@ class SessionDetails:
         min_mem_available_mb: The system's lowest MemAvailable while the worker ran.
         tf_peak_memory_mb: TensorFlow's own peak on a GPU, None on a CPU.
         energy: Mean, peak and idle-baseline power, incremental energy, samples, per-step mean.
+        learning_rate: The peak learning rate the session trained at (the policy's, the rate
+            remembered for the model after an earlier divergence, or a retry's).
+        lr_attempts: The rates whose training diverged, each ``{learning_rate,
+            diverged_at_step}`` (``training.diverged_retries``); None where none did.
         extra: Keys of a stored row this release does not know, kept as they were.
     """
 
@@ -100,6 +105,8 @@ class SessionDetails:
     min_mem_available_mb: Optional[float] = None
     tf_peak_memory_mb: Optional[float] = None
     energy: Optional[Dict[str, Any]] = None
+    learning_rate: Optional[float] = None
+    lr_attempts: Optional[List[Dict[str, Any]]] = None
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:

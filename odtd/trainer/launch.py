@@ -259,11 +259,23 @@ def precision_said(message: Dict[str, Any]) -> Optional[str]:
 
 
 def diverged(result: Optional[Dict[str, Any]]) -> Optional[str]:
-    """Why a train job's result has no candidate when its training diverged, else None."""
+    """Why a train job's result has no candidate when its training diverged, else None.
+
+    Names the rates tried and what to change in the policy.
+    """
     if (result or {}).get("status") != "diverged":
         return None
-    return "training diverged: the loss was not finite at step {} (a learning rate too high " \
-           "for this model?)".format(result.get("diverged_at_step"))
+    rates = [attempt["learning_rate"] for attempt in result.get("lr_attempts") or []]
+    tried = "at learning rate {:g}".format(rates[0]) if len(rates) == 1 else \
+        "at every learning rate tried ({})".format(", ".join("{:g}".format(r) for r in rates))
+    fix = "lower training.learning_rate below {:g}".format(min(rates)) if rates else \
+        "lower training.learning_rate"
+    if result.get("clip_norm") is None:
+        fix += " or set training.clip_norm (1.0 clips each step's gradient to norm 1)"
+    else:
+        fix += " or training.clip_norm (now {:g})".format(result["clip_norm"])
+    return "training diverged {} (at step {} the loss was not finite, or 100 times the first " \
+           "step's); {} in the policy".format(tried, result.get("diverged_at_step"), fix)
 
 
 def read_proc_mb(key: str, path: Path = Path("/proc/meminfo")) -> Optional[float]:

@@ -3,8 +3,8 @@
 ``make_train_step`` compiles what one step does: augment, forward (``make_forward``:
 checkpointed with the job's ``recompute``, else pooling first where the model allows), loss
 (with distillation's term when the job distils), gradients (summed over micro-batches with
-``micro_batch_size``), one update. ``training.train_and_evaluate`` runs the steps
-``iterate_batches`` gives it.
+``micro_batch_size``, their global norm clipped to ``clip_norm``), one update.
+``training.train_steps`` runs the steps ``iterate_batches`` gives it.
 
 TensorFlow is passed in (``tf``), never imported here. Python 3.6-compatible; tf.keras 2 and
 Keras 3 alike.
@@ -46,15 +46,15 @@ def iterate_batches(num_samples: int, batch_size: int, epochs: Optional[int],
         step += 1
 
 
-def make_rate(tf: Any, job: Dict[str, Any], total_steps: Optional[int]) -> Any:
-    """Return the job's learning rate: a number, or a Keras schedule called with the step.
+def make_rate(tf: Any, job: Dict[str, Any], total_steps: Optional[int], peak: float) -> Any:
+    """Return the learning rate at ``peak``: a number, or a Keras schedule called with the step.
 
-    With ``lr_schedule`` cosine and ``total_steps`` known, the rate decays from
-    ``learning_rate`` to 0 over the job's steps: a session ends annealed, wherever it started.
+    With the job's ``lr_schedule`` cosine and ``total_steps`` known, the rate decays from
+    ``peak`` to 0 over the job's steps: a session ends annealed, wherever it started.
     """
     if job["lr_schedule"] == "cosine" and total_steps:
-        return tf.keras.optimizers.schedules.CosineDecay(job["learning_rate"], total_steps)
-    return job["learning_rate"]
+        return tf.keras.optimizers.schedules.CosineDecay(peak, total_steps)
+    return peak
 
 
 def make_optimizer(tf: Any, job: Dict[str, Any], precision: str, rate: Any) -> Any:
@@ -164,11 +164,23 @@ def make_train_step(tf: Any, model: Any, forward_model: Any, optimizer: Any,
             gradients = optimizer.get_unscaled_gradients(gradients)
         return loss, gradients
 
+    clip_norm = job["clip_norm"]
+
+    def clipped(gradients: Any) -> Any:
+        """The step's gradients, their global norm clipped to the job's ``clip_norm``."""
+        if not clip_norm:
+            return gradients
+        norm = tf.constant(clip_norm, tf.float32)
+        scale = getattr(optimizer, "dynamic_scale", None) if keras3_scaling else None
+        if scale is not None:  # Keras 3's float16: scaled gradients, unscaled in apply_gradients
+            norm = norm * tf.cast(scale, tf.float32)
+        return tf.clip_by_global_norm(gradients, norm)[0]
+
     @networks.compiled(signature[:4])
     def whole_batch(images: Any, labels: Any, teacher: Any, weights: Any) -> Any:
         loss, gradients = gradients_of(images, labels, teacher, weights,
                                        tf.cast(tf.shape(labels)[0], tf.float32))
-        optimizer.apply_gradients(zip(gradients, variables))
+        optimizer.apply_gradients(zip(clipped(gradients), variables))
         return loss
 
     micro = job["micro_batch_size"]
@@ -177,7 +189,7 @@ def make_train_step(tf: Any, model: Any, forward_model: Any, optimizer: Any,
 
     @networks.compiled()
     def apply(gradients: Any) -> None:
-        optimizer.apply_gradients(zip(gradients, variables))
+        optimizer.apply_gradients(zip(clipped(gradients), variables))
 
     def micro_batches(images: Any, labels: Any, teacher: Any, weights: Any) -> Any:
         total = tf.constant(float(int(labels.shape[0])))

@@ -12,8 +12,9 @@ Keras 3 alike.
 import contextlib
 import ctypes
 import gc
+import math
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -158,41 +159,23 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         if adapted is None:
             return fields
         fields["adapt_seconds"] = adapted[0]
-    images, labels = tf.constant(x_train), tf.constant(y_train)
-    soft, soft_weights = tf.constant(teacher[0]), tf.constant(teacher[1])
+    inputs = (tf.constant(x_train), tf.constant(y_train), tf.constant(teacher[0]),
+              tf.constant(teacher[1]))
     # Finite either way (profile mode requires max_steps); the count sizes the schedule.
     batches = list(iterate_batches(len(y_train), batch_size, None if profiling else job["epochs"],
                                    job["max_steps"], np.random.RandomState(job["seed"])))
-    rate = make_rate(tf, job, None if profiling else len(batches))
-    forward = make_forward(tf, model, job)
-    fields["pool_first"] = list(getattr(forward, "swapped", []))
-    train_step = make_train_step(tf, model, forward, make_optimizer(tf, job, precision, rate), job)
-    steps = samples = 0
-    train_started = time.monotonic()
-    for epoch, indices in batches:
-        if should_stop():
-            break
-        start = time.monotonic()
-        batch = tf.constant(indices)
-        loss = float(train_step(tf.gather(images, batch), tf.gather(labels, batch),
-                                tf.gather(soft, batch), tf.gather(soft_weights, batch)))
-        end = time.monotonic()
-        emit("step", index=steps, epoch=epoch, batch_size=len(indices), loss=loss,
-             lr=float(rate(steps)) if callable(rate) else rate, start=start, end=end)
-        steps += 1
-        samples += len(indices)
-        if steps == 1:
-            fields["heap_released"] = release_free_heap()
-        if not profiling and not np.isfinite(loss) and not all(
-                np.isfinite(array).all() for array in model.get_weights()):
-            # No candidate, nothing more to score. (A float16 step that overflowed and was
-            # skipped by loss scaling leaves the weights finite: training goes on.)
-            fields.update(status="diverged", diverged_at_step=steps - 1)
-            break
-    fields.update(steps=steps, samples=samples, train_seconds=time.monotonic() - train_started)
+    trained = train_steps(tf, job, model, precision, inputs, batches, should_stop, emit)
+    fields.update(steps=trained.steps, samples=trained.samples, train_seconds=trained.seconds,
+                  pool_first=trained.pool_first, heap_released=trained.heap_released,
+                  learning_rate=trained.learning_rate, clip_norm=job["clip_norm"])
+    if trained.diverged:
+        fields["lr_attempts"] = trained.diverged
+    if trained.diverged_at_step is not None:
+        # No candidate, nothing more to score. (A float16 step that overflowed and was
+        # skipped by loss scaling leaves the weights finite: training goes on.)
+        fields.update(status="diverged", diverged_at_step=trained.diverged_at_step)
     # The step's graph is not run again: freed, and the heap it held given back, before the
     # passes after training trace theirs (a session's peak could otherwise come after its steps).
-    del train_step, forward
     gc.collect()
     release_free_heap()
     if should_stop() or fields["status"] == "diverged":
@@ -248,6 +231,105 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         fields["by_group_after"] = after["by_group"]
     fields["status"] = "ok"
     return fields
+
+
+BLOWN_UP = 100.0  # a loss this many times the attempt's first (or chance's) has diverged
+
+
+def diverging(loss: float, first_loss: float, num_classes: int, model: Any) -> bool:
+    """Whether a step's loss says training diverged.
+
+    A loss that is not finite, with weights no longer finite (a float16 step that overflowed
+    and was skipped by loss scaling leaves the weights finite: training goes on), or a finite
+    loss ``BLOWN_UP`` times the attempt's first step's, or chance's (log of the classes), if
+    that is higher: a probability of e**-160 for the right class among five, where an
+    exponential overflowed (seen: 458 -> 3e30 -> 15 on a model that then served nonsense).
+    """
+    if not np.isfinite(loss):
+        return not all(np.isfinite(array).all() for array in model.get_weights())
+    return loss > BLOWN_UP * max(first_loss if np.isfinite(first_loss) else 0.0,
+                                 math.log(max(num_classes, 2)))
+
+
+class Trained(NamedTuple):
+    """What ``train_steps`` did: its steps (every attempt's), and each attempt that diverged."""
+
+    steps: int
+    samples: int
+    seconds: float
+    learning_rate: float  # the last attempt's peak rate
+    diverged: List[Dict[str, Any]]  # {"learning_rate", "diverged_at_step"} per attempt
+    diverged_at_step: Optional[int]  # the last attempt's step, None where it trained
+    pool_first: List[str]
+    heap_released: Optional[bool]
+
+
+def train_steps(tf: Any, job: Dict[str, Any], model: Any, precision: str, inputs: Tuple[Any, ...],
+                batches: List[Tuple[int, np.ndarray]], should_stop: Callable[[], bool],
+                emit: Emit) -> Trained:
+    """Run the job's steps over ``batches``; after a divergence, again at a lower rate.
+
+    A train job's step that ``diverging`` finds ends the attempt. While ``diverged_retries``
+    allows, the model is set back to its weights before the first step (its BatchNorm
+    statistics too), a new optimizer takes ``diverged_lr_factor`` times the rate and the steps
+    run again from the first batch. A profile job never retries.
+
+    Args:
+        tf: TensorFlow.
+        job: the job (``learning_rate``, ``clip_norm``, ``diverged_retries``, ...).
+        model: the model, as the steps start from it.
+        precision: the resolved precision (the optimizer's loss scaling).
+        inputs: the training images, labels, distillation targets and their weights (tensors).
+        batches: ``(epoch, indices)`` per step, from ``step.iterate_batches``.
+        should_stop: true once a stop was asked for (at the next step boundary).
+        emit: prints a worker event (``step``, ``retry``).
+    """
+    profiling = job["mode"] == "profile"
+    retries = 0 if profiling else job["diverged_retries"]
+    start_weights = model.get_weights() if retries else None
+    images, labels, soft, soft_weights = inputs
+    rate_peak, diverged = job["learning_rate"], []  # type: float, List[Dict[str, Any]]
+    steps = samples = 0
+    pool_first, heap_released = [], None  # type: List[str], Optional[bool]
+    started = time.monotonic()
+    while True:
+        rate = make_rate(tf, job, None if profiling else len(batches), rate_peak)
+        forward = make_forward(tf, model, job)
+        pool_first = list(getattr(forward, "swapped", []))
+        train_step = make_train_step(tf, model, forward, make_optimizer(tf, job, precision, rate),
+                                     job)
+        diverged_at, first_loss = None, float("nan")
+        for index, (epoch, indices) in enumerate(batches):
+            if should_stop():
+                break
+            start = time.monotonic()
+            batch = tf.constant(indices)
+            loss = float(train_step(tf.gather(images, batch), tf.gather(labels, batch),
+                                    tf.gather(soft, batch), tf.gather(soft_weights, batch)))
+            end = time.monotonic()
+            emit("step", index=steps, epoch=epoch, batch_size=len(indices), loss=loss,
+                 lr=float(rate(index)) if callable(rate) else rate, start=start, end=end,
+                 attempt=len(diverged))
+            steps += 1
+            samples += len(indices)
+            if steps == 1:
+                heap_released = release_free_heap()
+            first_loss = loss if index == 0 else first_loss
+            if not profiling and diverging(loss, first_loss, len(job["classes"]), model):
+                diverged_at = index
+                break
+        del train_step, forward
+        if diverged_at is None or len(diverged) >= retries or should_stop():
+            break
+        diverged.append({"learning_rate": rate_peak, "diverged_at_step": diverged_at})
+        emit("retry", reason="diverged", learning_rate=rate_peak, diverged_at_step=diverged_at,
+             next_learning_rate=rate_peak * job["diverged_lr_factor"])
+        model.set_weights(start_weights)
+        rate_peak *= job["diverged_lr_factor"]
+    if diverged_at is not None:
+        diverged.append({"learning_rate": rate_peak, "diverged_at_step": diverged_at})
+    return Trained(steps, samples, time.monotonic() - started, rate_peak, diverged, diverged_at,
+                   pool_first, heap_released)
 
 
 def reference_held(by_group_before: Optional[Dict[str, float]], origin: Optional[float]
