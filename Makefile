@@ -53,7 +53,7 @@ test-compat: $(COMPAT_STAMP)
 	$(COMPAT)/bin/python -m pytest -q -n 2 --dist worksteal -p no:cacheprovider tests/test_worker.py tests/test_store.py \
 		tests/test_session.py tests/test_learning.py tests/test_ingest.py tests/test_config.py \
 		tests/test_byom.py tests/test_arithmetic.py tests/test_upgrade.py tests/test_suite.py tests/test_batchnorm_choice.py \
-		tests/test_fused_batchnorm.py tests/test_dense_blocks.py
+		tests/test_fused_batchnorm.py tests/test_dense_blocks.py tests/test_divergence.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check odtd tests scripts

@@ -270,14 +270,26 @@ def efficientnet_b0(size, classes, width):
                                              classes=classes)
 
 
-def transfer_frozen_base(size, classes, width):
-    """Transfer learning: a MobileNetV2 base trained first (as on ImageNet; here on the toy task),
-    then frozen (``trainable = False``) under a new head that trains alone."""
-    base = keras.applications.MobileNetV2(input_shape=(size, size, 3), weights=None,
-                                          include_top=False, alpha=0.35)
+def transfer_base(size, width):
+    """A small convolutional base for ``transfer_frozen_base``: three Conv2D-BN-ReLU-pool blocks."""
+    base_in = keras.Input((size, size, 3))
+    x = base_in
+    for index, channels in enumerate((_width(64, width), _width(128, width), _width(256, width))):
+        x = L.Conv2D(channels, 3, padding="same", use_bias=False, name=f"conv{index}")(x)
+        x = L.BatchNormalization(name=f"bn{index}")(x)
+        x = L.ReLU(name=f"relu{index}")(x)
+        x = L.MaxPooling2D(name=f"pool{index}")(x)
+    return keras.Model(base_in, x, name="base")
+
+
+def transfer_frozen_base(size, classes, width, base=None):
+    """Transfer learning as Keras's guide writes it: a base trained first (as on ImageNet; here
+    on the toy task, ``train_zoo_model``), frozen (``trainable = False``) and called with
+    ``training=False`` under a new head (pooling, Dropout, Dense) that trains alone."""
+    base = base or transfer_base(size, width)
     inputs = keras.Input((size, size, 3))
     x = L.Rescaling(1.0 / 127.5, offset=-1.0)(inputs)
-    x = L.GlobalAveragePooling2D()(base(x))
+    x = L.GlobalAveragePooling2D()(base(x, training=False))
     x = L.Dropout(0.2)(x)
     return keras.Model(inputs, L.Dense(classes, activation="softmax", name="head")(x),
                        name="transfer_frozen_base")
@@ -332,14 +344,20 @@ def train_zoo_model(name, size, images, epochs, width):
     """Build a zoo model and train it as its user did: Adam, a few epochs, the toy task.
 
     Returns the model and its accuracy on the training images in inference mode."""
-    model = ZOO[name](size, ZOO_CLASSES, width)
     x, y = server_images(size, images, seed=1)
     logits = name == "tutorial_residual"
     if name == "transfer_frozen_base":  # the base learns first (as on ImageNet), then the head
-        model.compile(keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy")
-        model.fit(x, y, epochs=epochs, batch_size=32, verbose=0)
-        settle_batchnorm(model, x)
-        model.layers[2].trainable = False
+        base = transfer_base(size, width)
+        inputs = keras.Input((size, size, 3))
+        pretrained = keras.Model(inputs, L.Dense(ZOO_CLASSES, activation="softmax")(
+            L.GlobalAveragePooling2D()(base(L.Rescaling(1.0 / 127.5, offset=-1.0)(inputs)))))
+        pretrained.compile(keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy")
+        pretrained.fit(x, y, epochs=epochs, batch_size=32, verbose=0)
+        settle_batchnorm(pretrained, x)
+        base.trainable = False
+        model = transfer_frozen_base(size, ZOO_CLASSES, width, base)
+    else:
+        model = ZOO[name](size, ZOO_CLASSES, width)
     model.compile(keras.optimizers.Adam(1e-3),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=logits))
     model.fit(x, y, epochs=epochs, batch_size=32, verbose=0)
