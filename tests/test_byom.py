@@ -5,7 +5,8 @@ tf.keras 2.15 and Keras 3.15 (each stack imports the other's), and ``models`` wr
 stack's, MobileNetV2 included, with tests/make_keras_models.py in a subprocess.
 """
 
-import importlib.metadata
+from __future__ import annotations
+
 import json
 import sys
 import zipfile
@@ -14,7 +15,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import REPO, built_once, odtctl, odtctl_json, plain_python
+from conftest import REPO, built_once, odtctl, odtctl_json, plain_python, worker_config, worker_keras_major
 from PIL import Image
 
 from odtd.errors import ModelError
@@ -28,7 +29,7 @@ CLASSES = {"cnn_softmax": "cat,dog,owl,fox", "gray_logits": "red,green,blue",
 
 
 def keras_major() -> int:
-    return int(importlib.metadata.version("keras").split(".")[0])
+    return worker_keras_major()
 
 
 @pytest.fixture(scope="session")
@@ -315,7 +316,7 @@ def predict(pairs, python=None) -> list:
             "    x = np.load(ref)['x'].astype('float32')\n"
             "    print(json.dumps(model.predict(x, verbose=0).tolist()))")
     args = [str(item) for pair in pairs for item in pair]
-    proc = plain_python("-c", code, *args, python=str(python or sys.executable))
+    proc = plain_python("-c", code, *args, python=str(python) if python else None)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     return [np.array(json.loads(line)) for line in out.strip().splitlines()[-len(pairs):]]
@@ -402,12 +403,11 @@ class _Imported:
     """A model file imported by the real worker into ``tmp_path``, trained by ``train`` jobs."""
 
     def __init__(self, tmp_path: Path, model_file: Path, classes, shape, output: str):
-        from odtd.config import Config
         from odtd.trainer.job import make_job
         from odtd.trainer.launch import run_job
 
         self.tmp, self.classes, self.shape, self.output = tmp_path, classes, shape, output
-        self.run = lambda job, folder: run_job(Config().trainer.command(), job, tmp_path / folder)
+        self.run = lambda job, folder: run_job(worker_config().trainer.command(), job, tmp_path / folder)
         self.make_job = make_job
         result, _, _ = self.run(make_job(
             "import", "imported", classes, None, model_file=str(model_file),
@@ -468,11 +468,10 @@ def test_recomputation_cuts_inside_the_network_of_an_exported_model(tmp_path):
     # recomputation cuts inside the nested network and two steps leave the same weights and
     # BatchNorm statistics as without it (the nested model's output is not a tensor of the
     # outer graph: cutting there failed the session).
-    from odtd.config import Config
     from odtd.trainer.job import make_job
     from odtd.trainer.launch import run_job
 
-    command, classes = Config().trainer.command(), ["red", "green", "blue"]
+    command, classes = worker_config().trainer.command(), ["red", "green", "blue"]
     run_job(command, make_job("init", "tinycnn", classes, [32, 32, 3], seed=3,
                               weights_out=str(tmp_path / "init.npz")), tmp_path / "init")
     run_job(command, make_job("export", "tinycnn", classes, [32, 32, 3],
