@@ -208,18 +208,31 @@ def plain_python(*args: str, timeout: float = 240,
     return forked_python("keras", *args, timeout=timeout, python=python)
 
 
-_KERAS_MAJOR: list = []
+_VERSIONS: dict = {}
+
+
+def worker_version(package: str) -> tuple:
+    """(major, minor) of the workers' ``tensorflow`` or ``keras``."""
+    if package not in _VERSIONS and WORKER_PYTHON == sys.executable:
+        _VERSIONS[package] = importlib.metadata.version(package)
+    if package not in _VERSIONS:  # Python 3.6 has no importlib.metadata: the package says
+        proc = plain_python("-c", f"import {package}; print({package}.__version__)")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        _VERSIONS[package] = proc.stdout.split()[-1]
+    return tuple(int(part) for part in _VERSIONS[package].split(".")[:2])
 
 
 def worker_keras_major() -> int:
     """The major version of the workers' Keras (2: tf.keras 2; 3: Keras 3)."""
-    if not _KERAS_MAJOR and WORKER_PYTHON == sys.executable:
-        _KERAS_MAJOR.append(int(importlib.metadata.version("keras").split(".")[0]))
-    if not _KERAS_MAJOR:  # Python 3.6 has no importlib.metadata: its Keras says
-        proc = plain_python("-c", "import keras; print(keras.__version__)")
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        _KERAS_MAJOR.append(int(proc.stdout.split()[-1].split(".")[0]))
-    return _KERAS_MAJOR[0]
+    return worker_version("keras")[0]
+
+
+def native_suffix(suffix: str) -> str:
+    """``suffix`` where the workers' Keras writes it (``models export``), else ``.h5``: a
+    tf.keras before 2.13 writes no ``.keras`` files (make test-tx2's TensorFlow 2.6 and 2.7)."""
+    if suffix == ".keras" and worker_keras_major() == 2 and worker_version("tensorflow") < (2, 13):
+        return ".h5"
+    return suffix
 
 
 def bfloat16_refused(report: dict) -> bool:
@@ -233,13 +246,18 @@ def bfloat16_refused(report: dict) -> bool:
     return error is not None
 
 
+def trainer_python_yaml() -> str:
+    """The ``trainer:`` section's line naming the workers' Python (nothing for the tests' own)."""
+    return f"  python: {WORKER_PYTHON}\n" if WORKER_PYTHON != sys.executable else ""
+
+
 def worker_home(root: Path) -> Path:
     """``root``, a home to create, with an ``odtd.yaml`` naming the workers' Python where it is not
     the tests' own (an existing one is kept)."""
     config = root / "odtd.yaml"
-    if WORKER_PYTHON != sys.executable and not config.exists():
+    if trainer_python_yaml() and not config.exists():
         root.mkdir(parents=True, exist_ok=True)
-        config.write_text(f"trainer:\n  python: {WORKER_PYTHON}\n")
+        config.write_text("trainer:\n" + trainer_python_yaml())
     return root
 
 

@@ -8,14 +8,22 @@ stack's, MobileNetV2 included, with tests/make_keras_models.py in a subprocess.
 from __future__ import annotations
 
 import json
-import sys
 import zipfile
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
-from conftest import REPO, built_once, odtctl, odtctl_json, plain_python, worker_config, worker_keras_major
+from conftest import (
+    REPO,
+    built_once,
+    native_suffix,
+    odtctl,
+    odtctl_json,
+    plain_python,
+    worker_config,
+    worker_keras_major,
+)
 from PIL import Image
 
 from odtd.errors import ModelError
@@ -254,7 +262,7 @@ def test_the_other_stacks_files_import_export_the_same_and_as_given_for_that_ker
         home = tmp_path / (name + suffix)
         odtctl("init", "--model-file", str(other_stack / (name + suffix)), "--classes",
                CLASSES[name], home=home)
-        out = tmp_path / f"{name}-v0{suffix}"
+        out = tmp_path / f"{name}-{suffix[1:]}-v0{native_suffix(suffix)}"
         odtctl("models", "export", "0", "--out", str(out), home=home)
         exported.append((out, other_stack / (name + ".ref.npz")))
     assert max(predict_max_diff(exported)) < 1e-5
@@ -301,9 +309,10 @@ def test_tf_keras_2_layer_names_with_a_slash_train_on_either_keras_and_export_as
 
 
 def other_python():
-    """The interpreter of the other Keras stack (.venv beside .venv-compat), or None."""
-    here = Path(sys.executable).parent.parent.name
-    other = REPO / (".venv" if here == ".venv-compat" else ".venv-compat") / "bin" / "python"
+    """The interpreter of the other Keras stack, or None where it is not built: .venv's Keras 3
+    beside a tf.keras 2 worker (.venv-compat's, make test-tx2's), .venv-compat's tf.keras 2
+    beside Keras 3's."""
+    other = REPO / (".venv" if keras_major() == 2 else ".venv-compat") / "bin" / "python"
     return other if other.exists() else None
 
 
@@ -356,9 +365,9 @@ def test_a_session_on_an_imported_model_and_its_export(models, tmp_path, name, s
     status = odtctl_json("status", home=home)
     assert status["model"]["name"] == name and status["samples"]["pending"] == 0
     # Version 0 exported predicts exactly what the user's file does; the current one loads too.
-    v0 = tmp_path / f"v0{suffix}"
+    v0 = tmp_path / f"v0{native_suffix(suffix)}"
     odtctl("models", "export", "0", "--out", str(v0), home=home)
-    current = tmp_path / "current.keras"
+    current = tmp_path / f"current{native_suffix('.keras')}"
     odtctl("models", "export", str(status["model"]["version"]), "--out", str(current), home=home)
     ref = models / (name + ".ref.npz")
     from_v0, out = predict([(v0, ref), (current, ref)])
@@ -389,7 +398,7 @@ def test_a_free_size_model_file_trains_at_the_input_size_given(other_stack, tmp_
     session = odtctl_json("train-now", "--foreground", home=home)
     assert session["steps"] > 0 and session["outcome"] in ("promoted", "rolled_back")
     # Built at the size it was trained at, version 0 predicts what the file's model did.
-    v0 = tmp_path / "v0.keras"
+    v0 = tmp_path / f"v0{native_suffix('.keras')}"
     odtctl("models", "export", "0", "--out", str(v0), home=home)
     assert predict_max_diff([(v0, other_stack / "cnn_softmax.ref.npz")])[0] < 1e-5
 
@@ -476,8 +485,10 @@ def test_recomputation_cuts_inside_the_network_of_an_exported_model(tmp_path):
                               weights_out=str(tmp_path / "init.npz")), tmp_path / "init")
     run_job(command, make_job("export", "tinycnn", classes, [32, 32, 3],
                               weights_in=str(tmp_path / "init.npz"),
-                              export_to=str(tmp_path / "tiny.keras")), tmp_path / "export")
-    model = _Imported(tmp_path, tmp_path / "tiny.keras", classes, (32, 32, 3), "softmax")
+                              export_to=str(tmp_path / f"tiny{native_suffix('.keras')}")),
+            tmp_path / "export")
+    model = _Imported(tmp_path, tmp_path / f"tiny{native_suffix('.keras')}", classes, (32, 32, 3),
+                      "softmax")
     plain, recomputed = model.train("plain.npz"), model.train("recomputed.npz", recompute=1.0)
     before = model.weights("v0.npz")
     assert any("moving_mean" in n and not np.allclose(plain[n], before[n]) for n in model.names)
