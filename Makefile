@@ -64,16 +64,17 @@ TX2_DAEMON := .venv-tx2-daemon
 TX2_PY36 := .venv-tx2-py36
 TX2_PY37 := .venv-tx2-py37
 ODTD_SOURCES := $(wildcard odtd/*.py odtd/*/*.py odtd/*.yaml)
-# The core tests that start a worker or the daemon (test-compat's and the worker's own), on the
-# daemon's Python 3.8 with each worker; the daemon-side tests once. Left out: two scenarios that
-# hold only for the tinycnn that seed 7 draws under TensorFlow >= 2.15 (other seeds fail them on
-# the main stack as well).
-TX2_TESTS := tests/test_tx2.py tests/test_worker.py tests/test_session.py tests/test_learning.py \
-	tests/test_byom.py tests/test_arithmetic.py tests/test_upgrade.py tests/test_suite.py \
-	tests/test_batchnorm_choice.py tests/test_fused_batchnorm.py tests/test_dense_blocks.py \
-	tests/test_pool_first.py tests/test_keras_dialects.py tests/test_precision.py
-TX2_DAEMON_TESTS := tests/test_tx2_install.py tests/test_store.py tests/test_ingest.py \
-	tests/test_config.py tests/test_daemon.py tests/test_control.py tests/test_scheduler.py
+# The core tests (test-compat's and more) on the daemon's Python 3.8: those of the worker's
+# TensorFlow code with each worker, those of the daemon's side (which start workers too) with the
+# Python 3.6 one. Left out: two scenarios that hold only for the tinycnn that seed 7 draws under
+# TensorFlow >= 2.15 (other seeds fail them on the main stack as well).
+TX2_WORKER_TESTS := tests/test_tx2.py tests/test_worker.py tests/test_byom.py tests/test_arithmetic.py \
+	tests/test_suite.py tests/test_batchnorm_choice.py tests/test_fused_batchnorm.py \
+	tests/test_dense_blocks.py tests/test_pool_first.py
+TX2_DAEMON_TESTS := tests/test_tx2_install.py tests/test_session.py tests/test_learning.py \
+	tests/test_upgrade.py tests/test_keras_dialects.py tests/test_precision.py tests/test_store.py \
+	tests/test_ingest.py tests/test_config.py tests/test_daemon.py tests/test_control.py \
+	tests/test_scheduler.py
 TX2_DESELECT := --deselect tests/test_worker.py::test_trained_share_auto_keeps_the_best_share_that_spares_the_reference \
 	--deselect tests/test_worker.py::test_distillation_holds_the_served_models_predictions_on_rehearsed_images
 
@@ -102,11 +103,12 @@ test-tx2: $(STAMP)
 
 tx2-tests: $(TX2_DAEMON)/.installed $(TX2_PY36)/.installed
 	ODTD_TEST_WORKER_PYTHON=$(abspath $(TX2_PY36))/bin/python $(TX2_DAEMON)/bin/python -m pytest -q \
-		-n 2 --dist worksteal -p no:cacheprovider $(TX2_TESTS) $(TX2_DAEMON_TESTS) $(TX2_DESELECT)
+		-n 2 --dist worksteal -p no:cacheprovider --durations=5 $(TX2_WORKER_TESTS) $(TX2_DAEMON_TESTS) \
+		$(TX2_DESELECT)
 	@if scripts/find_python.sh 3.7 >/dev/null; then \
 		$(MAKE) --no-print-directory $(TX2_PY37)/.installed && \
 		ODTD_TEST_WORKER_PYTHON=$(abspath $(TX2_PY37))/bin/python $(TX2_DAEMON)/bin/python -m pytest \
-			-q -n 2 --dist worksteal -p no:cacheprovider $(TX2_TESTS) $(TX2_DESELECT); \
+			-q -n 2 --dist worksteal -p no:cacheprovider --durations=5 $(TX2_WORKER_TESTS) $(TX2_DESELECT); \
 	else echo "test-tx2: the Python 3.7 / TensorFlow 2.7 worker skipped: no Python 3.7 here"; fi
 
 lint: $(STAMP)
