@@ -35,14 +35,15 @@ WORKER_MODULE = "odtd.trainer.worker"
 # How another interpreter (``trainer.python``) imports this process's odtd package and nothing
 # else of its environment: the package is loaded from its directory by path, its submodules
 # found through its ``__path__``; nothing goes on ``sys.path``, so a site-packages compiled for
-# the daemon's Python (numpy) never reaches the worker's. Then ``MODULE`` runs as ``-m`` would
-# run it. Arguments: the package's directory, the module, the module's own. Python 3.6's words.
+# the daemon's Python (numpy) never reaches the worker's. Then the module runs as ``-m`` would
+# run it. ``python -c CODE ARGS`` has the shape of ``python -m MODULE ARGS``: a wrapper that
+# stands in for an interpreter finds the job file where it would. Python 3.6's words.
 IMPORT_ODTD_AND_RUN = (
-    "import runpy, sys; from importlib import util; package = sys.argv.pop(1); "
-    "spec = util.spec_from_file_location('odtd', package + '/__init__.py', "
-    "submodule_search_locations=[package]); odtd = util.module_from_spec(spec); "
+    "import runpy, sys; from importlib import util; "
+    "spec = util.spec_from_file_location('odtd', {package!r} + '/__init__.py', "
+    "submodule_search_locations=[{package!r}]); odtd = util.module_from_spec(spec); "
     "sys.modules['odtd'] = odtd; spec.loader.exec_module(odtd); "
-    "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
+    "runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
 
 
 def module_command(python: Optional[str], module: str = WORKER_MODULE) -> List[str]:
@@ -55,7 +56,7 @@ def module_command(python: Optional[str], module: str = WORKER_MODULE) -> List[s
     if python is None or python == sys.executable:
         return [sys.executable, "-m", module]
     package = os.path.dirname(os.path.abspath(sys.modules["odtd"].__file__))
-    return [python, "-c", IMPORT_ODTD_AND_RUN, package, module]
+    return [python, "-c", IMPORT_ODTD_AND_RUN.format(package=package, module=module)]
 
 
 class WorkerEnd(NamedTuple):
