@@ -13,7 +13,10 @@ Installs odtd from this checkout:
            jtop group if it exists (and to video on Jetson, for the GPU device nodes)
   venv     /opt/odtd/venv with `pip install CHECKOUT[trainer]` ([jetson] on a Jetson,
            where the venv also sees the system's site-packages, so NVIDIA's TensorFlow)
-  config   /etc/odtd/odtd.yaml and /etc/odtd/policy.yaml, only if absent
+  config   /etc/odtd/odtd.yaml and /etc/odtd/policy.yaml, only if absent; on a JetPack 4
+           Jetson (/usr/bin/python3.6, for which NVIDIA builds TensorFlow) the config names
+           that interpreter as the worker's (trainer.python) when the daemon's is another
+  worker   the worker's interpreter: Python and TensorFlow versions, or why it cannot run
   state    /var/lib/odtd (mode 0770, owner odtd), so `odtctl init` can run before the first
            start, with odtd.yaml there linked to /etc/odtd/odtd.yaml (one config for both)
   unit     /etc/systemd/system/odtd.service (+ a drop-in when the jtop/video groups are missing)
@@ -29,6 +32,10 @@ Options:
   --python PY    interpreter for the venv (default: python3; it must be >= 3.8; on a TX2
                  with JetPack 4.6 use python3.8)
   --no-trainer   off Jetson, leave out the [trainer] extra (TensorFlow)
+  --worker-python PY
+                 the trainer worker's interpreter, written as trainer.python into a new
+                 odtd.yaml (default: auto, /usr/bin/python3.6 on a JetPack 4 Jetson whose
+                 daemon runs another Python, else none: the daemon's own)
   --no-venv      skip the venv and pip step (print it instead)
   -h, --help     this text
 EOF
@@ -44,6 +51,7 @@ JETSON=auto
 PYTHON=python3
 TRAINER=1
 VENV_STEP=1
+WORKER_PYTHON=auto
 
 while (($#)); do
   case "$1" in
@@ -55,6 +63,8 @@ while (($#)); do
     --python) (($# >= 2)) || die "--python needs an interpreter"; PYTHON=$2; shift ;;
     --python=*) PYTHON=${1#--python=} ;;
     --no-trainer) TRAINER=0 ;;
+    --worker-python) (($# >= 2)) || die "--worker-python needs an interpreter (or none)"; WORKER_PYTHON=$2; shift ;;
+    --worker-python=*) WORKER_PYTHON=${1#--worker-python=} ;;
     --no-venv) VENV_STEP=0 ;;
     -h | --help) usage; exit 0 ;;
     *) die "unknown option '$1'; see --help" ;;
@@ -130,6 +140,17 @@ else
 fi
 VENV_ARGS=()
 if ((JETSON)); then VENV_ARGS=(--system-site-packages); fi
+# JetPack 4 ships Python 3.6, the only one NVIDIA builds its TensorFlow for, while the daemon
+# needs >= 3.8 (--python python3.8): the worker then runs JetPack's Python (docs/jetson.md).
+JETPACK_PYTHON=/usr/bin/python3.6
+if [[ $WORKER_PYTHON == auto ]]; then
+  WORKER_PYTHON=none
+  if ((JETSON)) && [[ -e $P$JETPACK_PYTHON && $(basename "$PYTHON") != python3.6 ]]; then
+    WORKER_PYTHON=$JETPACK_PYTHON
+  fi
+fi
+[[ $WORKER_PYTHON == none || $WORKER_PYTHON == /* ]] ||
+  die "--worker-python $WORKER_PYTHON: give an absolute path (or none)"
 
 # The supplementary groups the unit can have here: a group missing from the system would
 # make systemd fail the unit with status 216/GROUP.
@@ -237,11 +258,40 @@ install_config() {
   fi
 }
 if [[ ! -d $P$ETC ]]; then run install -d -m 0755 "$P$ETC"; fi
-install_config "$SRC/deploy/odtd.yaml" "$ETC/odtd.yaml"
+CONFIG_SRC=$SRC/deploy/odtd.yaml
+if [[ $WORKER_PYTHON != none ]]; then
+  # The shipped default with the worker's interpreter set: what a new odtd.yaml gets, and the
+  # default an existing one is compared with.
+  CONFIG_SRC=$(mktemp)
+  trap 'rm -f "$CONFIG_SRC"' EXIT
+  sed "s|^  python: null\$|  python: $WORKER_PYTHON|" "$SRC/deploy/odtd.yaml" >"$CONFIG_SRC"
+  grep -q "^  python: $WORKER_PYTHON\$" "$CONFIG_SRC" ||
+    die "$SRC/deploy/odtd.yaml has no '  python: null' line under trainer: to set"
+  note "trainer.python: $WORKER_PYTHON (the worker's interpreter)"
+fi
+install_config "$CONFIG_SRC" "$ETC/odtd.yaml"
+if [[ $WORKER_PYTHON != none && -f $P$ETC/odtd.yaml ]] &&
+  ! grep -q "^  python: $WORKER_PYTHON\$" "$P$ETC/odtd.yaml"; then
+  note "your $P$ETC/odtd.yaml does not name $WORKER_PYTHON as trainer.python; set it there"
+fi
 if [[ -f $SRC/policies/default.yaml ]]; then
   install_config "$SRC/policies/default.yaml" "$ETC/policy.yaml"
 else
   note "skipped $ETC/policy.yaml: $SRC/policies/default.yaml does not exist"
+fi
+
+# -- worker --------------------------------------------------------------------------------
+step "worker: the trainer worker's interpreter"
+if [[ $WORKER_PYTHON == none ]]; then
+  note "the daemon's own Python (trainer.python: null)"
+elif [[ ! -e $P$WORKER_PYTHON ]]; then
+  note "$P$WORKER_PYTHON does not exist: install it, or pass --worker-python"
+# What a worker needs, asked of the interpreter itself (read-only, so also under --dry-run);
+# after the venv, `odtctl doctor` checks it as a worker runs (the next steps below).
+elif found=$("$P$WORKER_PYTHON" -c 'import sys, tensorflow as tf; print("Python %d.%d.%d, TensorFlow %s" % (sys.version_info[:3] + (tf.__version__,)))' 2>/dev/null); then
+  note "ok: $WORKER_PYTHON: $found"
+else
+  note "$WORKER_PYTHON cannot import TensorFlow: install NVIDIA's wheel for this JetPack (docs/jetson.md, step 2)"
 fi
 
 # -- state ---------------------------------------------------------------------------------
@@ -334,7 +384,8 @@ if ((DRY_RUN)); then note "dry run: nothing was changed"; fi
 if [[ $ROOT == / ]] && systemctl is-active --quiet odtd.service 2>/dev/null; then
   note "odtd is running the previous version: sudo systemctl restart odtd"
 else
-  note "first time: create the state (once, as odtd, with the service's umask), then start:"
+  note "first time: check the worker, create the state (once, as odtd, with the service's umask), then start:"
+  note "  $VENV/bin/odtctl doctor --home $STATE"
   note "  sudo -u odtd sh -c 'umask 0007; ODTD_HOME=$STATE exec $VENV/bin/odtctl init --model densenet40'"
   note "  sudo systemctl start odtd"
 fi

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -65,9 +64,15 @@ class TrainerConfig(_Strict):
     timeout_s: float = Field(default=4 * 3600, gt=0)
     stop_grace_s: float = Field(default=20.0, gt=0)
 
-    def command(self) -> list[str]:
-        """Return the argv prefix that runs the worker module."""
-        return [self.python or sys.executable, "-m", "odtd.trainer.worker"]
+    def command(self, module: str = "odtd.trainer.worker") -> list[str]:
+        """Return the argv prefix that runs the worker module (or another of the trainer's).
+
+        ``python`` imports the daemon's own odtd package and nothing else of its environment
+        (``odtd.trainer.launch.module_command``): no hand-made path is needed.
+        """
+        from odtd.trainer.launch import module_command
+
+        return module_command(self.python, module)
 
 
 class TelemetryConfig(_Strict):

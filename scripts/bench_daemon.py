@@ -3,7 +3,10 @@
 
 Runs a real `odtd run` on a fresh tinycnn home with the 10 ms sampler on, ingests 64 images per
 session through the inbox, asks for sessions over the control socket, and reads
-/proc/<pid>/status between them.
+/proc/<pid>/status between them. ``--worker-python`` runs the workers under another interpreter
+(``trainer.python``): a TX2's daemon on Python 3.8 beside its Python 3.6 worker, as
+``make test-tx2`` builds them (``.venv-tx2-daemon/bin/python scripts/bench_daemon.py
+--worker-python .venv-tx2-py36/bin/python``).
 """
 
 from __future__ import annotations
@@ -45,13 +48,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=3)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--worker-python", help="trainer.python: the workers' interpreter")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench_daemon-"))
     home = tmp / "home"
     env = dict(os.environ, ODTD_HOME=str(home))
     odtctl = [sys.executable, "-m", "odtd.cli"]
+    trainer = (f"trainer:\n  python: {Path(args.worker_python).absolute()}\n"
+               if args.worker_python else "")
+    home.mkdir(parents=True)
+    (home / "odtd.yaml").write_text(trainer)
     subprocess.run([*odtctl, "init", "--model", "tinycnn"], env=env, check=True, capture_output=True)
-    (home / "odtd.yaml").write_text("inbox:\n  scan_interval_s: 1\n")
+    (home / "odtd.yaml").write_text("inbox:\n  scan_interval_s: 1\n" + trainer)
     daemon = subprocess.Popen([sys.executable, "-m", "odtd.daemon.service", "run"], env=env,
                               stderr=subprocess.DEVNULL)
     sock = home / "run" / "odtd.sock"
@@ -78,6 +86,7 @@ def main() -> int:
         daemon.wait(timeout=60)
         shutil.rmtree(tmp, ignore_errors=True)
     report = {"machine": f"{os.uname().machine}, {os.cpu_count()} CPUs", "python": sys.version.split()[0],
+              "worker_python": args.worker_python,
               "idle_vm_rss_mb": round(idle, 1), "after_sessions": after, "vm_hwm_mb": round(hwm, 1),
               "growth_mb": round(after[-1]["vm_rss_mb"] - after[0]["vm_rss_mb"], 1),
               "target_idle_mb": 40}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import importlib.metadata
 import json
 import os
 import shutil
@@ -37,6 +38,11 @@ TRAINING_FIXTURES = {"_base_home", "home", "daemon_home", "pretrained", "trained
 # worker keeps TensorFlow's defaults.
 os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
 os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
+# The interpreter the tests' TensorFlow runs under: their workers (homes `odtctl init` creates get
+# it as `trainer.python`, `worker_config()` for the tests' own), the worker server and the plain
+# Keras checks. `make test-tx2` names an old stack's (Python 3.6 with TensorFlow 2.6) while the
+# tests and odtctl run on the daemon's Python 3.8; by default, the tests' own.
+WORKER_PYTHON = os.environ.get("ODTD_TEST_WORKER_PYTHON") or sys.executable
 
 
 # How long each test took in the last run that ran it (pytest's cache, .pytest_cache), so the
@@ -84,6 +90,7 @@ def pytest_sessionfinish(session):
 # they start, so they inherit the sockets' paths; a pytest worker starts another Python's at its
 # first call. Each process stops its own and removes their directory at the end of the run.
 SHARED_SERVER_VARIABLE = "ODTD_TEST_{}_SERVER"  # for tests/python_server.py's kinds
+_SERVER_PYTHON = {"cli": sys.executable, "worker": WORKER_PYTHON, "keras": WORKER_PYTHON}
 _SERVERS: dict = {}
 _PLACE: list = []  # the directory this process's servers (and their server.log) go in
 _LISTENING: set = set()  # the sockets seen listening, not waited for again
@@ -109,7 +116,7 @@ def pytest_configure(config):
     for kind in kinds:
         variable = "ODTD_WORKER_SERVER" if kind == "worker" else \
             SHARED_SERVER_VARIABLE.format(kind.upper())
-        os.environ[variable] = str(_start_server(kind, sys.executable))
+        os.environ[variable] = str(_start_server(kind, _SERVER_PYTHON[kind]))
 
 
 def pytest_unconfigure(config):
@@ -166,28 +173,101 @@ def _start_server(kind: str, python: str) -> Path:
     if kind == "worker":
         _SERVERS[kind, python] = start_server(directory, dict(os.environ), python=python)
     else:
-        env = dict(os.environ, **python_server.ENVIRONMENT.get(kind, {}))
+        env = _python_env(dict(os.environ, **python_server.ENVIRONMENT.get(kind, {})), python)
         _SERVERS[kind, python] = start_server(
             directory, env, (str(REPO / "tests" / "python_server.py"), kind), python)
     return directory / "sock"
 
 
+def _python_env(env: dict, python: str) -> dict:
+    """``env`` for a ``python`` script or ``-c`` run: another interpreter than the tests' has
+    odtd on ``PYTHONPATH`` (the repository), as the tests' own has it installed."""
+    if python != sys.executable:
+        env["PYTHONPATH"] = str(REPO)
+    return env
+
+
 def forked_python(kind: str, *args: str, env: dict | None = None, timeout: float = 240,
-                  python: str = sys.executable) -> subprocess.CompletedProcess:
+                  python: str | None = None) -> subprocess.CompletedProcess:
     """``python ARGS`` (``-c CODE ...``, ``-m MODULE ...`` or ``SCRIPT ...``) in REPO, its output
     captured as text, in ``env`` with the ``kind``'s own variables: forked from the server of
     that ``kind`` for that Python (tests/python_server.py: ``keras`` imported TensorFlow and
     Keras and nothing of odtd's, ``cli`` imported odtd's CLI; the shared ones where the run
     started them, else started at the first call; ``ODTD_TEST_FORK=0`` for none), or a fresh
     process."""
-    env = dict(os.environ if env is None else env, **python_server.ENVIRONMENT.get(kind, {}))
+    python = python or _SERVER_PYTHON[kind]
+    env = _python_env(dict(os.environ if env is None else env,
+                           **python_server.ENVIRONMENT.get(kind, {})), python)
     return python_server.run(list(args), env, REPO, timeout, _server(kind, python), python)
 
 
 def plain_python(*args: str, timeout: float = 240,
-                 python: str = sys.executable) -> subprocess.CompletedProcess:
-    """``python ARGS`` with TensorFlow's logging quiet, forked from the ``keras`` server."""
+                 python: str | None = None) -> subprocess.CompletedProcess:
+    """``python ARGS`` with TensorFlow's logging quiet, forked from the ``keras`` server (by
+    default the workers' Python: the one with TensorFlow)."""
     return forked_python("keras", *args, timeout=timeout, python=python)
+
+
+_VERSIONS: dict = {}
+
+
+def worker_version(package: str) -> tuple:
+    """(major, minor) of the workers' ``tensorflow`` or ``keras``."""
+    if package not in _VERSIONS and WORKER_PYTHON == sys.executable:
+        _VERSIONS[package] = importlib.metadata.version(package)
+    if package not in _VERSIONS:  # Python 3.6 has no importlib.metadata: the package says
+        proc = plain_python("-c", f"import {package}; print({package}.__version__)")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        _VERSIONS[package] = proc.stdout.split()[-1]
+    return tuple(int(part) for part in _VERSIONS[package].split(".")[:2])
+
+
+def worker_keras_major() -> int:
+    """The major version of the workers' Keras (2: tf.keras 2; 3: Keras 3)."""
+    return worker_version("keras")[0]
+
+
+def native_suffix(suffix: str) -> str:
+    """``suffix`` where the workers' Keras writes it (``models export``), else ``.h5``: a
+    tf.keras before 2.13 writes no ``.keras`` files (make test-tx2's TensorFlow 2.6 and 2.7)."""
+    if suffix == ".keras" and worker_keras_major() == 2 and worker_version("tensorflow") < (2, 13):
+        return ".h5"
+    return suffix
+
+
+def bfloat16_refused(report: dict) -> bool:
+    """Whether the TensorFlow of a ``tensorflow_report`` could not run bfloat16 here (its
+    ``bfloat16_error``: ``odtd.trainer.precision.bfloat16_error``). Only one before 2.9 may
+    refuse: 2.6 and 2.7 have bfloat16 kernels for a CPU only with oneDNN, off by default there
+    (`make test-tx2`'s stacks); from 2.9 on it is on, and a refusal fails the test."""
+    error = report.get("bfloat16_error")
+    if error is not None:
+        assert tuple(int(part) for part in report["tensorflow"].split(".")[:2]) < (2, 9), error
+    return error is not None
+
+
+def trainer_python_yaml() -> str:
+    """The ``trainer:`` section's line naming the workers' Python (nothing for the tests' own)."""
+    return f"  python: {WORKER_PYTHON}\n" if WORKER_PYTHON != sys.executable else ""
+
+
+def worker_home(root: Path) -> Path:
+    """``root``, a home to create, with an ``odtd.yaml`` naming the workers' Python where it is not
+    the tests' own (an existing one is kept)."""
+    config = root / "odtd.yaml"
+    if trainer_python_yaml() and not config.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        config.write_text("trainer:\n" + trainer_python_yaml())
+    return root
+
+
+def worker_config():
+    """The daemon configuration the tests' own sessions and jobs run with: the workers' Python."""
+    from odtd.config import Config, TrainerConfig
+
+    if WORKER_PYTHON == sys.executable:
+        return Config()
+    return Config(trainer=TrainerConfig(python=WORKER_PYTHON))
 
 
 def _server(kind: str, python: str = sys.executable) -> Path | None:
@@ -195,7 +275,7 @@ def _server(kind: str, python: str = sys.executable) -> Path | None:
     if os.environ.get("ODTD_TEST_FORK") == "0":
         return None
     shared = os.environ.get(SHARED_SERVER_VARIABLE.format(kind.upper()))
-    path = Path(shared) if shared and python == sys.executable else None
+    path = Path(shared) if shared and python == _SERVER_PYTHON[kind] else None
     if path is None and (kind, python) in _SERVERS:
         path = Path(_SERVERS[kind, python].args[-1])
     if path is None:
@@ -238,7 +318,13 @@ def odtctl(*args: str, home: Path | None = None, check: bool = True,
     env = dict(os.environ)
     if home is not None:
         env["ODTD_HOME"] = str(home)
+        created = not Path(home).exists()
+        if args[:1] == ("init",):
+            worker_home(Path(home))
     proc = forked_python("cli", "-m", "odtd.cli", *args, env=env, timeout=timeout)
+    if home is not None and created and proc.returncode != 0 and Path(home).exists() and \
+            [path.name for path in Path(home).iterdir()] == ["odtd.yaml"]:
+        shutil.rmtree(home)  # a refused init leaves nothing, but for worker_home's config
     if check and proc.returncode != 0:
         raise AssertionError(f"odtctl {' '.join(args)} exited {proc.returncode}:\n{proc.stderr}")
     return proc

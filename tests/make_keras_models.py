@@ -21,7 +21,14 @@ keras = tf.keras
 L = keras.layers
 OUT = sys.argv[1]
 rng = np.random.default_rng(0)
-keras.utils.set_random_seed(0)
+if hasattr(keras.utils, "set_random_seed"):
+    keras.utils.set_random_seed(0)
+else:  # tf.keras 2.6 (make test-tx2's Python 3.6 stack) seeds each generator itself
+    import random
+
+    random.seed(0)
+    np.random.seed(0)
+    tf.random.set_seed(0)
 
 
 def cnn_softmax():

@@ -17,8 +17,7 @@ odtd's (so plain Keras is what loads a file), ``cli`` imports ``odtd.cli`` and t
 every command uses (no TensorFlow).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: the servers of `make test-tx2` run on Python 3.6.
 import atexit
 import importlib
 import os

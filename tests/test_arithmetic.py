@@ -9,7 +9,7 @@ import json
 
 import h5py
 import pytest
-from conftest import odtctl
+from conftest import native_suffix, odtctl
 from test_byom import CLASSES, FIXTURES, keras_major, predict_max_diff
 
 from odtd.trainer import arithmetic, model_file
@@ -116,7 +116,7 @@ def test_the_other_stacks_arithmetic_imports_and_exports_predicting_as_the_file(
         assert any(note.startswith("9 tensor operations of the model") for note in
                    summary["notes"]), summary["notes"]
         assert summary["output"] == "softmax"
-        out = tmp_path / f"v0{suffix}"
+        out = tmp_path / f"v0-{suffix[1:]}{native_suffix(suffix)}"
         odtctl("models", "export", "0", "--out", str(out), home=home)
         exported.append((out, other_stack / "arithmetic.ref.npz"))
     assert max(predict_max_diff(exported)) < 1e-5

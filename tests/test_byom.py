@@ -5,16 +5,25 @@ tf.keras 2.15 and Keras 3.15 (each stack imports the other's), and ``models`` wr
 stack's, MobileNetV2 included, with tests/make_keras_models.py in a subprocess.
 """
 
-import importlib.metadata
+from __future__ import annotations
+
 import json
-import sys
 import zipfile
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
-from conftest import REPO, built_once, odtctl, odtctl_json, plain_python
+from conftest import (
+    REPO,
+    built_once,
+    native_suffix,
+    odtctl,
+    odtctl_json,
+    plain_python,
+    worker_config,
+    worker_keras_major,
+)
 from PIL import Image
 
 from odtd.errors import ModelError
@@ -28,7 +37,7 @@ CLASSES = {"cnn_softmax": "cat,dog,owl,fox", "gray_logits": "red,green,blue",
 
 
 def keras_major() -> int:
-    return int(importlib.metadata.version("keras").split(".")[0])
+    return worker_keras_major()
 
 
 @pytest.fixture(scope="session")
@@ -253,7 +262,7 @@ def test_the_other_stacks_files_import_export_the_same_and_as_given_for_that_ker
         home = tmp_path / (name + suffix)
         odtctl("init", "--model-file", str(other_stack / (name + suffix)), "--classes",
                CLASSES[name], home=home)
-        out = tmp_path / f"{name}-v0{suffix}"
+        out = tmp_path / f"{name}-{suffix[1:]}-v0{native_suffix(suffix)}"
         odtctl("models", "export", "0", "--out", str(out), home=home)
         exported.append((out, other_stack / (name + ".ref.npz")))
     assert max(predict_max_diff(exported)) < 1e-5
@@ -300,9 +309,10 @@ def test_tf_keras_2_layer_names_with_a_slash_train_on_either_keras_and_export_as
 
 
 def other_python():
-    """The interpreter of the other Keras stack (.venv beside .venv-compat), or None."""
-    here = Path(sys.executable).parent.parent.name
-    other = REPO / (".venv" if here == ".venv-compat" else ".venv-compat") / "bin" / "python"
+    """The interpreter of the other Keras stack, or None where it is not built: .venv's Keras 3
+    beside a tf.keras 2 worker (.venv-compat's, make test-tx2's), .venv-compat's tf.keras 2
+    beside Keras 3's."""
+    other = REPO / (".venv" if keras_major() == 2 else ".venv-compat") / "bin" / "python"
     return other if other.exists() else None
 
 
@@ -315,7 +325,7 @@ def predict(pairs, python=None) -> list:
             "    x = np.load(ref)['x'].astype('float32')\n"
             "    print(json.dumps(model.predict(x, verbose=0).tolist()))")
     args = [str(item) for pair in pairs for item in pair]
-    proc = plain_python("-c", code, *args, python=str(python or sys.executable))
+    proc = plain_python("-c", code, *args, python=str(python) if python else None)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     return [np.array(json.loads(line)) for line in out.strip().splitlines()[-len(pairs):]]
@@ -355,9 +365,9 @@ def test_a_session_on_an_imported_model_and_its_export(models, tmp_path, name, s
     status = odtctl_json("status", home=home)
     assert status["model"]["name"] == name and status["samples"]["pending"] == 0
     # Version 0 exported predicts exactly what the user's file does; the current one loads too.
-    v0 = tmp_path / f"v0{suffix}"
+    v0 = tmp_path / f"v0{native_suffix(suffix)}"
     odtctl("models", "export", "0", "--out", str(v0), home=home)
-    current = tmp_path / "current.keras"
+    current = tmp_path / f"current{native_suffix('.keras')}"
     odtctl("models", "export", str(status["model"]["version"]), "--out", str(current), home=home)
     ref = models / (name + ".ref.npz")
     from_v0, out = predict([(v0, ref), (current, ref)])
@@ -388,7 +398,7 @@ def test_a_free_size_model_file_trains_at_the_input_size_given(other_stack, tmp_
     session = odtctl_json("train-now", "--foreground", home=home)
     assert session["steps"] > 0 and session["outcome"] in ("promoted", "rolled_back")
     # Built at the size it was trained at, version 0 predicts what the file's model did.
-    v0 = tmp_path / "v0.keras"
+    v0 = tmp_path / f"v0{native_suffix('.keras')}"
     odtctl("models", "export", "0", "--out", str(v0), home=home)
     assert predict_max_diff([(v0, other_stack / "cnn_softmax.ref.npz")])[0] < 1e-5
 
@@ -402,12 +412,11 @@ class _Imported:
     """A model file imported by the real worker into ``tmp_path``, trained by ``train`` jobs."""
 
     def __init__(self, tmp_path: Path, model_file: Path, classes, shape, output: str):
-        from odtd.config import Config
         from odtd.trainer.job import make_job
         from odtd.trainer.launch import run_job
 
         self.tmp, self.classes, self.shape, self.output = tmp_path, classes, shape, output
-        self.run = lambda job, folder: run_job(Config().trainer.command(), job, tmp_path / folder)
+        self.run = lambda job, folder: run_job(worker_config().trainer.command(), job, tmp_path / folder)
         self.make_job = make_job
         result, _, _ = self.run(make_job(
             "import", "imported", classes, None, model_file=str(model_file),
@@ -468,17 +477,18 @@ def test_recomputation_cuts_inside_the_network_of_an_exported_model(tmp_path):
     # recomputation cuts inside the nested network and two steps leave the same weights and
     # BatchNorm statistics as without it (the nested model's output is not a tensor of the
     # outer graph: cutting there failed the session).
-    from odtd.config import Config
     from odtd.trainer.job import make_job
     from odtd.trainer.launch import run_job
 
-    command, classes = Config().trainer.command(), ["red", "green", "blue"]
+    command, classes = worker_config().trainer.command(), ["red", "green", "blue"]
     run_job(command, make_job("init", "tinycnn", classes, [32, 32, 3], seed=3,
                               weights_out=str(tmp_path / "init.npz")), tmp_path / "init")
     run_job(command, make_job("export", "tinycnn", classes, [32, 32, 3],
                               weights_in=str(tmp_path / "init.npz"),
-                              export_to=str(tmp_path / "tiny.keras")), tmp_path / "export")
-    model = _Imported(tmp_path, tmp_path / "tiny.keras", classes, (32, 32, 3), "softmax")
+                              export_to=str(tmp_path / f"tiny{native_suffix('.keras')}")),
+            tmp_path / "export")
+    model = _Imported(tmp_path, tmp_path / f"tiny{native_suffix('.keras')}", classes, (32, 32, 3),
+                      "softmax")
     plain, recomputed = model.train("plain.npz"), model.train("recomputed.npz", recompute=1.0)
     before = model.weights("v0.npz")
     assert any("moving_mean" in n and not np.allclose(plain[n], before[n]) for n in model.names)

@@ -1,5 +1,7 @@
 """`odtd run` as a real background process: liveness, inbox, socket, signals, crash recovery."""
 
+from __future__ import annotations
+
 import os
 import shutil
 import signal
@@ -11,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, odtctl, odtctl_json, wait_for, write_images
+from conftest import REPO, odtctl, odtctl_json, trainer_python_yaml, wait_for, write_images
 
 from odtd.store.records import SESSION_KEYS
 
@@ -56,7 +58,7 @@ def stop(proc: subprocess.Popen) -> int:
 
 @pytest.fixture
 def daemon_home(home):
-    (home / "odtd.yaml").write_text(FAST_CONFIG)
+    (home / "odtd.yaml").write_text(FAST_CONFIG + trainer_python_yaml())
     yield home
     # Never leave a daemon behind when a test fails half-way.
     for proc in list(_STARTED):
@@ -246,7 +248,8 @@ def test_the_policys_schedule_drives_the_daemon_and_reload_applies_it(daemon_hom
 
     # odtd.yaml: 03:00 on 1 January; the policy: none yet, then every minute.
     (daemon_home / "odtd.yaml").write_text(
-        FAST_CONFIG.replace('cron: "0 2 * * *"', 'cron: "0 3 1 1 *"\n  jitter_s: 0'))
+        FAST_CONFIG.replace('cron: "0 2 * * *"', 'cron: "0 3 1 1 *"\n  jitter_s: 0')
+        + trainer_python_yaml())
     proc = start_daemon(daemon_home)
     try:
         january = _next_session(daemon_home)

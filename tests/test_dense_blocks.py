@@ -8,7 +8,7 @@ gradients and BatchNorm statistics with and without ``recompute.Checkpointed``.
 
 
 import pytest
-from conftest import tensorflow_report
+from conftest import bfloat16_refused, tensorflow_report
 
 STEP = r"""
 def step(model, forward, images, labels):
@@ -42,6 +42,8 @@ from odtd.trainer import dense_blocks, dense_chunks, networks, recompute
 from odtd.trainer.fused_batchnorm import fuse
 from odtd.trainer.imported import keras_major
 from odtd.trainer.pool_first import pool_first
+from odtd.trainer.precision import bfloat16_error
+from odtd.trainer.worker import seed_everything
 
 L = tf.keras.layers
 
@@ -83,7 +85,7 @@ def describe(blocks):
                  tail=[l.name for l in b.tail], end=b.end._keras_history[0].name) for b in blocks]
 
 
-tf.keras.utils.set_random_seed(0)
+seed_everything(tf, 0)  # tf.keras 2.6 has no set_random_seed
 images = tf.random.uniform([6, 8, 8, 3], seed=2)
 labels = tf.constant([0, 1, 2, 0, 1, 2], tf.int64)
 report = {}
@@ -181,20 +183,22 @@ report["normed_gradient_gap"] = max(float(np.max(np.abs(a - b))) for a, b in zip
 # (CHUNKED_SHARE is still 0) against every layer whole, relative to the largest gradient.
 # (Against the plain model, recomputation in bfloat16 rounds differently wherever it runs: up
 # to a quarter of a BatchNorm's gradient.)
-tf.keras.mixed_precision.set_global_policy("mixed_bfloat16")
-half = small(name="half")
-half.set_weights(model.get_weights())
-fuse(tf, half)
-chunked = step(half, recompute.Checkpointed(tf, half), images, labels)
-split_head = dense_blocks.split_head
-dense_blocks.split_head = lambda layers: None
-whole = step(half, recompute.Checkpointed(tf, half), images, labels)
-dense_blocks.split_head = split_head
+report["tensorflow"], report["bfloat16_error"] = tf.__version__, bfloat16_error(tf)
+if report["bfloat16_error"] is None:
+    tf.keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    half = small(name="half")
+    half.set_weights(model.get_weights())
+    fuse(tf, half)
+    chunked = step(half, recompute.Checkpointed(tf, half), images, labels)
+    split_head = dense_blocks.split_head
+    dense_blocks.split_head = lambda layers: None
+    whole = step(half, recompute.Checkpointed(tf, half), images, labels)
+    dense_blocks.split_head = split_head
+    report["bfloat16_gradient_gap"] = (
+        max(float(np.max(np.abs(a - b))) for a, b in zip(chunked[1], whole[1]))
+        / max(float(np.max(np.abs(a))) for a in whole[1]))
+    tf.keras.mixed_precision.set_global_policy("float32")
 recompute.CHUNKED_SHARE = default_share
-report["bfloat16_gradient_gap"] = (
-    max(float(np.max(np.abs(a - b))) for a, b in zip(chunked[1], whole[1]))
-    / max(float(np.max(np.abs(a))) for a in whole[1]))
-tf.keras.mixed_precision.set_global_policy("float32")
 report["densenet40"] = [len(b.units) for b in dense_blocks.find_blocks(
     tf, networks.build("densenet40", 10, [16, 16, 3]))]
 print(json.dumps(report))
@@ -252,7 +256,8 @@ def test_dense_blocks_are_found_and_train_with_the_same_gradients_and_statistics
     assert report["normed_gradient_gap"] < 1e-5 * max(1.0, report["gradient_scale"])
     # bfloat16 keeps 8 bits of mantissa (0.4%): the chunks sum a bottleneck's 1x1 convolution
     # in float32 from bfloat16 parts, so its recomputation rounds a little differently.
-    assert report["bfloat16_gradient_gap"] < 0.03
+    if not bfloat16_refused(report):
+        assert report["bfloat16_gradient_gap"] < 0.03
 
 
 def test_chunk_spans_cover_the_parts_in_order_in_about_equal_widths():

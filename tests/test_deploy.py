@@ -38,7 +38,7 @@ needs_systemd_analyze = pytest.mark.skipif(
     SYSTEMD_ANALYZE is None,
     reason="systemd-analyze not installed (Debian: apt-get install systemd; .ci/run does this)",
 )
-STEPS = ("user", "venv", "config", "state", "unit", "odtctl", "systemd")
+STEPS = ("user", "venv", "config", "worker", "state", "unit", "odtctl", "systemd")
 
 
 # -- the unit file -------------------------------------------------------------------------

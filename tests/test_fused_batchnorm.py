@@ -9,7 +9,7 @@ as they are. On both, a float32 layer that trains fused turns Grappler's remappe
 
 
 import pytest
-from conftest import tensorflow_report
+from conftest import bfloat16_refused, tensorflow_report
 
 SCRIPT = r"""
 import json
@@ -17,6 +17,8 @@ import numpy as np
 import tensorflow as tf
 from odtd.trainer import fused_batchnorm
 from odtd.trainer.imported import keras_major
+from odtd.trainer.precision import bfloat16_error
+from odtd.trainer.worker import seed_everything
 
 L = tf.keras.layers
 
@@ -37,10 +39,11 @@ def build():
 rng = np.random.default_rng(0)
 batches = [(rng.normal(size=(16, 12, 12, 3)).astype("float32"), rng.integers(0, 3, 16))
            for _ in range(3)]
-report = {"keras": keras_major(tf)}
-for policy in ("mixed_bfloat16", "float32"):  # the order the remapper is left on, then off
+report = {"keras": keras_major(tf), "tensorflow": tf.__version__, "bfloat16_error": bfloat16_error(tf)}
+policies = ("float32",) if report["bfloat16_error"] else ("mixed_bfloat16", "float32")
+for policy in policies:  # the order the remapper is left on, then off
     tf.keras.mixed_precision.set_global_policy(policy)
-    tf.keras.utils.set_random_seed(1)
+    seed_everything(tf, 1)  # tf.keras 2.6 has no set_random_seed
     models = [build(), build()]
     models[1].set_weights(models[0].get_weights())
     fused = fused_batchnorm.fuse(tf, models[1])
@@ -79,6 +82,8 @@ print(json.dumps(report))
 def test_fused_batchnorm_trains_as_keras_own_and_only_where_it_applies():
     report = tensorflow_report(SCRIPT)
     for policy, tolerance in (("float32", 1e-4), ("mixed_bfloat16", 2e-2)):
+        if policy == "mixed_bfloat16" and bfloat16_refused(report):
+            continue
         result = report[policy]
         if report["keras"] == 2:  # tf.keras 2 fuses by itself: both copies run the fused op
             assert result["fused"] == 0 and result["fused_op"] == [True, True]

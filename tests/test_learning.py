@@ -8,9 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, built_once, odtctl, odtctl_json, write_images
+from conftest import REPO, built_once, odtctl, odtctl_json, worker_config, worker_home, write_images
 
-from odtd.config import Config
 from odtd.home.create import init_home
 from odtd.home.ingest import Ingestor, discover
 from odtd.home.paths import Home
@@ -31,7 +30,7 @@ DAYS = 3
 def pretrained(tmp_path_factory):
     """A tinycnn home pre-trained on server images; its fixed validation set is server images too."""
     def build(root: Path) -> None:
-        home = Home(root / "home")
+        home = Home(worker_home(root / "home"))
         options = SimulationOptions(model="tinycnn", pretrain_samples=1500, pretrain_epochs=6)
         init_home(home, "tinycnn", list(datasets.CLASSES),
                   validation_arrays=datasets.synthetic(400, "server", seed=77))
@@ -50,7 +49,7 @@ def _copy(home: Home, tmp_path: Path) -> Home:
 def test_guarded_replay_keeps_base_accuracy_while_plain_fine_tuning_forgets(pretrained, tmp_path):
     home = _copy(pretrained, tmp_path)
     store = home.open_store()
-    runner = SessionRunner(home, store, Config(), load_policy(home.root / "policy.yaml"))
+    runner = SessionRunner(home, store, worker_config(), load_policy(home.root / "policy.yaml"))
     ingestor = Ingestor.for_home(home, store)
     repo = ModelRepo(home.models, "tinycnn")
     plain = tmp_path / "plain.npz"
@@ -79,7 +78,7 @@ def test_guarded_replay_keeps_base_accuracy_while_plain_fine_tuning_forgets(pret
                            optimizer="sgd", learning_rate=0.05, momentum=0.9, seed=day,
                            # Scored after its last day, in the same run.
                            validation_data=str(validation) if day == DAYS - 1 else None)
-            result, _, _ = run_job(Config().trainer.command(), job, Path(tmp) / "job")
+            result, _, _ = run_job(worker_config().trainer.command(), job, Path(tmp) / "job")
             shutil.move(Path(tmp) / "next.npz", plain)
     guarded, forgot = kept[-1], result["accuracy_after"]
     store.close()
@@ -101,7 +100,8 @@ def test_worse_candidate_is_rolled_back_and_current_unchanged(pretrained, tmp_pa
     x, y = datasets.synthetic(64, "device", seed=900)
     datasets.write_image_folder(x, y, datasets.CLASSES, tmp_path / "imgs")
     Ingestor.for_home(home, store).ingest(discover(tmp_path / "imgs", None))
-    session = SessionRunner(home, store, Config(), load_policy(home.root / "policy.yaml")).run().to_dict()
+    session = SessionRunner(home, store, worker_config(),
+                            load_policy(home.root / "policy.yaml")).run().to_dict()
     assert session["outcome"] == "rolled_back", session["reason"]
     assert session["accuracy_after"] < session["accuracy_before"] - 0.01
     assert repo.current() == current and file_sha256(repo.weights_path(current)) == sha
@@ -124,7 +124,7 @@ def _day(home: Home, store, tmp_path: Path, seed: int, progress=None) -> dict:
     x, y = datasets.synthetic(64, "device", seed=seed)
     datasets.write_image_folder(x, y, datasets.CLASSES, tmp_path / f"imgs{seed}", start_index=seed)
     Ingestor.for_home(home, store).ingest(discover(tmp_path / f"imgs{seed}", None))
-    return SessionRunner(home, store, Config(), load_policy(home.root / "policy.yaml"),
+    return SessionRunner(home, store, worker_config(), load_policy(home.root / "policy.yaml"),
                          progress=progress).run().to_dict()
 
 

@@ -80,6 +80,42 @@ def test_an_unwritable_probe_file_still_resolves(tmp_path, measured, capsys):
     assert "cannot keep the precision probe" in capsys.readouterr().err
 
 
+class OpError(Exception):
+    """Stands in for tf.errors.OpError, the base of TensorFlow's run-time errors."""
+
+
+class InternalError(OpError):
+    pass
+
+
+def test_a_probe_that_cannot_run_resolves_to_fp32_says_why_and_is_not_tried_again(
+        tmp_path, monkeypatch):
+    """TensorFlow 2.6 and 2.7 have no bfloat16 convolution for this CPU without oneDNN: the
+    probe fails at run time (tests/test_tx2.py runs it for real on those stacks)."""
+    calls = []
+
+    def measure(tf):
+        calls.append(tf.__version__)
+        raise InternalError(" Missing 0-th output from node Conv2D (defined at x.py:87)  "
+                            "[Op:__inference_step_185]\n\nFunction call stack:\nstep\n")
+    monkeypatch.setattr(precision, "measure_bfloat16_speedup", measure)
+    tf = SimpleNamespace(__version__="2.6.2", errors=SimpleNamespace(OpError=OpError))
+    cpuinfo, probe = tmp_path / "cpuinfo", tmp_path / "precision.json"
+    cpuinfo.write_text(BF16_CPU)
+    chosen, why = precision.resolve_precision("auto", False, tf, str(probe), str(cpuinfo))
+    assert chosen == "fp32"
+    assert why == ("bfloat16 convolutions cannot run on this CPU with TensorFlow 2.6.2 "
+                   "(InternalError: Missing 0-th output from node Conv2D); kept in " + str(probe))
+    assert precision.resolve_precision("auto", False, tf, str(probe), str(cpuinfo)) == (chosen, why)
+    assert calls == ["2.6.2"]  # the kept verdict is read, not tried again
+
+    def broken(tf):
+        raise RuntimeError("a bug in odtd's probe")  # not TensorFlow's verdict: not hidden
+    monkeypatch.setattr(precision, "measure_bfloat16_speedup", broken)
+    with pytest.raises(RuntimeError):
+        precision.resolve_precision("auto", False, tf, None, str(cpuinfo))
+
+
 def test_only_a_start_event_of_precision_auto_is_said():
     from odtd.trainer.launch import precision_said
 

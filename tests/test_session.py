@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO, odtctl, odtctl_json, write_images
+from conftest import REPO, odtctl, odtctl_json, worker_config, write_images
 
 from odtd.store.records import SESSION_KEYS
 
@@ -195,7 +195,6 @@ def test_init_replay_seed_is_rehearsed_from_the_first_session(tmp_path):
 @pytest.mark.parametrize("failing", ["Store.add_model_version", "ModelRepo.set_current"])
 def test_an_error_while_promoting_changes_nothing_and_fails_the_session(home, tmp_path, monkeypatch,
                                                                        failing):
-    from odtd.config import Config
     from odtd.home.paths import Home
     from odtd.home.versions import ModelRepo
     from odtd.policy import load_policy
@@ -234,7 +233,7 @@ def test_an_error_while_promoting_changes_nothing_and_fails_the_session(home, tm
     odtd_home = Home(home)
     store = odtd_home.open_store()
     try:
-        session = SessionRunner(odtd_home, store, Config(), load_policy(policy)).run().to_dict()
+        session = SessionRunner(odtd_home, store, worker_config(), load_policy(policy)).run().to_dict()
     finally:
         store.close()
     assert session["outcome"] == "failed"

@@ -6,6 +6,8 @@ and held-out samples, a quarantined file, a profile, the daemon's liveness row. 
 ``home-0.1.0.expected.json`` holds what that release's ``odtctl`` printed for it.
 """
 
+from __future__ import annotations
+
 import json
 import shutil
 import sqlite3

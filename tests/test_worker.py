@@ -13,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import built_once, tensorflow_report
+from conftest import WORKER_PYTHON, bfloat16_refused, built_once, tensorflow_report
 
+from odtd.config import TrainerConfig
 from odtd.trainer import catalog, precision, training, worker
 
 pytestmark = pytest.mark.trains  # every test here runs the real worker
@@ -48,7 +49,7 @@ def write_job(directory: Path, name: str = "job", **keys) -> Path:
 
 
 def worker_command(job_path: Path) -> list:
-    return [sys.executable, "-m", "odtd.trainer.worker", str(job_path)]
+    return [*TrainerConfig(python=WORKER_PYTHON).command(), str(job_path)]
 
 
 def run_worker(job_path: Path, timeout_s: float = 120):
@@ -276,7 +277,7 @@ def test_eval_cache_scores_only_samples_it_has_not_seen_for_that_model_and_preci
     forged, result = before("forged", grown, eval_cache=str(cache))
     assert forged["cached"] == 17 and forged["accuracy"] == 1.0
     # The same weights at another precision can call images differently: scored afresh.
-    other_precision, _ = before("bf16", grown, eval_cache=str(cache), precision="mixed_bfloat16")
+    other_precision, _ = before("f16", grown, eval_cache=str(cache), precision="mixed_float16")
     assert other_precision["cached"] == 0
     # A trained candidate does not use the initial weights' cache; its own results
     # (eval_cache_out, keyed by the weights file it wrote) are found in full, and are its own.
@@ -414,6 +415,12 @@ def test_auto_precision_is_measured_once_and_kept_in_the_probe_file(tmp_path):
         assert start["precision_reason"] == "no bfloat16 instructions on this CPU"
         return
     verdict = json.loads(probe.read_text())
+    if verdict.get("probe_error"):  # a TensorFlow without bfloat16 kernels here: fp32, and why
+        assert start["precision"] == verdict["precision"] == "fp32"
+        assert "bfloat16 convolutions cannot run" in start["precision_reason"]
+        assert bfloat16_refused({"tensorflow": start["tensorflow"],  # an old one only
+                                 "bfloat16_error": verdict["probe_error"]})
+        return
     assert start["precision"] == verdict["precision"] == (
         "mixed_bfloat16" if verdict["bfloat16_speedup"] >= precision.MIN_SPEEDUP else "fp32")
     assert f"{verdict['bfloat16_speedup']:.2f}x" in start["precision_reason"]

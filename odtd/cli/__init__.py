@@ -1,7 +1,7 @@
 """``odtctl``: the command-line interface. Read commands read SQLite; control commands use the socket.
 
 Owns: the argument parser and dispatch (here), one module per command group (``setup``,
-``sessions``, ``models``, ``simulate``, ``profiling``, ``telemetry``), and what they share
+``sessions``, ``models``, ``simulate``, ``profiling``, ``telemetry``, ``doctor``), and what they share
 (``output``: the handler registry, JSON/text output, progress, the home). May import every
 other package, always lazily inside a handler, so ``odtctl --help`` and ``odtctl status`` stay
 fast and never load TensorFlow.
@@ -18,12 +18,12 @@ import sys
 from typing import Optional
 
 from odtd import __version__
-from odtd.cli import models, profiling, sessions, setup, simulate, telemetry
+from odtd.cli import doctor, models, profiling, sessions, setup, simulate, telemetry
 from odtd.cli.output import COMMANDS
 from odtd.errors import OdtdError
 
 # The order of `odtctl --help`.
-_GROUPS = (setup, sessions, models, simulate, profiling, telemetry)
+_GROUPS = (setup, sessions, models, simulate, profiling, telemetry, doctor)
 
 
 def build_parser() -> argparse.ArgumentParser:

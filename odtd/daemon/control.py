@@ -19,7 +19,7 @@ import socketserver
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 from odtd.errors import DaemonUnavailable, OdtdError
 from odtd.home.paths import Home
@@ -34,7 +34,7 @@ REPLY_TIMEOUT_S = 10.0
 NO_DAEMON_HINT = ("run it in this process with `odtctl train-now --foreground`, or start the daemon "
                   "with `systemctl start odtd` (or `odtd run`)")
 
-Handler = Callable[[str, dict[str, Any]], Any]
+Handler = Callable[[str, Dict[str, Any]], Any]  # typing.Dict: a value, evaluated on Python 3.8
 
 
 class _RequestHandler(socketserver.BaseRequestHandler):

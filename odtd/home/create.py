@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shutil
 import tempfile
@@ -206,14 +205,16 @@ def init_home(
             np.savez(home.reference_file(), x=reference[0], y=reference[1])
         repo = ModelRepo(home.models, name)
         repo.dir.mkdir(parents=True, exist_ok=True)
+        # Moved or copied, not renamed: the staging directory (/tmp) and the home may be two
+        # filesystems (a TX2's state on its SD card or NVMe drive; "Invalid cross-device link").
         for staged in stage.glob(ORIGINAL_STEM + ".*"):
-            os.replace(staged, repo.dir / staged.name)
+            shutil.move(str(staged), str(repo.dir / staged.name))
         if (stage / ARCHITECTURE_NAME).exists():
-            os.replace(stage / ARCHITECTURE_NAME, repo.dir / ARCHITECTURE_NAME)
+            shutil.move(str(stage / ARCHITECTURE_NAME), str(repo.dir / ARCHITECTURE_NAME))
         version, manifest = repo.add_version(
             stage / "weights.npz", classes=classes, input_shape=spec.input_shape,
             param_count=result.get("param_count"), parent=None,
-            weight_names=result.get("weight_names"), move=True)
+            weight_names=result.get("weight_names"), move=False)
     repo.set_current(version)
     store = Store(home.db_path)
     try:

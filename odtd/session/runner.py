@@ -397,6 +397,7 @@ class SessionRunner:
         details.per_class_before = _by_class(self.classes, result.get("per_class_before"))
         details.per_class_after = _by_class(self.classes, result.get("per_class_after"))
         details.precision = result.get("precision")
+        details.precision_reason = result.get("precision_reason")
         details.tf_peak_memory_mb = result.get("tf_peak_memory_mb")
         details.learning_rate = result.get("learning_rate", details.learning_rate)
         details.lr_attempts = result.get("lr_attempts") or None

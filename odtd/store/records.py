@@ -34,7 +34,7 @@ _OMITTED_AT_DEFAULT = {"attempts": [], "kept_for_resume": False,
                        "reference_paired": None, "bn_device_weight": None,
                        "bn_weights_tried": None, "trained_share": None,
                        "trained_shares_tried": None, "learning_rate": None,
-                       "lr_attempts": None}
+                       "lr_attempts": None, "precision_reason": None}
 
 
 @dataclass
@@ -49,6 +49,7 @@ class SessionDetails:
         evaluation_set: ``validation`` (the fixed set), ``holdout`` (the device's held-out
             samples) or ``none``: what ``accuracy_before``/``accuracy_after`` were measured on.
         precision: What the worker trained in (``auto`` resolved).
+        precision_reason: Why ``auto`` resolved so (the worker's words), None for another.
         paired: ``{gained, lost, samples}`` on the evaluation set: the images only the candidate
             gets right, only the current model gets right, and all (McNemar).
         holdout_accuracy_before: The current model on the device's held-out samples (0..1).
@@ -87,6 +88,7 @@ class SessionDetails:
     attempts: List[Dict[str, Any]] = field(default_factory=list)
     evaluation_set: Optional[str] = None
     precision: Optional[str] = None
+    precision_reason: Optional[str] = None
     paired: Optional[Dict[str, int]] = None
     holdout_accuracy_before: Optional[float] = None
     holdout_accuracy_after: Optional[float] = None

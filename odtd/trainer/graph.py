@@ -35,6 +35,104 @@ def _owner(node: Any) -> Any:
     return getattr(node, "operation", None) or getattr(node, "layer", None)
 
 
+def sub_model(tf: Any, start: Any, end: Any) -> Any:
+    """The part of a model's graph from tensor ``start`` to tensor ``end``, as a model.
+
+    ``keras.Model(start, end)``, its layers the model's own (their weights shared). tf.keras 2.6
+    builds a model only from ``keras.Input`` tensors (2.7 clones the nodes between intermediate
+    ones: keras/engine/functional_utils.py); there the layers from ``start`` to ``end`` are
+    called again, in the order of the graph, on a new Input of ``start``'s shape. Each such call
+    adds a node to a layer, outside the model's own graph (``_own_nodes``), which nothing here
+    counts.
+    """
+    keras = tf.keras
+    if producer(start).__class__.__name__ == "InputLayer" or not _tf_keras_26(tf):
+        return keras.Model(start, end)
+    inputs = keras.Input(shape=tuple(start.shape[1:]), dtype=start.dtype)
+    return keras.Model(inputs, _called_again(tf, start, end, inputs, flatten=False))
+
+
+def flattened(tf: Any, model: Any) -> Any:
+    """tf.keras 2: ``model`` as one flat graph, its nested models' layers called in it.
+
+    What an ``.h5`` export writes, so Keras 3 opens it too: Keras 3 cannot resolve tf.keras 2's
+    reference to a nested model's call (inbound node index 1) in an ``.h5`` ("Invalid
+    Functional model configuration ... failed to be resolved"; the nested Sequential of a
+    user's model, the network inside a built-in network's export). The layers, and so the
+    weights, are the model's own; a model of several inputs or outputs, or whose flat graph
+    would repeat a layer name, is returned as it is.
+    """
+    keras = tf.keras
+    if len(model.inputs) != 1 or len(model.outputs) != 1 or not any(
+            isinstance(layer, keras.Model) for layer in model.layers):
+        return model
+    start = model.inputs[0]
+    inputs = keras.Input(shape=tuple(start.shape[1:]), dtype=start.dtype,
+                         name=producer(start).name)
+    try:
+        return keras.Model(inputs, _called_again(tf, start, model.outputs[0], inputs, True),
+                           name=model.name)
+    except ValueError:  # "All layer names should be unique": nested names that collide
+        return model
+
+
+def _called_again(tf: Any, start: Any, end: Any, tensor: Any, flatten: bool) -> Any:
+    """``end`` computed from ``tensor`` in place of ``start``.
+
+    tf.keras 2's layers between them are called again in the graph's order; with ``flatten``, a
+    nested model's layers one by one.
+    """
+    keras = tf.keras
+    mapping = {id(start): tensor}
+
+    def mapped(value: Any) -> Any:
+        return mapping[id(value)] if hasattr(value, "_keras_history") else value
+
+    for node in _nodes_between(start, end):
+        args = tf.nest.map_structure(mapped, node.call_args)
+        kwargs = tf.nest.map_structure(mapped, node.call_kwargs)
+        layer = node.layer
+        if flatten and isinstance(layer, keras.Model) and len(layer.inputs) == 1 \
+                and len(layer.outputs) == 1:
+            outputs = _called_again(tf, layer.inputs[0], layer.outputs[0],
+                                    tf.nest.flatten(args)[0], True)
+        else:
+            outputs = layer(*args, **kwargs)
+        for old, new in zip(tf.nest.flatten(node.outputs), tf.nest.flatten(outputs)):
+            mapping[id(old)] = new
+    return mapping[id(end)]
+
+
+def _tf_keras_26(tf: Any) -> bool:
+    major, minor = tf.__version__.split(".")[:2]
+    return (int(major), int(minor)) < (2, 7)
+
+
+def _nodes_between(start: Any, end: Any) -> List[Any]:
+    """tf.keras 2's nodes that compute ``end`` from ``start``, each after those it reads."""
+    order = []  # type: List[Any]
+    seen = set()  # type: set
+    stack = [(end, False)]
+    while stack:
+        tensor, expanded = stack.pop()
+        if tensor is start:
+            continue
+        layer, node_index, _ = tensor._keras_history
+        node = layer._inbound_nodes[node_index]
+        if expanded:
+            if id(node) not in seen:
+                seen.add(id(node))
+                order.append(node)
+            continue
+        if id(node) in seen:
+            continue
+        if layer.__class__.__name__ == "InputLayer":
+            raise ValueError("{} does not lead back to {}".format(end.name, start.name))
+        stack.append((tensor, True))
+        stack.extend((parent, False) for parent in node.keras_inputs)
+    return order
+
+
 def part_runner(part: Any) -> Callable[..., Any]:
     """``(tensor, training=True) -> part(tensor, training=training)``: a sub-model or a layer."""
     def run(tensor: Any, training: bool = True) -> Any:

@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import numpy as np
 
-from odtd.trainer import keras_dialects, model_config, model_file
+from odtd.trainer import graph, keras_dialects, model_config, model_file
 
 
 def keras_version(tf: Any) -> str:
@@ -235,10 +235,26 @@ def load_user_model(tf: Any, path: str) -> Any:
 
 
 # ----------------------------------------------------------------- export
-def export_native(model: Any, out_path: str) -> None:
-    """This process's Keras writes .keras or .h5 (by suffix): opens with the same Keras major."""
+def native_formats(tf: Any) -> Tuple[str, ...]:
+    """The files this process's Keras writes (``export_native``).
+
+    ``.h5``, and ``.keras`` from tf.keras 2.13 on (before, ``save("x.keras")`` writes a
+    SavedModel directory of that name).
+    """
+    if keras_major(tf) == 2 and _tf_minor(tf) < (2, 13):
+        return (".h5",)
+    return (".h5", ".keras")
+
+
+def export_native(tf: Any, model: Any, out_path: str) -> None:
+    """This process's Keras writes .keras or .h5 (by suffix; one of ``native_formats``).
+
+    A ``.keras`` file opens with the same Keras major. tf.keras 2 writes an ``.h5`` of one flat
+    graph (``graph.flattened``), which Keras 3 opens too.
+    """
     if out_path.endswith(".h5"):
-        model.save(out_path, include_optimizer=False)
+        flat = graph.flattened(tf, model) if keras_major(tf) == 2 else model
+        flat.save(out_path, include_optimizer=False)
     else:
         model.save(out_path)
 

@@ -11,6 +11,7 @@ import os
 import queue
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -29,6 +30,33 @@ NOTIFY_ENV_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 WARMUP_STEPS = 3
 
 POLL_S = 0.2
+
+WORKER_MODULE = "odtd.trainer.worker"
+# How another interpreter (``trainer.python``) imports this process's odtd package and nothing
+# else of its environment: the package is loaded from its directory by path, its submodules
+# found through its ``__path__``; nothing goes on ``sys.path``, so a site-packages compiled for
+# the daemon's Python (numpy) never reaches the worker's. Then the module runs as ``-m`` would
+# run it. ``python -c CODE ARGS`` has the shape of ``python -m MODULE ARGS``: a wrapper that
+# stands in for an interpreter finds the job file where it would. Python 3.6's words.
+IMPORT_ODTD_AND_RUN = (
+    "import runpy, sys; from importlib import util; "
+    "spec = util.spec_from_file_location('odtd', {package!r} + '/__init__.py', "
+    "submodule_search_locations=[{package!r}]); odtd = util.module_from_spec(spec); "
+    "sys.modules['odtd'] = odtd; spec.loader.exec_module(odtd); "
+    "runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+
+
+def module_command(python: Optional[str], module: str = WORKER_MODULE) -> List[str]:
+    """The argv prefix that runs ``module`` of this process's odtd package under ``python``.
+
+    Without ``python`` (or with this process's own), ``sys.executable -m MODULE``. Another
+    interpreter runs ``IMPORT_ODTD_AND_RUN``: it imports the very odtd package this process
+    runs, wherever it is installed, and nothing else of this process's environment.
+    """
+    if python is None or python == sys.executable:
+        return [sys.executable, "-m", module]
+    package = os.path.dirname(os.path.abspath(sys.modules["odtd"].__file__))
+    return [python, "-c", IMPORT_ODTD_AND_RUN.format(package=package, module=module)]
 
 
 class WorkerEnd(NamedTuple):

@@ -20,7 +20,7 @@ TensorFlow is passed in. Python 3.6-compatible; tf.keras 2 and Keras 3 alike.
 
 from typing import Any, Callable, List, Optional, Sequence
 
-from odtd.trainer.graph import consumers, inputs_of, nested_chain, part_runner, valid_cuts
+from odtd.trainer.graph import consumers, inputs_of, nested_chain, part_runner, sub_model, valid_cuts
 
 
 def swaps(conv: Any, pool: Any) -> bool:
@@ -102,11 +102,11 @@ class PoolFirst:
         start = model.inputs[0]
         for k in pairs:
             if layers[k - 1].output is not start:
-                steps.append(part_runner(keras.Model(start, layers[k - 1].output)))
+                steps.append(part_runner(sub_model(tf, start, layers[k - 1].output)))
             steps.append(_pooled(layers[k + 1], layers[k]))
             start = layers[k + 1].output
         if start is not output:
-            steps.append(part_runner(keras.Model(start, output)))
+            steps.append(part_runner(sub_model(tf, start, output)))
         return cls(model, steps, [layers[k].name for k in pairs])
 
     @classmethod

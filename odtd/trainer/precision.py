@@ -7,7 +7,9 @@ CPU that has the instructions does not always run bfloat16 convolutions faster t
 0.82-0.83x the samples/s of Keras's float32 fit). So the first ``auto`` on such a CPU times a
 convolution's forward and backward pass in both (``measure_bfloat16_speedup``, about 2 s) and
 keeps the verdict in the job's ``precision_probe`` file, keyed by the CPU and the TensorFlow
-build; later jobs read it. Delete the file to measure again.
+build; later jobs read it. Delete the file to measure again. Where the probe cannot run (a
+TensorFlow with no bfloat16 convolution for this CPU, as 2.6 and 2.7 without oneDNN), ``auto`` is
+fp32 and its reason quotes TensorFlow's error: ``auto`` never fails a job.
 
 Standard library and TensorFlow (passed in) only; Python 3.6-compatible.
 """
@@ -75,6 +77,27 @@ def measure_bfloat16_speedup(tf: Any, shapes: Any = PROBE_SHAPES, rounds: int = 
     return best[tf.float32] / best[tf.bfloat16]
 
 
+def probe_errors(tf: Any) -> Tuple[type, ...]:
+    """The errors of a TensorFlow that has no bfloat16 kernel for an operation on this CPU.
+
+    A run-time error (2.6 and 2.7: "Missing 0-th output from node Conv2D", "No OpKernel was
+    registered"), or a refusal while tracing.
+    """
+    return (tf.errors.OpError, TypeError, ValueError)
+
+
+def bfloat16_error(tf: Any) -> Optional[str]:
+    """Why bfloat16 convolutions cannot run here (TensorFlow's error, one line); None if they can.
+
+    One small convolution's forward and backward pass in each precision, untimed.
+    """
+    try:
+        measure_bfloat16_speedup(tf, shapes=((2, 8, 8, 8),), rounds=0, reps=1)
+    except probe_errors(tf) as error:
+        return "{}: {}".format(type(error).__name__, _first_line(error))
+    return None
+
+
 def _conv_step(tf: Any, dtype: Any) -> Any:
     from odtd.trainer.networks import compiled  # imports TensorFlow
 
@@ -114,14 +137,34 @@ def resolve_precision(requested: str, gpu_visible: bool, tf: Any,
     key = {"cpu": name, "flags": sorted(flags & BFLOAT16_FLAGS), "tensorflow": tf.__version__}
     verdict = _read_verdict(probe_path, key)
     if verdict is None:
-        speedup = measure_bfloat16_speedup(tf)
-        verdict = {"key": key, "bfloat16_speedup": round(speedup, 3),
-                   "precision": "mixed_bfloat16" if speedup >= MIN_SPEEDUP else "fp32",
-                   "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        verdict = {"key": key, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        try:
+            speedup = measure_bfloat16_speedup(tf)
+        except probe_errors(tf) as error:
+            # A TensorFlow without a bfloat16 kernel for this CPU: 2.6 and 2.7 build their
+            # bfloat16 convolutions only with oneDNN, off by default there, and fail at run time
+            # ("InternalError: Missing 0-th output from node Conv2D"). Kept like a measurement,
+            # so later jobs of this build do not try again.
+            verdict.update(precision="fp32", bfloat16_speedup=None,
+                           probe_error="{}: {}".format(type(error).__name__, _first_line(error)))
+        else:
+            verdict.update(precision="mixed_bfloat16" if speedup >= MIN_SPEEDUP else "fp32",
+                           bfloat16_speedup=round(speedup, 3))
         _write_verdict(probe_path, verdict)
+    kept = "; kept in {}".format(probe_path) if probe_path else ""
+    if verdict.get("probe_error"):
+        return "fp32", "bfloat16 convolutions cannot run on this CPU with TensorFlow {} ({}){}" \
+            .format(key["tensorflow"], verdict["probe_error"], kept)
     why = "bfloat16 convolutions measured at {:.2f}x float32's speed on this CPU{}".format(
-        verdict["bfloat16_speedup"], "; kept in {}".format(probe_path) if probe_path else "")
+        verdict["bfloat16_speedup"], kept)
     return verdict["precision"], why
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's first line, without TensorFlow's "(defined at FILE:LINE)" and "[Op:...]"."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    line = lines[0].split(" (defined at ")[0].split("  [Op:")[0] if lines else ""
+    return line[:200]
 
 
 def _read_verdict(path: Optional[str], key: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -136,6 +179,9 @@ def _read_verdict(path: Optional[str], key: Dict[str, Any]) -> Optional[Dict[str
         return None
     if not isinstance(verdict, dict) or verdict.get("key") != key or verdict.get(
             "precision") not in ("fp32", "mixed_bfloat16"):
+        return None
+    if not verdict.get("probe_error") and not isinstance(verdict.get("bfloat16_speedup"),
+                                                         (int, float)):
         return None
     return verdict
 

@@ -32,7 +32,7 @@ import math
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from odtd.trainer.dense_blocks import Block, dense_block, find_blocks, input_sizes
-from odtd.trainer.graph import nested_chain, part_runner, valid_cuts
+from odtd.trainer.graph import nested_chain, part_runner, sub_model, valid_cuts
 from odtd.trainer.imported import leaf_layers
 
 # Dense layers whose input is at least this share of the model's largest dense-layer input take
@@ -124,7 +124,7 @@ class Checkpointed:
                           else int(max(sizes) * CHUNKED_SHARE))  # type: Optional[int]
             for block in blocks:
                 if block.start is not start:
-                    recomputed.append(keras.Model(start, block.start))
+                    recomputed.append(sub_model(tf, start, block.start))
                     self.steps.append(tf.recompute_grad(part_runner(recomputed[-1])))
                 self.steps.append(dense_block(tf, block, chunk_from))
                 recomputed.append(block)
@@ -132,13 +132,13 @@ class Checkpointed:
             self.cuts = sorted({position[id(t)] for b in blocks for t in (b.start, b.end)
                                 if id(t) in position and t is not model.outputs[0]})
             if start is not model.outputs[0]:
-                self.steps.append(part_runner(keras.Model(start, model.outputs[0])))
+                self.steps.append(part_runner(sub_model(tf, start, model.outputs[0])))
         else:
             chosen = choose_cuts(cuts, len(layers), segments)
             self.cuts = [k for k in chosen if k <= share * len(layers)] or chosen[:1]
             boundaries = ([model.inputs[0]] + [layers[k].output for k in self.cuts]
                           + [model.outputs[0]])
-            parts = [keras.Model(start, end) for start, end in zip(boundaries, boundaries[1:])]
+            parts = [sub_model(tf, start, end) for start, end in zip(boundaries, boundaries[1:])]
             recomputed = parts[:-1]
             self.steps = [tf.recompute_grad(part_runner(part)) for part in recomputed]
             self.steps.append(part_runner(parts[-1]))

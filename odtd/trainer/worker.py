@@ -198,6 +198,23 @@ def without_plotting() -> None:
         sys.modules["matplotlib"] = None  # type: ignore[assignment]
 
 
+def seed_everything(tf: Any, seed: int) -> None:
+    """Seed Python's, numpy's and TensorFlow's random numbers (and Keras 3's own) with ``seed``.
+
+    ``keras.utils.set_random_seed`` does all of it from TensorFlow 2.7 on; tf.keras 2.6 lacks
+    it, so there the three are seeded one by one, as it would.
+    """
+    set_random_seed = getattr(tf.keras.utils, "set_random_seed", None)
+    if set_random_seed is not None:
+        set_random_seed(seed)
+        return
+    import random
+
+    random.seed(seed)
+    np.random.seed(seed)
+    tf.random.set_seed(seed)
+
+
 def run(job: Dict[str, Any], data: Dict[str, Tuple[np.ndarray, np.ndarray]],
         should_stop: Callable[[], bool]) -> None:
     """Run a validated job, printing its events; the caller turns exceptions into error events.
@@ -221,13 +238,13 @@ def run(job: Dict[str, Any], data: Dict[str, Tuple[np.ndarray, np.ndarray]],
          tensorflow=tf.__version__, keras=imported.keras_version(tf), precision=precision,
          precision_reason=precision_reason, t=time.monotonic())
 
-    tf.keras.utils.set_random_seed(job["seed"])
+    seed_everything(tf, job["seed"])
     mode = job["mode"]
     result = {
         "status": "ok", "accuracy_before": None, "accuracy_after": None,
         "per_class_before": None, "per_class_after": None, "steps": 0, "samples": 0,
         "weights_out": None, "train_seconds": 0.0, "recalibrate_seconds": None,
-        "precision": precision,
+        "precision": precision, "precision_reason": precision_reason,
     }  # type: Dict[str, Any]
     if mode == "import":
         model, described = import_model(tf, job)
@@ -348,13 +365,18 @@ def export_model(tf: Any, job: Dict[str, Any], model: Any) -> Dict[str, Any]:
                              "way to write into a copy of it".format(out, original))
             imported.export_like_original(model, original, out)
             return {"export": "as_given"}
-        imported.export_native(model, out)
+    if suffix not in imported.native_formats(tf):
+        raise BadJob("the Keras of TensorFlow {} writes no {} files (tf.keras 2.13 and later "
+                     "do); export as {}".format(tf.__version__, suffix,
+                                                " or ".join(imported.native_formats(tf))))
+    if job["architecture"] is not None:
+        imported.export_native(tf, model, out)
         return {"export": "native"}
     inputs = tf.keras.Input(shape=tuple(job["input_shape"]), name="pixels")
     scaled = tf.keras.layers.Rescaling(1.0 / 255.0, name="to_unit_range")(inputs)
     probabilities = tf.keras.layers.Activation("softmax", dtype="float32", name="probabilities")(
         model(scaled))
-    imported.export_native(tf.keras.Model(inputs, probabilities, name=model.name), out)
+    imported.export_native(tf, tf.keras.Model(inputs, probabilities, name=model.name), out)
     return {"export": "native"}
 
 
