@@ -74,7 +74,7 @@ TX2_WORKER_TESTS := tests/test_tx2.py tests/test_worker.py tests/test_byom.py te
 TX2_DAEMON_TESTS := tests/test_tx2_install.py tests/test_session.py tests/test_learning.py \
 	tests/test_upgrade.py tests/test_keras_dialects.py tests/test_precision.py tests/test_store.py \
 	tests/test_ingest.py tests/test_config.py tests/test_daemon.py tests/test_control.py \
-	tests/test_scheduler.py
+	tests/test_scheduler.py tests/test_divergence.py
 TX2_DESELECT := --deselect tests/test_worker.py::test_trained_share_auto_keeps_the_best_share_that_spares_the_reference \
 	--deselect tests/test_worker.py::test_distillation_holds_the_served_models_predictions_on_rehearsed_images
 
