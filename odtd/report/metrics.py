@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from odtd import atomic
 from odtd.home.paths import Home
-from odtd.home.versions import atomic_write_text
 from odtd.report.status import daemon_status
 from odtd.store.database import OUTCOMES, Store
 from odtd.store.records import kept
@@ -64,4 +64,4 @@ def prometheus_text(home: Home, store: Store) -> str:
 
 def write_textfile(path: Path, text: str) -> None:
     """Write atomically (node_exporter must never read a half-written file)."""
-    atomic_write_text(path, text, durable=False)
+    atomic.write_text(path, text, durable=False)
