@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from odtd.config import resolve_home
-from odtd.errors import OdtdError
+from odtd.errors import OdtdError, as_odtd_error
 from odtd.home.paths import Home
 
 logger = logging.getLogger(__name__)
@@ -114,8 +114,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     home = Home(resolve_home(args.home), Path(args.config) if args.config else None)
     try:
         result = TASKS[args.task](home, args)
-    except OdtdError as exc:
-        print(json.dumps({"error": str(exc)}), flush=True)
+    except (OdtdError, OSError) as exc:
+        reported = as_odtd_error(exc)  # a full, read-only or vanished disk: its one line
+        if reported is None:
+            raise
+        print(json.dumps({"error": str(reported)}), flush=True)
         return 1
     print(json.dumps(result, default=str), flush=True)
     return 0

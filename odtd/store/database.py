@@ -21,7 +21,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import sqlite_utils
 from sqlite_utils.db import NotFoundError
 
-from odtd.errors import StoreError
+from odtd.errors import StoreError, sqlite_storage_error
 from odtd.store.liveness import utc_now
 from odtd.store.profiles import ProfileRows
 from odtd.store.records import JUDGED, OUTCOMES, SessionRecord
@@ -76,7 +76,10 @@ class Store(ProfileRows):
             self.db = sqlite_utils.Database(conn)
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA foreign_keys=ON")
-            self.db.execute("PRAGMA synchronous=NORMAL")
+            # FULL: in WAL mode each COMMIT is on disk when it returns. NORMAL may lose the
+            # latest commits at a power cut, after odtd acted on them: an inbox file removed
+            # once its row committed, a `current` pointer moved (docs/storage.md).
+            self.db.execute("PRAGMA synchronous=FULL")
             self.migrate()
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"{self.path}: cannot open the database ({exc})") from None
@@ -120,17 +123,23 @@ class Store(ProfileRows):
                 finally:
                     self._depth -= 1
                 return
-            self.db.conn.execute("BEGIN IMMEDIATE")
-            self._depth = 1
             try:
-                yield
-            except BaseException:
+                self.db.conn.execute("BEGIN IMMEDIATE")
+                self._depth = 1
+                try:
+                    yield
+                except BaseException:
+                    self._depth = 0
+                    if self.db.conn.in_transaction:  # an I/O error may have rolled it back already
+                        self.db.conn.execute("ROLLBACK")
+                    raise
                 self._depth = 0
-                if self.db.conn.in_transaction:  # an I/O error may have rolled it back already
+                self.db.conn.execute("COMMIT")
+            except sqlite3.OperationalError as exc:  # a full, read-only or vanished disk: one line
+                self._depth = 0
+                if self.db.conn.in_transaction:  # a COMMIT that failed may leave it open
                     self.db.conn.execute("ROLLBACK")
-                raise
-            self._depth = 0
-            self.db.conn.execute("COMMIT")
+                raise (sqlite_storage_error(exc, str(self.path)) or exc) from None
 
     def _rows(self, table: str, where: Optional[str] = None, where_args: Optional[Sequence[Any]] = None,
               **options: Any) -> list[dict[str, Any]]:
