@@ -1,49 +1,20 @@
 """One session at a time per home: the lock, and recovery of sessions a dead process left.
 
 ``SessionLock`` is held by every process that trains or profiles (``SessionRunner``,
-``odtctl profile``); ``recover_stale_sessions`` runs under it when the daemon's session process
-starts.
+``odtctl profile``; it lives in ``home.lock``); ``recover_stale_sessions`` runs under it when a
+session starts.
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import os
-from pathlib import Path
-from typing import Optional
 
-from odtd.errors import SessionBusy
+from odtd.home.lock import SessionLock
 from odtd.store.database import Store
 
+__all__ = ["SessionLock", "recover_stale_sessions"]  # SessionLock lives in home.lock
+
 logger = logging.getLogger(__name__)
-
-
-class SessionLock:
-    """An exclusive ``flock`` on ``run/session.lock``: one session at a time across processes."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._fd: Optional[int] = None
-
-    def __enter__(self) -> SessionLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(str(self.path), os.O_RDWR | os.O_CREAT, 0o660)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise SessionBusy(f"a session is already running (pid {holder}); wait for it to finish") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
-        self._fd = fd
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
 
 def recover_stale_sessions(store: Store) -> list[int]:

@@ -24,6 +24,7 @@ from sqlite_utils.db import NotFoundError
 from odtd.errors import StoreError, sqlite_storage_error
 from odtd.store.liveness import utc_now
 from odtd.store.profiles import ProfileRows
+from odtd.store.pruned import PrunedRows
 from odtd.store.records import JUDGED, OUTCOMES, SessionRecord
 from odtd.store.schema import MIGRATIONS
 
@@ -54,7 +55,7 @@ class _SavepointConnection(sqlite3.Connection):
         return False
 
 
-class Store(ProfileRows):
+class Store(ProfileRows, PrunedRows):
     """Typed access to ``odtd.db``; the only module that imports sqlite_utils.
 
     Args:
@@ -190,9 +191,10 @@ class Store(ProfileRows):
     # -- samples --------------------------------------------------------------------------
 
     def has_sample(self, sha256: str) -> bool:
-        """Whether a sample with this content hash is already stored."""
-        with self._lock:
-            return self.db["samples"].count_where("sha256 = ?", [sha256]) > 0
+        """Whether a sample with this content hash is already stored (or was, and was pruned)."""
+        return bool(self._query("SELECT EXISTS (SELECT 1 FROM samples WHERE sha256 = ?) OR "
+                                "EXISTS (SELECT 1 FROM pruned_samples WHERE sha256 = ?) AS known",
+                                [sha256, sha256])[0]["known"])
 
     def add_sample(self, row: dict[str, Any]) -> bool:
         """Insert a sample row; return False when its sha256 is already there (a duplicate)."""
@@ -235,13 +237,14 @@ class Store(ProfileRows):
             )
 
     def sample_counts(self) -> dict[str, int]:
-        """Return counts: total, pending, trained, holdout, quarantined."""
+        """Return counts: total, pending, trained, holdout, quarantined, pruned."""
         counts = {"total": 0, "pending": 0, "trained": 0, "holdout": 0}
         for row in self._query("SELECT status, count(*) AS n FROM samples GROUP BY status"):
             counts[row["status"]] = row["n"]
             counts["total"] += row["n"]
         with self._lock:
             counts["quarantined"] = self.db["quarantine"].count
+        counts["pruned"] = self.pruned_totals()["samples"]
         return counts
 
     # -- sessions -------------------------------------------------------------------------
