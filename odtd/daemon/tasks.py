@@ -74,7 +74,7 @@ def _recover(home: Home, args: argparse.Namespace) -> dict[str, Any]:
     store = home.open_store()
     try:
         with SessionLock(home.session_lock):
-            return {"recovered": recover_stale_sessions(store)}
+            return {"recovered": recover_stale_sessions(store, home)}
     finally:
         store.close()
 

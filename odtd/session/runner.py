@@ -118,7 +118,7 @@ class SessionRunner:
             SessionBusy: another session holds the lock.
         """
         with SessionLock(self.home.session_lock):
-            recover_stale_sessions(self.store)
+            recover_stale_sessions(self.store, self.home)
             return self._run_locked(trigger, day or date.today().isoformat(),
                                     stop or StopRequest(), force)
 
