@@ -12,6 +12,7 @@ by themselves, ``home.disk``). Standard library only, as the idle daemon is.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sqlite3
@@ -45,14 +46,20 @@ class DiskHealth:
 
     def write_daemon(self, **fields: Any) -> bool:
         """Write the liveness row; False (the problem noted) if the home refuses the write."""
+        if not self.home.db_path.exists():  # its disk pulled out: the open file still takes writes
+            self.write_failed(FileNotFoundError(errno.ENOENT, "no odtd.db", str(self.home.db_path)))
+            return False
         if self.moved():  # the disk came back: the open connection is to the file before
             self.reopen()
         try:
             self.liveness.write_daemon(**fields)
-        except (sqlite3.Error, OSError) as exc:
-            self.write_failed(exc)
-            self.reopen()
-            return False
+        except (sqlite3.Error, OSError):
+            self.reopen()  # one opened read-only, or to a disk since pulled out: a fresh one
+            try:
+                self.liveness.write_daemon(**fields)
+            except (sqlite3.Error, OSError) as exc:
+                self.write_failed(exc)
+                return False
         return True
 
     def log_event(self, kind: str, message: str, **data: Any) -> None:

@@ -176,8 +176,11 @@ def make_room(home: Home, store: Store, storage: StorageConfig, need_bytes: int,
     floor = storage.min_free_mb * MB
     start = disk_space(home.root).free_bytes
 
+    def shortfall() -> int:
+        return int(max(0, floor + need_bytes - disk_space(home.root).free_bytes))
+
     def fits() -> bool:
-        return disk_space(home.root).free_bytes - need_bytes >= floor
+        return shortfall() == 0
 
     pruned = Pruned()
     for kind in PRUNE_ORDER:
@@ -192,7 +195,7 @@ def make_room(home: Home, store: Store, storage: StorageConfig, need_bytes: int,
 
             pruned.versions = prune(home, store, keep=keep_versions)
         elif kind == "samples":
-            pruned.samples = _prune_samples(home, store, fits)
+            pruned.samples = _prune_samples(home, store, shortfall)
     pruned.freed_bytes = max(0, disk_space(home.root).free_bytes - start)
     if pruned:
         store.log_event("pruned", f"pruned {pruned.describe()} (storage.min_free_mb "
@@ -226,25 +229,30 @@ def _prune_runs(home: Home, store: Store, fits: Callable[[], bool]) -> int:
     return removed
 
 
-def _prune_samples(home: Home, store: Store, fits: Callable[[], bool], batch: int = 200) -> int:
-    """Delete the oldest prunable trained samples until ``fits()``; return how many.
+def _prune_samples(home: Home, store: Store, shortfall: Callable[[], int], batch: int = 500) -> int:
+    """Delete the oldest prunable trained samples until ``shortfall()`` is 0; return how many.
 
-    The rows move first (one transaction per batch), the files go after the commit: a crash
-    in between leaves files without rows, which `repair.remove_orphan_samples` finds.
+    The rows move first (one transaction per round), the files go after the commit: a crash
+    in between leaves files without rows, which ``home.repair`` removes.
     """
     removed = 0
-    while not fits():
+    while (missing := shortfall()) > 0:
         rows = store.prunable_samples(KEPT_DEVICE_SAMPLES, batch)
         if not rows:
             break
-        files = {row["sha256"]: [home.root / row["stored_path"], home.root / row["array_path"]]
-                 for row in rows}
-        sizes = {sha: sum(_size(path) for path in paths) for sha, paths in files.items()}
-        store.move_to_pruned(rows, sizes)
-        for paths in files.values():
-            for path in paths:
-                path.unlink(missing_ok=True)
-        removed += len(rows)
+        chosen, sizes, files, total = [], {}, [], 0
+        for row in rows:  # the oldest first, as many as the shortfall takes
+            paths = [home.root / row["stored_path"], home.root / row["array_path"]]
+            sizes[row["sha256"]] = sum(_size(path) for path in paths)
+            chosen.append(row)
+            files += paths
+            total += sizes[row["sha256"]]
+            if total >= missing:
+                break
+        store.move_to_pruned(chosen, sizes)
+        for path in files:
+            path.unlink(missing_ok=True)
+        removed += len(chosen)
     return removed
 
 
@@ -261,7 +269,7 @@ def refusal(space: DiskSpace, need: Need, storage: StorageConfig, what: str,
 
 
 def room_for(home: Home, store: Store, storage: StorageConfig, need: Need, what: str,
-             keep_versions: Optional[int], locked: bool) -> Optional[str]:
+             keep_versions: Callable[[], Optional[int]], locked: bool) -> Optional[str]:
     """None if ``need`` fits above the floor (after pruning if it must), else the refusal.
 
     Args:
@@ -270,7 +278,8 @@ def room_for(home: Home, store: Store, storage: StorageConfig, need: Need, what:
         storage: ``odtd.yaml``'s ``storage``.
         need: what the write adds.
         what: the write, for the message ('this session', 'ingesting 120 files').
-        keep_versions: the policy's ``models.keep_versions`` (None: versions stay).
+        keep_versions: gives the policy's ``models.keep_versions`` (None: versions stay),
+            asked only if pruning is needed.
         locked: the caller holds the session lock; otherwise it is taken for the pruning
             (a session that holds it meanwhile prunes for itself: nothing is pruned here).
     """
@@ -282,10 +291,10 @@ def room_for(home: Home, store: Store, storage: StorageConfig, need: Need, what:
     if storage.prune:
         try:
             if locked:
-                pruned = make_room(home, store, storage, need.total_bytes, keep_versions)
+                pruned = make_room(home, store, storage, need.total_bytes, keep_versions())
             else:
                 with SessionLock(home.session_lock):
-                    pruned = make_room(home, store, storage, need.total_bytes, keep_versions)
+                    pruned = make_room(home, store, storage, need.total_bytes, keep_versions())
         except SessionBusy:
             logger.info("not pruning: a session holds the lock")
         space = disk_space(home.root)
@@ -314,8 +323,8 @@ def room_for_session(home: Home, store: Store, storage: StorageConfig, policy: A
     device_images = KEPT_DEVICE_SAMPLES if training.bn_device_weight is not None or \
         training.distill else 0
     need = session_need(home, store, len(rows), weights, device_images)
-    return room_for(home, store, storage, need, "this session", policy.models.keep_versions,
-                    locked=True)
+    return room_for(home, store, storage, need, "this session",
+                    lambda: policy.models.keep_versions, locked=True)
 
 
 def check_room_for_ingest(home: Home, store: Store, storage: StorageConfig,
@@ -328,7 +337,7 @@ def check_room_for_ingest(home: Home, store: Store, storage: StorageConfig,
     """
     need = ingest_need(files, input_shape, os.statvfs(disk_space(home.root).path).f_bsize)
     reason = room_for(home, store, storage, need, f"ingesting {len(files)} files",
-                      _keep_versions(home), locked=False)
+                      lambda: _keep_versions(home), locked=False)
     if reason:
         raise StorageError(f"{reason}; the files were left where they are")
 

@@ -22,7 +22,7 @@ import sqlite_utils
 from sqlite_utils.db import NotFoundError
 
 from odtd.errors import StoreError, sqlite_storage_error
-from odtd.store.liveness import utc_now
+from odtd.store.liveness import open_database, utc_now
 from odtd.store.profiles import ProfileRows
 from odtd.store.pruned import PrunedRows
 from odtd.store.records import JUDGED, OUTCOMES, SessionRecord
@@ -66,16 +66,12 @@ class Store(ProfileRows, PrunedRows):
     def __init__(self, path: Path, busy_timeout_s: float = 10.0) -> None:
         self.path = Path(path)
         try:
-            # isolation_level=None: no implicit transactions; ``transaction()`` opens them
+            # No implicit transactions (isolation_level=None): ``transaction()`` opens them
             # explicitly, so a multi-statement write is all-or-nothing.
-            conn = sqlite3.connect(
-                str(self.path), timeout=busy_timeout_s, check_same_thread=False,
-                isolation_level=None, factory=_SavepointConnection,
-            )
+            conn = open_database(self.path, busy_timeout_s, factory=_SavepointConnection)
             self._depth = 0
             self._lock = threading.RLock()
             self.db = sqlite_utils.Database(conn)
-            self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA foreign_keys=ON")
             # FULL: in WAL mode each COMMIT is on disk when it returns. NORMAL may lose the
             # latest commits at a power cut, after odtd acted on them: an inbox file removed
