@@ -37,6 +37,14 @@ def storage_config(home: Path, min_free_mb: float, prune: str = "[runs, versions
         handle.write(f"storage:\n  min_free_mb: {min_free_mb}\n  prune: {prune}\n")
 
 
+def home_on(disk: Path, home: Path, min_free_mb: float | None = None) -> Path:
+    """A copy of the test's home on ``disk``, with that storage floor (None: the default)."""
+    shutil.copytree(home, disk / "home")
+    if min_free_mb is not None:
+        storage_config(disk / "home", min_free_mb)
+    return disk / "home"
+
+
 def one_error_line(proc) -> str:
     """The one ``Error:`` line a failed command printed (progress lines aside), no traceback."""
     errors = [line for line in proc.stderr.splitlines() if line.startswith("Error: ")]
@@ -127,8 +135,7 @@ def test_ingest_below_the_floor_refuses_with_the_free_and_needed_space(home, tmp
     write_images(tmp_path / "imgs", per_class=20, size=48)
     sources = sorted(p for p in (tmp_path / "imgs").rglob("*") if p.is_file())
     with tmpfs(tmp_path / "disk", 12) as disk:
-        shutil.copytree(home, disk / "home")
-        storage_config(disk / "home", 1)
+        home_on(disk, home, 1)
         fill(disk, 2 * MB)
         proc = odtctl("ingest", str(tmp_path / "imgs"), home=disk / "home", check=False)
         line = one_error_line(proc)
@@ -146,8 +153,7 @@ def test_a_disk_that_fills_during_an_ingest_stops_it_whole(home, tmp_path):
     # No floor (storage=None) and a disk smaller than the images: the ingest meets ENOSPC.
     write_images(tmp_path / "inbox", per_class=20, size=48)
     with tmpfs(tmp_path / "disk", 8) as disk:
-        shutil.copytree(home, disk / "home")
-        odtd_home = Home(disk / "home")
+        odtd_home = Home(home_on(disk, home))
         fill(disk, 1 * MB)
         store = odtd_home.open_store()
         try:
@@ -168,8 +174,7 @@ def test_a_disk_that_fills_during_an_ingest_stops_it_whole(home, tmp_path):
 def test_the_daemons_inbox_ingest_on_a_full_disk_keeps_the_files(home, tmp_path):
     write_images(tmp_path / "drop", per_class=10, size=48)
     with tmpfs(tmp_path / "disk", 8) as disk:
-        shutil.copytree(home, disk / "home")
-        storage_config(disk / "home", 1)
+        home_on(disk, home, 1)
         shutil.copytree(tmp_path / "drop", disk / "home" / "inbox", dirs_exist_ok=True)
         files = sorted(p for p in (disk / "home" / "inbox").rglob("*") if p.is_file())
         fill(disk, 1 * MB)
@@ -191,8 +196,7 @@ def test_a_session_that_would_not_fit_is_skipped_and_the_first_after_space_is_fr
         home, tmp_path):
     write_images(tmp_path / "imgs", per_class=6)
     with tmpfs(tmp_path / "disk", 16) as disk:
-        shutil.copytree(home, disk / "home")
-        storage_config(disk / "home", 1)
+        home_on(disk, home, 1)
         odtctl("ingest", str(tmp_path / "imgs"), home=disk / "home")
         current = (disk / "home" / "models/tinycnn/current").read_text()
         fill(disk, int(1.5 * MB))  # above the floor, below the floor plus what a session writes
@@ -217,8 +221,7 @@ def test_a_session_that_would_not_fit_is_skipped_and_the_first_after_space_is_fr
 def test_pruning_goes_runs_then_versions_then_trained_samples_and_spares_what_is_needed(home, tmp_path):
     write_images(tmp_path / "imgs", per_class=30, size=48)
     with tmpfs(tmp_path / "disk", 24) as disk:
-        shutil.copytree(home, disk / "home")
-        storage_config(disk / "home", 0)
+        home_on(disk, home, 0)
         odtd_home = Home(disk / "home")
         store = odtd_home.open_store()
         try:

@@ -16,15 +16,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, odtctl, odtctl_json, wait_for, write_images
 from mounts import bind, ext4_image, fs_error, remount, tmpfs, unmount
+from test_daemon import FAST_CONFIG
 from test_storage import one_error_line, storage_config
-
-FAST_CONFIG = """\
-schedule:
-  cron: "0 2 * * *"
-inbox:
-  scan_interval_s: 0.5
-heartbeat_interval_s: 0.5
-"""
 
 
 class Daemon:
