@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from odtd.config import Config
-from odtd.errors import failure_reason
+from odtd.errors import as_odtd_error, failure_reason
 from odtd.home.disk import room_for_session
 from odtd.home.ingest import load_sample_arrays
 from odtd.home.paths import Home
@@ -172,7 +172,8 @@ class SessionRunner:
         except BaseException as exc:
             # Promotion is all or nothing: the served model, the versions, the samples and the
             # replay buffer are as they were; the session is failed, with why.
-            logger.exception("session %d: accepting the candidate failed", record.id)
+            if as_odtd_error(exc) is None:  # a bug: its traceback; a full disk: its line
+                logger.exception("session %d: accepting the candidate failed", record.id)
             record.details.kept_for_resume = False
             record.details.replay_buffer = None
             record.model_version_after = current
