@@ -6,6 +6,7 @@ The library raises; only the ``odtd.cli`` package and ``odtd.daemon.service`` pr
 
 import errno
 import os
+import sqlite3
 
 
 class OdtdError(Exception):
@@ -99,11 +100,17 @@ def storage_error(error: OSError) -> StorageError:
 
 
 def as_odtd_error(error: BaseException) -> "OdtdError | None":
-    """The `OdtdError` to report for ``error``: itself, a filesystem error's one line, or None."""
+    """The `OdtdError` to report for ``error``: itself, a filesystem error's one line, or None.
+
+    SQLite's errors for a full, read-only or failing disk outside a transaction (a read that
+    meets a disk I/O error) are named after the database, whose path they do not carry.
+    """
     if isinstance(error, OdtdError):
         return error
     if isinstance(error, OSError) and error.errno in STORAGE_ERRNOS:
         return storage_error(error)
+    if isinstance(error, sqlite3.OperationalError):
+        return sqlite_storage_error(error, "odtd.db")
     return None
 
 

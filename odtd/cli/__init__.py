@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sqlite3
 import sys
 from typing import Optional
 
@@ -77,7 +78,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return COMMANDS[args.command](args)
     except BrokenPipeError:
         return 1
-    except (OdtdError, OSError) as exc:
+    except (OdtdError, OSError, sqlite3.Error) as exc:
         reported = as_odtd_error(exc)  # a full, read-only or vanished disk: one line too
         if reported is None:
             raise

@@ -22,6 +22,7 @@ import argparse
 import json
 import logging
 import os
+import sqlite3
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -114,7 +115,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     home = Home(resolve_home(args.home), Path(args.config) if args.config else None)
     try:
         result = TASKS[args.task](home, args)
-    except (OdtdError, OSError) as exc:
+    except (OdtdError, OSError, sqlite3.Error) as exc:
         reported = as_odtd_error(exc)  # a full, read-only or vanished disk: its one line
         if reported is None:
             raise

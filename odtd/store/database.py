@@ -78,8 +78,9 @@ class Store(ProfileRows, PrunedRows):
             # once its row committed, a `current` pointer moved (docs/storage.md).
             self.db.execute("PRAGMA synchronous=FULL")
             self.migrate()
-        except sqlite3.DatabaseError as exc:
-            raise StoreError(f"{self.path}: cannot open the database ({exc})") from None
+        except sqlite3.DatabaseError as exc:  # a read-only or full disk, no permission: its line
+            raise (sqlite_storage_error(exc, str(self.path)) or
+                   StoreError(f"{self.path}: cannot open the database ({exc})")) from None
 
     # -- schema ---------------------------------------------------------------------------
 
