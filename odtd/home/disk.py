@@ -43,6 +43,7 @@ MB = 1024 * 1024
 # cache adds 17 bytes per evaluation image.
 SESSION_MARGIN_BYTES = 2 * MB
 NPY_HEADER_BYTES = 128
+VERSION_BYTES = 8192  # a version's directory and manifest, in 4 KB blocks
 # The newest samples sessions trained on that pruning never takes: a session's BatchNorm
 # adaptation and distillation read up to this many (``session.runner.DEVICE_IMAGES``).
 KEPT_DEVICE_SAMPLES = 512
@@ -112,7 +113,7 @@ def _blocks(size_bytes: int, block_bytes: int) -> int:
 
 def session_need(home: Home, store: Store, samples: int, weights: Path,
                  device_images: int = 0) -> Need:
-    """A session's writes: its job data, the candidate weights and the rest (`SESSION_MARGIN_BYTES`).
+    """A session's writes: its job data, the candidate, the version and the rest.
 
     Args:
         home: the state directory.
@@ -128,8 +129,10 @@ def session_need(home: Home, store: Store, samples: int, weights: Path,
     train = samples * (pixels + 9) + device_images * pixels
     evaluation = sum(_size(path) for path in (home.validation_file(), home.reference_file()))
     evaluation += store.sample_counts()["holdout"] * (pixels + 16)
+    # Promoted, the candidate becomes the version by a rename: a new version adds its
+    # directory and manifest, not a second copy of the weights.
     return Need({"job data": train + evaluation, "candidate": _size(weights),
-                 "logs and records": SESSION_MARGIN_BYTES})
+                 "version": VERSION_BYTES, "logs and records": SESSION_MARGIN_BYTES})
 
 
 def _size(path: Path) -> int:

@@ -65,6 +65,9 @@ class Liveness:
         self._lock = threading.Lock()
         try:
             self._conn = open_database(self.path, busy_timeout_s)
+            # NORMAL: a heartbeat every few seconds need not flush the disk (an SD card wears);
+            # one lost at a power cut costs nothing. The store's own writes are FULL.
+            self._conn.execute("PRAGMA synchronous=NORMAL")
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"{self.path}: cannot open the database ({exc})") from None
 
