@@ -313,3 +313,24 @@ def test_a_database_sqlite_may_not_write_says_read_only_or_permissions(tmp_path)
     assert "(ENOSPC)" in str(sqlite_storage_error(
         sqlite3.OperationalError("database or disk is full"), str(db)))
     assert sqlite_storage_error(sqlite3.OperationalError("no such table: x"), str(db)) is None
+
+
+def test_a_home_this_user_may_not_write_is_one_line_naming_the_fix(home, tmp_path):
+    # Root without CAP_DAC_OVERRIDE obeys file modes, as the odtd user does.
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to drop the capability that overrides file modes")
+    write_images(tmp_path / "imgs", per_class=1)
+    for path in [home, *home.rglob("*")]:
+        path.chmod(path.stat().st_mode & ~0o222)  # read-only for everyone
+    try:
+        proc = subprocess.run(
+            ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps",
+             "-dac_override,-dac_read_search", "--", sys.executable, "-m", "odtd.cli", "--home",
+             str(home), "ingest", str(tmp_path / "imgs")],
+            capture_output=True, text=True, timeout=120, cwd=REPO)
+    finally:
+        for path in [home, *home.rglob("*")]:
+            path.chmod(path.stat().st_mode | 0o200)
+    line = one_error_line(proc)
+    assert "permission denied (EACCES)" in line and str(home) in line
+    assert "give the user odtd runs as read and write access" in line

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, odtctl, odtctl_json, wait_for, write_images
-from mounts import bind, ext4_image, fs_error, remount, tmpfs, unmount
+from mounts import MB, bind, ext4_image, fill, fs_error, remount, tmpfs, unmount
 from test_daemon import FAST_CONFIG
 from test_storage import one_error_line, storage_config
 
@@ -141,3 +141,22 @@ def test_a_home_missing_at_start_is_one_line_and_exit_78(tmp_path):
     assert proc.returncode == 78  # EX_CONFIG: the unit does not restart it in a loop
     line = one_error_line(proc)
     assert str(missing) in line and "mount it" in line
+
+
+def test_a_full_disk_keeps_the_inbox_files_until_space_is_freed(home, tmp_path, daemons):
+    write_images(tmp_path / "drop", per_class=10, size=48)
+    with tmpfs(tmp_path / "disk", 12) as disk:
+        odtd_home = daemon_on(home, disk / "odtd")
+        fill(disk, int(1.5 * MB))  # above the 1 MB floor, too little for the day's images
+        daemon = daemons(odtd_home, tmp_path / "daemon.log")
+        assert wait_for(lambda: fresh_heartbeat(odtd_home), 30)
+        shutil.copytree(tmp_path / "drop", odtd_home / "inbox", dirs_exist_ok=True)
+        dropped = sorted(p for p in (odtd_home / "inbox").rglob("*") if p.is_file())
+        assert daemon.says("inbox ingest failed: not enough disk space")
+        wait_for(lambda: not daemon.alive(), 2)  # a few scans later
+        assert sorted(p for p in (odtd_home / "inbox").rglob("*") if p.is_file()) == dropped
+        assert daemon.log.read_text().count("inbox ingest failed") == 1  # said once
+        (disk / "ballast").unlink()
+        assert wait_for(lambda: not any(p.is_file() for p in (odtd_home / "inbox").rglob("*")), 30)
+        assert odtctl_json("status", home=odtd_home)["samples"]["total"] == 100
+        assert daemon.stop() == 0
