@@ -57,7 +57,7 @@ test-compat: $(COMPAT_STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check odtd tests scripts
-	$(BIN)/vermin -t=3.6- --no-tips --violations --eval-annotations odtd/trainer odtd/atomic.py
+	$(BIN)/vermin -t=3.6- --no-tips --violations --eval-annotations odtd/trainer odtd/atomic.py odtd/errors.py
 	# Annotations are not evaluated on 3.8 (`from __future__ import annotations`), so not checked.
 	$(BIN)/vermin -t=3.8- --no-tips --violations --exclude-regex 'odtd/trainer/.*' odtd
 
