@@ -9,8 +9,10 @@ wrong in ``odtctl status`` and its log, hold sessions, and resume when the disk 
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,12 +25,13 @@ from test_storage import one_error_line, storage_config
 class Daemon:
     """``odtd run`` on a home, its log in a file (read while it runs)."""
 
-    def __init__(self, home: Path, log: Path) -> None:
+    def __init__(self, home: Path, log: Path, env: dict | None = None) -> None:
         self.log = log
         self._log_handle = open(log, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "odtd.daemon.service", "run", "--home",
                                       str(home)], stdout=subprocess.DEVNULL,
-                                     stderr=self._log_handle, cwd=REPO)
+                                     stderr=self._log_handle, cwd=REPO,
+                                     env=dict(os.environ, **(env or {})))
 
     def says(self, text: str, timeout_s: float = 30) -> bool:
         return bool(wait_for(lambda: text in self.log.read_text() or self.proc.poll() is not None,
@@ -55,7 +58,7 @@ class Daemon:
 @pytest.fixture
 def daemons():
     started: list = []
-    yield lambda home, log: started.append(Daemon(home, log)) or started[-1]
+    yield lambda home, log, env=None: started.append(Daemon(home, log, env)) or started[-1]
     for daemon in started:  # never leave a daemon behind when a test fails half-way
         daemon.kill()
 
@@ -98,16 +101,34 @@ def test_a_home_the_kernel_remounts_read_only_keeps_the_daemon_running_and_says_
         assert log.count("sessions and inbox scans wait") == 1  # said once, not every heartbeat
 
 
+def notifications(sock: socket.socket, until: str, timeout_s: float = 30) -> list[str]:
+    """sd_notify messages received until one contains ``until``."""
+    messages: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not any(until in m for m in messages):
+        messages.append(sock.recv(4096).decode())
+    return messages
+
+
 def test_a_home_read_only_at_start_is_waited_for_and_used_once_writable(home, tmp_path, daemons):
-    with tmpfs(tmp_path / "disk", 16) as disk:
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    notify.settimeout(30)
+    with tmpfs(tmp_path / "disk", 16) as disk, notify:
         odtd_home = daemon_on(home, disk / "odtd")
         remount(disk, "ro")
-        daemon = daemons(odtd_home, tmp_path / "daemon.log")
+        daemon = daemons(odtd_home, tmp_path / "daemon.log",
+                         {"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "2000000"})
         assert daemon.says("read-only file system (EROFS)")
         assert "EROFS" in odtctl_json("status", home=odtd_home)["storage"]["problem"]
+        # systemd sees it (STATUS=, in `systemctl status odtd`) and keeps getting its pings.
+        seen = notifications(notify, "STATUS=storage: ")
+        assert any("READY=1" in m for m in seen) and "read-only" in seen[-1]
+        assert sum("WATCHDOG=1" in m for m in notifications(notify, "never", 2.5)) >= 2
         assert daemon.alive()  # under systemd: no exit, so no restart loop
         remount(disk, "rw")
         assert daemon.says("the home can be written again")
+        assert notifications(notify, "STATUS=idle")[-1].startswith("STATUS=idle; next session")
         assert wait_for(lambda: fresh_heartbeat(odtd_home), 30)
         status = odtctl_json("status", home=odtd_home)
         assert status["storage"]["problem"] is None
