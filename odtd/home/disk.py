@@ -156,11 +156,11 @@ class Pruned:
 
     def describe(self) -> str:
         """'3 runs/ folders, versions v2 v3, 120 samples: 14.2 MB freed'."""
-        parts = [f"{self.runs} runs/ folders"] if self.runs else []
+        parts = [f"{self.runs} runs/ folder{'s' * (self.runs != 1)}"] if self.runs else []
         if self.versions:
             parts.append("versions " + " ".join(f"v{v}" for v in self.versions))
         if self.samples:
-            parts.append(f"{self.samples} trained samples")
+            parts.append(f"{self.samples} trained sample{'s' * (self.samples != 1)}")
         return f"{', '.join(parts) or 'nothing'}: {mb(self.freed_bytes)} freed"
 
     def to_dict(self) -> dict[str, Any]:

@@ -135,9 +135,9 @@ def storage_lines(storage: dict[str, Any]) -> list[str]:
                      f"{', '.join(storage['prune']) or 'nothing'})")
     pruned = storage["pruned"]
     if pruned["times"]:
-        lines.append(f"         pruned {pruned['times']} times, {mb(pruned['freed_bytes'])} freed "
-                     f"({pruned['samples']} samples in all); last at {pruned['last_at']}: "
-                     f"{pruned['last']}")
+        times = "once" if pruned["times"] == 1 else f"{pruned['times']} times"
+        lines.append(f"         pruned {times}, {mb(pruned['freed_bytes'])} freed in all "
+                     f"({pruned['samples']} samples); last at {pruned['last_at']}: {pruned['last']}")
     return lines
 
 
