@@ -2,7 +2,7 @@
 
 Ingest (the daemon's inbox task), a session (``odtctl train-now --foreground`` and its worker),
 the promotion (the writes inside ``Promotion.conclude``) and an export (``.npz`` and ``.keras``)
-run on a copy of one home under scripts/power_loss.py's injector: SIGKILLed at each write (a
+run on a copy of one home under scripts/fault_inject.py: SIGKILLed at each write (a
 power cut stops the process there), failed at each write with ENOSPC and EIO (a full or
 failing disk), and SIGKILLed at random moments. After each run: SQLite's integrity check,
 every sample row with its files, ``current`` naming a complete version; then odtd's own

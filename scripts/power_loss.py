@@ -1,16 +1,11 @@
 """Power loss at any point: odtd's operations killed at every write and at random moments.
 
-The real processes (``odtctl`` and the daemon's task processes, with their trainer workers)
-run under a fault injector that counts every write they make under the test's directory (a
-file opened for writing, a rename, a removal, a new directory: Python's audit events; and each
-SQL statement that writes) and, at the N-th, SIGKILLs the process (as a power cut would stop
-it) or makes that write fail (``ENOSPC``, ``EIO``). A kill at a random moment (a timer in the
-process) reaches the worker too, which dies with its parent. After each run the home is
-checked (`check_home`), then recovered as odtd would (the task again, or a session's recovery)
-and checked again, with the operation's own invariants.
-
-    python scripts/power_loss.py inject --root DIR [--at N [--fail enospc|eio] |
-        --kill-after-s S | --count FILE] [--within promotion] [--stdin FILE] -- -m MODULE ARGS
+Each run copies one home, runs an operation's real process (the daemon's inbox task, ``odtctl
+train-now --foreground`` with its trainer worker, ``odtctl models export``) under
+scripts/fault_inject.py, which SIGKILLs it at its N-th write (as a power cut would stop it),
+or fails that write (``ENOSPC``, ``EIO``), or SIGKILLs it at a random moment; then checks the
+home (`check_home`), recovers it as odtd would (the task again, a session's recovery, the
+export again) and checks it again with the operation's own invariants (`Scenario`).
 
 scripts/bench_power_loss.py runs 200 and more kill points per operation; tests/test_power_loss.py
 a few of each.
@@ -18,19 +13,14 @@ a few of each.
 
 from __future__ import annotations
 
-import argparse
-import errno
 import hashlib
 import json
 import os
 import random
-import runpy
 import shutil
-import signal
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 import zipfile
 from dataclasses import dataclass, field
@@ -38,101 +28,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = Path(__file__).resolve()
-WRITE_EVENTS = ("open", "os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree",
-                "shutil.copyfile", "os.truncate")
-FAILABLE = ("open", "os.rename", "os.mkdir", "shutil.copyfile")  # a full disk fails these
-WRITE_SQL = ("INSERT", "UPDATE", "DELETE", "REPLACE", "BEGIN", "COMMIT", "SAVEPOINT", "RELEASE",
-             "CREATE", "ALTER", "DROP")
+INJECTOR = Path(__file__).resolve().with_name("fault_inject.py")
 OPERATIONS = ("ingest", "session", "promotion", "export")
-
-
-# -- the injector: runs in the process under test -------------------------------------------------
-
-class Injector:
-    """Counts the writes a process makes under ``root``; acts at the ``at``-th."""
-
-    def __init__(self, root: str, at: Optional[int], fail: Optional[str], within: Optional[str]):
-        self.root, self.at, self.fail = root, at, fail
-        self.active = within is None
-        self.count = 0
-
-    def point(self, what: str, sql: bool = False) -> None:
-        if not self.active:
-            return
-        self.count += 1
-        if self.count != self.at:
-            return
-        if self.fail is None:
-            os.kill(os.getpid(), signal.SIGKILL)  # the power goes: nothing runs after this
-        code = errno.ENOSPC if self.fail == "enospc" else errno.EIO
-        if sql:
-            raise sqlite3.OperationalError("database or disk is full" if code == errno.ENOSPC
-                                           else "disk I/O error")
-        raise OSError(code, f"{os.strerror(code)} (injected)", what)
-
-    def audit(self, event: str, args: tuple) -> None:
-        if event not in WRITE_EVENTS or not args or not isinstance(args[0], str):
-            return
-        if not os.path.abspath(args[0]).startswith(self.root):
-            return
-        if event == "open" and not (args[2] or 0) & (os.O_WRONLY | os.O_RDWR):
-            return
-        if self.fail is not None and event not in FAILABLE:
-            if self.active:
-                self.count += 1  # counted, but a removal does not fail for want of space
-            return
-        self.point(args[0])
-
-
-def inject(argv: list[str]) -> None:
-    """``inject``: run ``-m MODULE ARGS`` under an `Injector` (see the module's docstring)."""
-    parser = argparse.ArgumentParser(prog="power_loss.py inject")
-    parser.add_argument("--root", required=True)
-    parser.add_argument("--at", type=int)
-    parser.add_argument("--fail", choices=["enospc", "eio"])
-    parser.add_argument("--kill-after-s", type=float)
-    parser.add_argument("--count")
-    parser.add_argument("--within", choices=["promotion"])
-    parser.add_argument("--stdin")
-    parser.add_argument("command", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    injector = Injector(os.path.abspath(args.root), args.at, args.fail, args.within)
-    from odtd.store import database
-
-    def counted(method: Callable) -> Callable:
-        def execute(self, sql, *rest):
-            if str(sql).lstrip().split(" ", 1)[0].upper() in WRITE_SQL:
-                injector.point(f"odtd.db: {str(sql)[:40]}", sql=True)
-            return method(self, sql, *rest)
-        return execute
-
-    database._SavepointConnection.execute = counted(sqlite3.Connection.execute)
-    database._SavepointConnection.executemany = counted(sqlite3.Connection.executemany)
-    if args.within == "promotion":
-        from odtd.session import promotion
-
-        conclude = promotion.Promotion.conclude
-
-        def concluding(self, *rest, **kwargs):
-            injector.active = True
-            return conclude(self, *rest, **kwargs)
-
-        promotion.Promotion.conclude = concluding
-    sys.addaudithook(injector.audit)
-    if args.kill_after_s is not None:
-        timer = threading.Timer(args.kill_after_s, os.kill, (os.getpid(), signal.SIGKILL))
-        timer.daemon = True
-        timer.start()
-    if args.count:
-        import atexit
-
-        atexit.register(lambda: Path(args.count).write_text(str(injector.count)))
-    if args.stdin:
-        sys.stdin = open(args.stdin)
-    sys.argv = [command[1], *command[2:]]
-    runpy.run_module(command[1], run_name="__main__", alter_sys=True)
 
 
 # -- what must hold -----------------------------------------------------------------------------
@@ -263,13 +160,17 @@ class Scenario:
 
     def run(self, operation: str, *, at: Optional[int] = None, fail: Optional[str] = None,
             kill_after_s: Optional[float] = None, count: bool = False, export_to: str = ".npz"
-            ) -> tuple[Run, int]:
-        """Run ``operation`` once under the injector, check, recover, check; (the run, writes)."""
+            ) -> tuple[Run, dict]:
+        """Run ``operation`` once under the injector, check, recover, check.
+
+        Returns:
+            The run, and with ``count`` its writes: ``{"writes": N, "failable": M}``.
+        """
         started = time.monotonic()
         root, home = self.fresh()
         before = self._state(home)
         command, stdin = self.command(operation, root, home, export_to)
-        inject_args = ["inject", "--root", str(root)]
+        inject_args = ["--root", str(root)]
         if at is not None:
             inject_args += ["--at", str(at)] + (["--fail", fail] if fail else [])
         if kill_after_s is not None:
@@ -283,7 +184,7 @@ class Scenario:
             inject_args += ["--stdin", str(stdin)]
         env = dict(os.environ, ODTD_HOME=str(home))
         operation_started = time.monotonic()
-        done = self.runner([str(SCRIPT), *inject_args, "--", *command], env, 600)
+        done = self.runner([str(INJECTOR), *inject_args, "--", *command], env, 600)
         operation_s = time.monotonic() - operation_started
         how = "count" if count else f"{fail or 'kill'}@{at}" if at is not None else \
             f"kill-after-{kill_after_s:.2f}s"
@@ -300,7 +201,7 @@ class Scenario:
         result.violations += self._kept(operation, root, home, before, export_to)
         result.seconds = round(time.monotonic() - started, 2)
         result.operation_s = round(operation_s, 2)
-        writes = int(counter.read_text()) if count and counter.exists() else 0
+        writes = json.loads(counter.read_text()) if count and counter.exists() else {}
         return result, writes
 
     def _state(self, home: Path) -> dict:
@@ -322,8 +223,7 @@ class Scenario:
             return
         command, stdin = self.command(operation, root, home, export_to)
         if stdin is not None:
-            command = [str(SCRIPT), "inject", "--root", str(root), "--stdin", str(stdin), "--",
-                       *command]
+            command = [str(INJECTOR), "--root", str(root), "--stdin", str(stdin), "--", *command]
         self.runner(command, env, 600)
 
     def _kept(self, operation: str, root: Path, home: Path, before: dict, export_to: str
@@ -423,8 +323,9 @@ def kill_points(scenario: Scenario, operation: str, budget: int, seed: int = 0,
     # random moments.
     share = max(1, budget * 3 // 4 // (len(modes) * len(formats)))
     for mode in modes:
-        for export_to in formats:
-            plan += [(mode, at, export_to) for at in spread(writes[export_to], share)]
+        for export_to in formats:  # a kill at any write; a failure at those a disk can fail
+            points = writes[export_to]["writes" if mode == "kill" else "failable"]
+            plan += [(mode, at, export_to) for at in spread(points, share)]
     for mode, at, export_to in plan:
         run, _ = scenario.run(operation, at=at, fail=None if mode == "kill" else mode,
                               export_to=export_to)
@@ -446,10 +347,3 @@ def kill_points(scenario: Scenario, operation: str, budget: int, seed: int = 0,
             "failures_at_writes": sum(r.how.startswith(("enospc@", "eio@")) for r in runs),
             "kills_at_random_moments": sum(r.how.startswith("kill-after") for r in runs),
             "operation_s": durations, "violations": violations}
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["inject"]:
-        inject(sys.argv[2:])
-    else:
-        sys.exit(__doc__)
