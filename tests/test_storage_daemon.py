@@ -146,7 +146,8 @@ def test_a_disk_pulled_out_and_put_back(home, tmp_path, daemons):
             unmount(mnt)  # pulled out
             assert daemon.says("no odtd home there")
             line = one_error_line(odtctl("status", home=odtd_home, check=False))
-            assert "no such directory: if the home lives on a data disk, mount it" in line
+            assert "not an odtd home (no such directory): if the home lives on a data disk, " \
+                "mount it" in line
             assert daemon.alive()
             with bind(backing, mnt):  # put back
                 assert daemon.says("the home can be written again")

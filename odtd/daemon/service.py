@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -250,10 +251,12 @@ class Daemon:
                                                           for path, label in files]))
             self._inbox_error = None
         except (OSError, OdtdError) as exc:
-            # Logged once: a full disk refuses every scan until space is freed.
-            (logger.debug if str(exc) == self._inbox_error else logger.error)(
+            # Logged once: a full disk refuses every scan until space is freed (with other
+            # counts and sizes as files arrive).
+            again = re.sub(r"[\d.]+", "#", str(exc))
+            (logger.debug if again == self._inbox_error else logger.error)(
                 "inbox ingest failed: %s", exc)
-            self._inbox_error = str(exc)
+            self._inbox_error = again
 
     def _catch_up_missed_run(self) -> None:
         cron, _, grace_s = self._schedule()

@@ -53,9 +53,9 @@ class Home:
         """Raise StoreError with the fix when this home was never initialised."""
         if not self.root.exists():
             raise StoreError(
-                f"{self.root}: no such directory: if the home lives on a data disk, mount it; "
-                "else run `odtctl init --model NAME` (or --model-file FILE), or pass --home / set "
-                "ODTD_HOME"
+                f"{self.root}: not an odtd home (no such directory): if the home lives on a data "
+                "disk, mount it; else run `odtctl init --model NAME` (or --model-file FILE), or "
+                "pass --home / set ODTD_HOME"
             )
         if not self.is_initialised():
             raise StoreError(
