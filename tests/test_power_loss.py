@@ -12,7 +12,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import power_loss  # noqa: E402
 
 # Kill points per operation here: a sample of the write points in each mode, and random moments.
-BUDGET = {"ingest": 9, "session": 4, "promotion": 6, "export": 8}
+BUDGET = {"ingest": 8, "session": 4, "promotion": 4, "export": 8}
 
 
 @pytest.fixture(scope="session")
