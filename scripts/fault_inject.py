@@ -11,8 +11,10 @@ can fail fails instead, as on a full (``ENOSPC``, SQLite's "database or disk is 
 failing disk (``EIO``, "disk I/O error"): a file opened for writing, a rename, a new directory,
 a statement that changes rows, a commit (not a removal, a savepoint or a lock).
 ``--kill-after-s`` SIGKILLs it after that long, wherever it is; its trainer worker dies with it.
-``--count`` writes ``{"writes": N, "failable": M}`` to FILE at the end; ``--within promotion``
-counts only inside ``Promotion.conclude``. scripts/power_loss.py drives it.
+``--within promotion`` counts only inside ``Promotion.conclude``, and starts the
+``--kill-after-s`` clock there. ``--count`` writes ``{"writes": N, "failable": M, "within_s":
+S}`` to FILE at the end (S: the seconds spent inside, with ``--within``). scripts/power_loss.py
+drives it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import signal
 import sqlite3
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -100,6 +103,13 @@ def main(argv: list[str]) -> None:
 
     database._SavepointConnection.execute = injector.statements(sqlite3.Connection.execute)
     database._SavepointConnection.executemany = injector.statements(sqlite3.Connection.executemany)
+    def kill_later() -> None:
+        if args.kill_after_s is not None:
+            timer = threading.Timer(args.kill_after_s, os.kill, (os.getpid(), signal.SIGKILL))
+            timer.daemon = True
+            timer.start()
+
+    within = [0.0]
     if args.within == "promotion":
         from odtd.session import promotion
 
@@ -107,17 +117,21 @@ def main(argv: list[str]) -> None:
 
         def concluding(self, *rest, **kwargs):
             injector.active = True
-            return conclude(self, *rest, **kwargs)
+            kill_later()
+            started = time.monotonic()
+            try:
+                return conclude(self, *rest, **kwargs)
+            finally:
+                within[0] += time.monotonic() - started
 
         promotion.Promotion.conclude = concluding
+    else:
+        kill_later()
     sys.addaudithook(injector.audit)
-    if args.kill_after_s is not None:
-        timer = threading.Timer(args.kill_after_s, os.kill, (os.getpid(), signal.SIGKILL))
-        timer.daemon = True
-        timer.start()
     if args.count:
         atexit.register(lambda: Path(args.count).write_text(json.dumps(
-            {"writes": injector.count, "failable": injector.failable})))
+            {"writes": injector.count, "failable": injector.failable,
+             "within_s": round(within[0], 4)})))
     if args.stdin:
         sys.stdin = open(args.stdin)
     sys.argv = [command[1], *command[2:]]

@@ -18,6 +18,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -174,7 +175,7 @@ class Scenario:
         if at is not None:
             inject_args += ["--at", str(at)] + (["--fail", fail] if fail else [])
         if kill_after_s is not None:
-            inject_args += ["--kill-after-s", f"{kill_after_s:.3f}"]
+            inject_args += ["--kill-after-s", f"{kill_after_s:.4f}"]
         counter = root / "writes"
         if count:
             inject_args += ["--count", str(counter)]
@@ -187,7 +188,7 @@ class Scenario:
         done = self.runner([str(INJECTOR), *inject_args, "--", *command], env, 600)
         operation_s = time.monotonic() - operation_started
         how = "count" if count else f"{fail or 'kill'}@{at}" if at is not None else \
-            f"kill-after-{kill_after_s:.2f}s"
+            f"kill-after-{kill_after_s:.3f}s"
         if operation == "export":
             how += f" ({export_to})"
         result = Run(operation, how, done.returncode, "Traceback" in done.stderr)
@@ -317,7 +318,9 @@ def kill_points(scenario: Scenario, operation: str, budget: int, seed: int = 0,
     for export_to in formats:
         counted, writes[export_to] = scenario.run(operation, count=True, export_to=export_to)
         runs.append(counted)
-        durations[export_to] = counted.operation_s
+        # A promotion's random moments fall inside it: its clock starts there.
+        durations[export_to] = writes[export_to]["within_s"] if operation == "promotion" \
+            else counted.operation_s
     # Three quarters of the budget at write points, shared out evenly by mode and format, each
     # share spread evenly over the writes (every write when the share allows); a quarter at
     # random moments.
@@ -334,7 +337,8 @@ def kill_points(scenario: Scenario, operation: str, budget: int, seed: int = 0,
             on_run(run)
     while len(runs) - len(formats) < budget:  # the counting runs are no kill points
         export_to = formats[-1]
-        run, _ = scenario.run(operation, kill_after_s=rng.uniform(0.05, durations[export_to]),
+        start_s = 0.0 if operation == "promotion" else 0.05
+        run, _ = scenario.run(operation, kill_after_s=rng.uniform(start_s, durations[export_to]),
                               export_to=export_to)
         runs.append(run)
         if on_run:
@@ -346,4 +350,7 @@ def kill_points(scenario: Scenario, operation: str, budget: int, seed: int = 0,
             "kills_at_writes": sum(r.how.startswith("kill@") for r in runs),
             "failures_at_writes": sum(r.how.startswith(("enospc@", "eio@")) for r in runs),
             "kills_at_random_moments": sum(r.how.startswith("kill-after") for r in runs),
+            # of those, the ones that stopped it before it ended (fresh processes: -SIGKILL)
+            "random_kills_that_stopped_it": sum(r.how.startswith("kill-after") and
+                                                r.returncode == -signal.SIGKILL for r in runs),
             "operation_s": durations, "violations": violations}
