@@ -1,6 +1,6 @@
 """Run one of odtd's commands and stop it at its N-th write, as a power cut or a failing disk would.
 
-    python scripts/fault_inject.py --root DIR [--at N [--fail enospc|eio] | --kill-after-s S]
+    python scripts/fault_inject.py --root DIR [--at N [--fail enospc|eio]] [--kill-after-s S]
         [--count FILE] [--within promotion] [--stdin FILE] -- -m MODULE ARGS
 
 The process counts every write it makes under ``--root``: a file opened for writing, a rename,
@@ -10,11 +10,11 @@ SIGKILLs itself (nothing runs after a power cut). With ``--fail`` the N-th write
 can fail fails instead, as on a full (``ENOSPC``, SQLite's "database or disk is full") or
 failing disk (``EIO``, "disk I/O error"): a file opened for writing, a rename, a new directory,
 a statement that changes rows, a commit (not a removal, a savepoint or a lock).
-``--kill-after-s`` SIGKILLs it after that long, wherever it is; its trainer worker dies with it.
-``--within promotion`` counts only inside ``Promotion.conclude``, and starts the
-``--kill-after-s`` clock there. ``--count`` writes ``{"writes": N, "failable": M, "within_s":
-S}`` to FILE at the end (S: the seconds spent inside, with ``--within``). scripts/power_loss.py
-drives it.
+``--kill-after-s`` SIGKILLs it after that long, wherever it is (its trainer worker dies with
+it); with ``--at N``, that long after its N-th write: a moment between two writes, or inside
+the next. ``--within promotion`` counts only inside ``Promotion.conclude``. ``--count`` writes
+``{"writes": N, "failable": M, "within_s": S}`` to FILE at the end (S: the seconds spent inside,
+with ``--within``). scripts/power_loss.py drives it.
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ SQL_FAILABLE = ("INSERT", "UPDATE", "DELETE", "REPLACE", "COMMIT", "CREATE", "AL
 class Injector:
     """Counts the writes a process makes under ``root``; acts at the ``at``-th."""
 
-    def __init__(self, root: str, at: Optional[int], fail: Optional[str], active: bool) -> None:
+    def __init__(self, root: str, at: Optional[int], fail: Optional[str], active: bool,
+                 delay_s: Optional[float] = None) -> None:
         self.root, self.at, self.fail, self.active = root, at, fail, active
+        self.delay_s = delay_s
         self.count = self.failable = 0
 
     def point(self, what: str, failable: bool, sql: bool = False) -> None:
@@ -55,7 +57,9 @@ class Injector:
         self.count += 1
         self.failable += failable
         if self.fail is None:
-            if self.count == self.at:
+            if self.count == self.at and self.delay_s:
+                kill_after(self.delay_s)
+            elif self.count == self.at:
                 os.kill(os.getpid(), signal.SIGKILL)  # the power goes: nothing runs after this
             return
         if not failable or self.failable != self.at:
@@ -86,6 +90,13 @@ class Injector:
         return execute
 
 
+def kill_after(delay_s: float) -> None:
+    """SIGKILL this process ``delay_s`` from now, whatever it is doing then."""
+    timer = threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGKILL))
+    timer.daemon = True
+    timer.start()
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="fault_inject.py", description=__doc__.splitlines()[0])
     parser.add_argument("--root", required=True)
@@ -98,17 +109,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    injector = Injector(os.path.abspath(args.root), args.at, args.fail, args.within is None)
+    after_write = args.at is not None and args.fail is None
+    injector = Injector(os.path.abspath(args.root), args.at, args.fail, args.within is None,
+                        args.kill_after_s if after_write else None)
     from odtd.store import database
 
     database._SavepointConnection.execute = injector.statements(sqlite3.Connection.execute)
     database._SavepointConnection.executemany = injector.statements(sqlite3.Connection.executemany)
-    def kill_later() -> None:
-        if args.kill_after_s is not None:
-            timer = threading.Timer(args.kill_after_s, os.kill, (os.getpid(), signal.SIGKILL))
-            timer.daemon = True
-            timer.start()
-
     within = [0.0]
     if args.within == "promotion":
         from odtd.session import promotion
@@ -117,7 +124,6 @@ def main(argv: list[str]) -> None:
 
         def concluding(self, *rest, **kwargs):
             injector.active = True
-            kill_later()
             started = time.monotonic()
             try:
                 return conclude(self, *rest, **kwargs)
@@ -125,8 +131,8 @@ def main(argv: list[str]) -> None:
                 within[0] += time.monotonic() - started
 
         promotion.Promotion.conclude = concluding
-    else:
-        kill_later()
+    if args.kill_after_s is not None and not after_write:
+        kill_after(args.kill_after_s)
     sys.addaudithook(injector.audit)
     if args.count:
         atexit.register(lambda: Path(args.count).write_text(json.dumps(

@@ -105,7 +105,7 @@ class Run:
     """One run of an operation: how it was stopped, and what it left."""
 
     operation: str
-    how: str  # "kill@N", "enospc@N", "eio@N", "kill-after-S", "count"
+    how: str  # "kill@N", "enospc@N", "eio@N", "kill-after-Ss", "kill-after-write-N+Dms", "count"
     returncode: int
     traceback: bool
     violations: list[str] = field(default_factory=list)
@@ -189,10 +189,12 @@ class Scenario:
         operation_s = time.monotonic() - operation_started
         how = "count" if count else f"{fail or 'kill'}@{at}" if at is not None else \
             f"kill-after-{kill_after_s:.3f}s"
+        if at is not None and kill_after_s is not None:
+            how = f"kill-after-write-{at}+{kill_after_s * 1000:.1f}ms"
         if operation == "export":
             how += f" ({export_to})"
         result = Run(operation, how, done.returncode, "Traceback" in done.stderr)
-        if result.traceback and fail is None and at is None and kill_after_s is None:
+        if result.traceback and count:
             result.violations.append(f"traceback: {done.stderr[-400:]}")
         if fail is not None and result.traceback:
             result.violations.append(f"a traceback, not one Error: line: {done.stderr[-300:]}")
@@ -318,9 +320,7 @@ def kill_points(scenario: Scenario, operation: str, budget: int, seed: int = 0,
     for export_to in formats:
         counted, writes[export_to] = scenario.run(operation, count=True, export_to=export_to)
         runs.append(counted)
-        # A promotion's random moments fall inside it: its clock starts there.
-        durations[export_to] = writes[export_to]["within_s"] if operation == "promotion" \
-            else counted.operation_s
+        durations[export_to] = counted.operation_s
     # Three quarters of the budget at write points, shared out evenly by mode and format, each
     # share spread evenly over the writes (every write when the share allows); a quarter at
     # random moments.
@@ -337,9 +337,12 @@ def kill_points(scenario: Scenario, operation: str, budget: int, seed: int = 0,
             on_run(run)
     while len(runs) - len(formats) < budget:  # the counting runs are no kill points
         export_to = formats[-1]
-        start_s = 0.0 if operation == "promotion" else 0.05
-        run, _ = scenario.run(operation, kill_after_s=rng.uniform(start_s, durations[export_to]),
-                              export_to=export_to)
+        if operation == "promotion":  # its moments inside it: after a random write, 0-10 ms on
+            run, _ = scenario.run(operation, at=rng.randint(1, writes[export_to]["writes"]),
+                                  kill_after_s=rng.uniform(0.0001, 0.01))
+        else:
+            run, _ = scenario.run(operation, kill_after_s=rng.uniform(0.05, durations[export_to]),
+                                  export_to=export_to)
         runs.append(run)
         if on_run:
             on_run(run)
