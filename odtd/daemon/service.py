@@ -249,7 +249,7 @@ class Daemon:
             if files:
                 self.run_task("ingest", stdin=json.dumps([[str(path), label]
                                                           for path, label in files]))
-            self._inbox_error = None
+                self._inbox_error = None
         except (OSError, OdtdError) as exc:
             # Logged once: a full disk refuses every scan until space is freed (with other
             # counts and sizes as files arrive).
