@@ -96,6 +96,7 @@ def test_a_move_across_filesystems_copies_and_removes_the_source(tmp_path):
 # -- init ------------------------------------------------------------------------------------
 
 
+@pytest.mark.trains
 def test_init_on_a_disk_of_its_own_works_as_in_the_temporary_directory(tmp_path):
     keras = "k3" if int(importlib.metadata.version("keras").split(".")[0]) == 3 else "k2"
     model_file = KERAS_FILES / keras / "cnn_softmax.keras"
@@ -116,6 +117,7 @@ def test_init_on_a_disk_of_its_own_works_as_in_the_temporary_directory(tmp_path)
         assert odtctl_json("ingest", str(tmp_path / "imgs"), home=disk / "home---model")["accepted"]
 
 
+@pytest.mark.trains
 def test_a_failed_init_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path):
     write_images(tmp_path / "replay", per_class=40, size=64)  # ~5 MB of PNGs, more than fits
     with tmpfs(tmp_path / "disk", 3) as disk:
