@@ -113,7 +113,7 @@ tx2-tests: $(TX2_DAEMON)/.installed $(TX2_PY36)/.installed
 
 lint: $(STAMP)
 	$(BIN)/ruff check odtd tests scripts
-	$(BIN)/vermin -t=3.6- --no-tips --violations --eval-annotations odtd/trainer
+	$(BIN)/vermin -t=3.6- --no-tips --violations --eval-annotations odtd/trainer odtd/atomic.py odtd/errors.py
 	# Annotations are not evaluated on 3.8 (`from __future__ import annotations`), so not checked.
 	$(BIN)/vermin -t=3.8- --no-tips --violations --exclude-regex 'odtd/trainer/.*' odtd
 

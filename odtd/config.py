@@ -125,6 +125,44 @@ class ImagesConfig(_Strict):
                     "Pillow's area-averaging bilinear, as keras.utils.load_img")
 
 
+PruneKind = Literal["runs", "versions", "samples"]
+PRUNE_ORDER: tuple[str, ...] = ("runs", "versions", "samples")
+
+
+class StorageConfig(_Strict):
+    """The home's disk: the free space odtd keeps, and what it may delete to keep it.
+
+    Below the floor an ingest refuses (the files stay where they are) and a session that would
+    not fit is skipped, after odtd pruned what ``prune`` allows (``odtd.home.disk``).
+
+    Attributes:
+        min_free_mb: the floor, in MB (1024 * 1024 bytes) left free on the home's filesystem
+            after any write odtd makes; room for SQLite, the logs and the rest of the system.
+        prune: what odtd may delete to get back above the floor, always in this order: ``runs``
+            (old ``runs/`` folders: job files and worker logs), ``versions`` (model versions
+            beyond the policy's ``models.keep_versions``), ``samples`` (the oldest trained
+            samples that neither the replay buffer nor a session still reads). Never the
+            current model, its parent, a pending or held-out sample, or the replay buffer.
+    """
+
+    min_free_mb: float = Field(
+        default=256.0, ge=0,
+        description="free space (MB) odtd keeps on the home's filesystem: below it ingest "
+                    "refuses and sessions that would not fit are skipped")
+    prune: list[PruneKind] = Field(
+        default_factory=lambda: ["runs", "versions"],
+        description="what odtd may delete to stay above min_free_mb, applied in the order runs, "
+                    "versions, samples (samples: the oldest trained ones the replay buffer "
+                    "does not hold)")
+
+    @field_validator("prune")
+    @classmethod
+    def _no_repeats(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"{value}: name each of runs, versions, samples at most once")
+        return value
+
+
 class MetricsConfig(_Strict):
     """Prometheus textfile export (node_exporter's textfile collector)."""
 
@@ -140,6 +178,7 @@ class Config(_Strict):
     telemetry: TelemetryConfig = TelemetryConfig()
     images: ImagesConfig = ImagesConfig()
     metrics: MetricsConfig = MetricsConfig()
+    storage: StorageConfig = StorageConfig()
     policy: str = "policy.yaml"
     heartbeat_interval_s: float = Field(default=5.0, gt=0)
 
@@ -244,6 +283,10 @@ images:                     # set before `odtctl init`: the validation and repla
                             # of keras.utils.image_dataset_from_directory; stretch is its default)
   antialias: false          # false: bilinear as image_dataset_from_directory (tf.image.resize);
                             # true: Pillow's area-averaging bilinear, as keras.utils.load_img
+storage:                    # the home's disk (docs/jetson.md, "A data disk for the home")
+  min_free_mb: 256          # free space kept: below it ingest refuses, sessions that would not fit skip
+  prune: [runs, versions]   # what odtd may delete to stay above it (add samples: the oldest
+                            # trained samples the replay buffer does not hold)
 policy: policy.yaml         # relative to ODTD_HOME, or an absolute path
 heartbeat_interval_s: 5
 """

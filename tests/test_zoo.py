@@ -7,7 +7,11 @@ synthetic shapes (the "server") at 32x32, saved as ``.keras``. Each is imported 
 (``init --model-file --validation --replay``, the defaults: no policy given), then sessions run
 on 64 images a day of a dusk camera: the first promotion must come by session 2 and the served
 model must gain on the device's validation set. scripts/bench_zoo.py runs the same at the full
-sizes, beside hand-picked recipes (docs/own-model.md).
+sizes, beside hand-picked recipes (docs/own-model.md), for all five.
+
+MobileNetV3Small and EfficientNetB0 are left to the benchmark: at this test's scale they reach
+27-30% (chance is 20%), a gain on 400 validation images is within its noise, and the two took
+170 s of the suite's five minutes (a MobileNet's import, session and export is in test_byom.py).
 """
 
 import numpy as np
@@ -17,8 +21,7 @@ from conftest import REPO, built_once, odtctl, odtctl_json, plain_python
 from odtd.sim.datasets import synthetic, write_image_folder
 from odtd.sim.shifts import get_shift
 
-ZOO = ("tutorial_residual", "sequential_dropout", "mobilenet_v3_small", "efficientnet_b0",
-       "transfer_frozen_base")
+ZOO = ("tutorial_residual", "sequential_dropout", "transfer_frozen_base")
 CLASSES = ["c0", "c1", "c2", "c3", "c4"]
 SIZE, IMAGES, EPOCHS, WIDTH = 32, 480, 3, 0.25  # the server's training, scaled down
 

@@ -6,7 +6,8 @@ Owns: the argument parser and dispatch (here), one module per command group (``s
 other package, always lazily inside a handler, so ``odtctl --help`` and ``odtctl status`` stay
 fast and never load TensorFlow.
 
-Only this package (and the daemon's entry point) prints and exits: an ``OdtdError`` becomes one
+Only this package (and the daemon's entry point) prints and exits: an ``OdtdError``, or a
+filesystem error of a full, read-only or vanished disk (``errors.as_odtd_error``), becomes one
 ``Error: ...`` line and exit status 1.
 """
 
@@ -14,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sqlite3
 import sys
 from typing import Optional
 
 from odtd import __version__
 from odtd.cli import doctor, models, profiling, sessions, setup, simulate, telemetry
 from odtd.cli.output import COMMANDS
-from odtd.errors import OdtdError
+from odtd.errors import OdtdError, as_odtd_error
 
 # The order of `odtctl --help`.
 _GROUPS = (setup, sessions, models, simulate, profiling, telemetry, doctor)
@@ -74,13 +76,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     try:
         return COMMANDS[args.command](args)
-    except OdtdError as exc:
-        lines = str(exc).splitlines() or [type(exc).__name__]
+    except BrokenPipeError:
+        return 1
+    except (OdtdError, OSError, sqlite3.Error) as exc:
+        reported = as_odtd_error(exc)  # a full, read-only or vanished disk: one line too
+        if reported is None:
+            raise
+        lines = str(reported).splitlines() or [type(exc).__name__]
         for line in lines:
             print(f"Error: {line}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("Error: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        return 1

@@ -134,7 +134,10 @@ class ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         """Stop serving and remove the socket file."""
         self.shutdown()
         self.server_close()
-        self.path.unlink(missing_ok=True)
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError as exc:  # a read-only home: the next start finds it stale and removes it
+            logger.warning("cannot remove %s: %s", self.path, exc)
 
 
 def _remove_stale_socket(path: Path) -> None:

@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,13 +26,14 @@ from typing import Any, Optional
 from odtd import __version__
 from odtd.config import Config, resolve_home
 from odtd.daemon.control import ControlServer
+from odtd.daemon.health import DiskHealth
 from odtd.daemon.inbox import InboxWatcher
 from odtd.daemon.scheduler import Scheduler, missed_fire_time
 from odtd.daemon.sdnotify import Notifier
-from odtd.errors import ConfigError, OdtdError, PolicyError, SessionBusy
+from odtd.errors import ConfigError, OdtdError, PolicyError, SessionBusy, StorageError, StoreError
 from odtd.home.paths import Home
 from odtd.policy import Policy, load_policy
-from odtd.store.liveness import Liveness, utc_now
+from odtd.store.liveness import utc_now
 from odtd.trainer.launch import NOTIFY_ENV_VARS
 
 logger = logging.getLogger(__name__)
@@ -54,7 +56,9 @@ class Daemon:
         self.config: Config = home.load_config()
         self.policy: Policy = load_policy(home.policy_path(self.config))
         self.notifier = notifier or Notifier.from_environ()
-        self.liveness = Liveness(home.db_path)
+        self.health = DiskHealth(home)  # owns the liveness row's connection
+        self._status_sent: Optional[str] = None
+        self._inbox_error: Optional[str] = None
         self.inbox = InboxWatcher(home.inbox)
         self.scheduler = Scheduler(self._scheduled_session, *self._schedule())
         self.control: Optional[ControlServer] = None
@@ -110,20 +114,35 @@ class Daemon:
     # -- lifecycle ----------------------------------------------------------------------------
 
     def recover(self) -> list[int]:
-        """Mark sessions a crashed daemon left ``running`` as interrupted (samples stay pending)."""
-        return self.run_task("recover")["recovered"]
+        """Mark sessions a crashed daemon left ``running`` as interrupted (samples stay pending).
+
+        On a disk that cannot be written it is logged and left to the first session, which
+        recovers before it starts.
+        """
+        try:
+            return self.run_task("recover")["recovered"]
+        except OdtdError as exc:
+            logger.error("recovery at start not done: %s; the first session does it", exc)
+            return []
+
+    def _start_control(self) -> None:
+        """Listen on the control socket; on a read-only home, retried at each heartbeat."""
+        try:
+            self.control = ControlServer(self.home.socket_path, self.handle_request)
+        except OSError as exc:
+            self.health.write_failed(exc)
+            return
+        self.control.start()
 
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT; return the exit status."""
         self.recover()
-        self.control = ControlServer(self.home.socket_path, self.handle_request)
-        self.control.start()
+        self._start_control()
         self.scheduler.start()
-        self.liveness.write_daemon(pid=os.getpid(), started_at=utc_now(), heartbeat_at=utc_now(),
-                                   next_session_at=self._next_session_at(), paused=0,
-                                   state="running")
+        self.health.write_daemon(pid=os.getpid(), started_at=utc_now(), heartbeat_at=utc_now(),
+                             next_session_at=self._next_session_at(), paused=0, state="running")
         self.notifier.ready()
-        self.notifier.status(f"idle; next session {self._next_session_at()}")
+        self.notifier.status(self.health.status(f"idle; next session {self._next_session_at()}"))
         logger.info("odtd %s running on %s (pid %d); schedule %s; next session %s", __version__,
                     self.home.root, os.getpid(), self._schedule()[0], self._next_session_at())
         self._catch_up_missed_run()
@@ -158,8 +177,8 @@ class Daemon:
             while thread.is_alive():
                 thread.join(timeout=_TICK_S)
                 self.notifier.watchdog()
-        self.liveness.write_daemon(state="stopped", heartbeat_at=utc_now(), next_session_at=None)
-        self.liveness.close()
+        self.health.write_daemon(state="stopped", heartbeat_at=utc_now(), next_session_at=None)
+        self.health.close()
         logger.info("stopped")
         return 0
 
@@ -186,13 +205,13 @@ class Daemon:
             policy = load_policy(self.home.policy_path(config))
         except OdtdError as exc:
             logger.error("reload rejected, the previous config and policy stay in force: %s", exc)
-            self.liveness.log_event("reload_rejected", str(exc))
+            self.health.log_event("reload_rejected", str(exc))
             raise
         schedule = self._schedule(config, policy)
         if schedule != self._schedule():
             self.scheduler.reschedule(*schedule)
         self.config, self.policy = config, policy
-        self.liveness.log_event("reloaded", "config and policy reloaded", schedule=schedule[0])
+        self.health.log_event("reloaded", "config and policy reloaded", schedule=schedule[0])
         logger.info("reloaded config and policy; schedule %s; next session %s", schedule[0],
                     self._next_session_at())
         self.heartbeat()
@@ -200,40 +219,66 @@ class Daemon:
                 "next_session_at": self._next_session_at()}
 
     def heartbeat(self) -> None:
-        """Update the liveness row ``odtctl status`` reads."""
-        self.liveness.write_daemon(heartbeat_at=utc_now(), next_session_at=self._next_session_at(),
-                                   paused=int(self.paused), state="running", pid=os.getpid())
+        """Update the liveness row ``odtctl status`` reads, and report the disk's health.
+
+        A heartbeat that cannot be written (a read-only or vanished disk) is reported, not
+        fatal: the daemon holds sessions and inbox scans and tries again next time.
+        """
+        if self.health.write_daemon(heartbeat_at=utc_now(), next_session_at=self._next_session_at(),
+                                    paused=int(self.paused), state="running", pid=os.getpid()):
+            if self.health.write_succeeded():
+                self.health.log_event("storage_recovered", "the home can be written again")
+            if self.control is None:
+                self._start_control()
+        self.health.check_space(self.config.storage)
+        line = self.health.status("idle")
+        if line != self._status_sent and (self._session_thread is None
+                                          or not self._session_thread.is_alive()):
+            self._status_sent = line
+            self.notifier.status(self.health.status(f"idle; next session {self._next_session_at()}"))
 
     def _next_session_at(self) -> Optional[str]:
         when = None if self.paused else self.scheduler.next_run_time()
         return when.isoformat(timespec="seconds") if when else None
 
     def _scan_inbox(self) -> None:
+        if self.health.problem:  # reported; the files wait in the inbox
+            return
         try:
             files = self.inbox.stable_files()
             if files:
                 self.run_task("ingest", stdin=json.dumps([[str(path), label]
                                                           for path, label in files]))
+                self._inbox_error = None
         except (OSError, OdtdError) as exc:
-            logger.error("inbox ingest failed: %s", exc)
+            # Logged once: a full disk refuses every scan until space is freed (with other
+            # counts and sizes as files arrive).
+            again = re.sub(r"[\d.]+", "#", str(exc))
+            (logger.debug if again == self._inbox_error else logger.error)(
+                "inbox ingest failed: %s", exc)
+            self._inbox_error = again
 
     def _catch_up_missed_run(self) -> None:
         cron, _, grace_s = self._schedule()
         # A run is owed only for fire times after the last scheduled session, and after the
         # home was created: a new install does not train at once for last night.
-        marks = [m for m in (self.liveness.last_scheduled_start(), self.liveness.created_at()) if m]
+        liveness = self.health.liveness
+        marks = [m for m in (liveness.last_scheduled_start(), liveness.created_at()) if m]
         last = max(datetime.fromisoformat(m) for m in marks).astimezone() if marks else None
         missed = missed_fire_time(cron, last, datetime.now().astimezone(), grace_s)
         if missed is not None:
             logger.info("the scheduled session of %s was missed (board off?); running it now", missed)
-            self.start_session("schedule")
+            try:
+                self.start_session("schedule")
+            except StorageError as exc:
+                logger.warning("the missed session waits for the next one: %s", exc)
 
     # -- sessions -------------------------------------------------------------------------------
 
     def _scheduled_session(self, trigger: str) -> None:
         try:
             thread = self.start_session(trigger)
-        except SessionBusy as exc:
+        except (SessionBusy, StorageError) as exc:
             logger.warning("scheduled session skipped: %s", exc)
             return
         thread.join()
@@ -243,7 +288,10 @@ class Daemon:
 
         Raises:
             SessionBusy: a session is already running.
+            StorageError: the home cannot be written (the next scheduled run tries again).
         """
+        if self.health.problem:
+            raise StorageError(f"no session while the home cannot be written: {self.health.problem}")
         with self._session_guard:
             if self._session_thread is not None and self._session_thread.is_alive():
                 raise SessionBusy("a session is already running; wait for it (odtctl status)")
@@ -265,7 +313,7 @@ class Daemon:
             self._last_session = self._result("session", process.returncode, out)
         except OdtdError as exc:  # a session process that died must not take the daemon down
             logger.error("session not run: %s", exc)
-            self.liveness.log_event("session_process_failed", str(exc), pid=process.pid)
+            self.health.log_event("session_process_failed", str(exc), pid=process.pid)
             self._last_session = {"error": str(exc)}
         finally:
             self.notifier.status(f"idle; next session {self._next_session_at()}")
@@ -331,7 +379,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except OdtdError as exc:
         for line in str(exc).splitlines():
             print(f"Error: {line}", file=sys.stderr)
-        return EX_CONFIG if isinstance(exc, (ConfigError, PolicyError)) else 1
+        # A home that is not there (its disk not mounted) is not fixed by a restart either.
+        return EX_CONFIG if isinstance(exc, (ConfigError, PolicyError, StoreError)) else 1
     signal.signal(signal.SIGTERM, lambda signum, frame: daemon.request_shutdown("SIGTERM"))
     signal.signal(signal.SIGINT, lambda signum, frame: daemon.request_shutdown("SIGINT"))
     signal.signal(signal.SIGHUP, lambda signum, frame: daemon.request_reload())

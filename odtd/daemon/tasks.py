@@ -22,12 +22,13 @@ import argparse
 import json
 import logging
 import os
+import sqlite3
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
 from odtd.config import resolve_home
-from odtd.errors import OdtdError
+from odtd.errors import OdtdError, as_odtd_error
 from odtd.home.paths import Home
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def _recover(home: Home, args: argparse.Namespace) -> dict[str, Any]:
     store = home.open_store()
     try:
         with SessionLock(home.session_lock):
-            return {"recovered": recover_stale_sessions(store)}
+            return {"recovered": recover_stale_sessions(store, home)}
     finally:
         store.close()
 
@@ -114,8 +115,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     home = Home(resolve_home(args.home), Path(args.config) if args.config else None)
     try:
         result = TASKS[args.task](home, args)
-    except OdtdError as exc:
-        print(json.dumps({"error": str(exc)}), flush=True)
+    except (OdtdError, OSError, sqlite3.Error) as exc:
+        reported = as_odtd_error(exc)  # a full, read-only or vanished disk: its one line
+        if reported is None:
+            raise
+        print(json.dumps({"error": str(reported)}), flush=True)
         return 1
     print(json.dumps(result, default=str), flush=True)
     return 0

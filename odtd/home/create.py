@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
 
+from odtd import atomic
 from odtd.config import Config, default_config_text
 from odtd.errors import ConfigError, IngestError, ModelError, TrainerFailed
 from odtd.home.images import BadImage, decode_image
@@ -74,6 +77,39 @@ def builtin_input_shape(model: str, input_size: Optional[tuple[int, int]]) -> li
                           "--input-size out for the default") from None
 
 
+def _leaves_nothing_on_failure(init: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    """Remove, when ``init`` fails, whatever it created in the home: no half-made home stays.
+
+    What was there before (the same file, by inode) stays: a config or policy a person wrote,
+    the home's directory itself if it existed. ``--force`` had asked for the rest to go.
+    """
+
+    @functools.wraps(init)
+    def wrapper(home: Home, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        existed = home.root.exists()
+        before = _inodes(home.root)
+        try:
+            return init(home, *args, **kwargs)
+        except BaseException:
+            for name, inode in _inodes(home.root).items():
+                if before.get(name) != inode:
+                    atomic.remove_quietly(home.root / name)
+            if not existed:
+                with contextlib.suppress(OSError):
+                    home.root.rmdir()
+            raise
+
+    return wrapper
+
+
+def _inodes(directory: Path) -> dict[str, int]:
+    try:
+        return {entry.name: entry.inode() for entry in os.scandir(directory)}
+    except OSError:  # missing, or unreadable: nothing of it is init's to remove
+        return {}
+
+
+@_leaves_nothing_on_failure
 def init_home(
     home: Home,
     model: Optional[str],
@@ -95,8 +131,9 @@ def init_home(
 ) -> dict[str, Any]:
     """Create an ODTD_HOME and return a summary.
 
-    Version 0 is made first, by a worker, in a staging directory outside the home: a refused
-    model file, unreadable weights or a bad validation directory leave no half-made home.
+    Version 0 is made first, by a worker, in a hidden staging directory of the home (on its
+    filesystem, wherever that is mounted): a refused model file, unreadable weights, a bad
+    validation directory or a full disk leave no half-made home.
 
     Args:
         home: the state directory.
@@ -167,7 +204,8 @@ def init_home(
     else:
         recipe = recipe_for(model, imported=model_file is not None)
     config = home.load_config()
-    with tempfile.TemporaryDirectory(prefix="odtd-init-") as staging:
+    # Staged in the home itself: the files rename into place on the same filesystem.
+    with atomic.staging_dir(home.root, "init-") as staging:
         stage = Path(staging)
         spec, result = stage_version0(config, stage, name, classes, model_file, weights, seed,
                                       input_scale, output, say, input_shape=shape,
@@ -205,12 +243,10 @@ def init_home(
             np.savez(home.reference_file(), x=reference[0], y=reference[1])
         repo = ModelRepo(home.models, name)
         repo.dir.mkdir(parents=True, exist_ok=True)
-        # Moved or copied, not renamed: the staging directory (/tmp) and the home may be two
-        # filesystems (a TX2's state on its SD card or NVMe drive; "Invalid cross-device link").
         for staged in stage.glob(ORIGINAL_STEM + ".*"):
-            shutil.move(str(staged), str(repo.dir / staged.name))
+            atomic.move(staged, repo.dir / staged.name)
         if (stage / ARCHITECTURE_NAME).exists():
-            shutil.move(str(stage / ARCHITECTURE_NAME), str(repo.dir / ARCHITECTURE_NAME))
+            atomic.move(stage / ARCHITECTURE_NAME, repo.dir / ARCHITECTURE_NAME)
         version, manifest = repo.add_version(
             stage / "weights.npz", classes=classes, input_shape=spec.input_shape,
             param_count=result.get("param_count"), parent=None,

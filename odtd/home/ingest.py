@@ -21,9 +21,12 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
-from odtd.config import Config
-from odtd.errors import IngestError
+from odtd import atomic
+from odtd.config import Config, StorageConfig
+from odtd.errors import STORAGE_ERRNOS, IngestError, StorageError, storage_error
+from odtd.home.disk import check_room_for_ingest
 from odtd.home.images import BadImage, check_fit, decode_image
+from odtd.home.lock import ingest_lock
 from odtd.home.paths import Home
 from odtd.store.database import Store, utc_now
 
@@ -123,6 +126,8 @@ class Ingestor:
         channels: the model's channels, 3 (RGB) or 1 (greyscale).
         resize: ``stretch``, ``crop`` or ``pad``: ``odtd.yaml``'s ``images.resize``.
         antialias: ``odtd.yaml``'s ``images.antialias``.
+        storage: ``odtd.yaml``'s ``storage``: an ingest that would take the disk below its
+            floor refuses (``home.disk``); None = no floor.
 
     `for_home` builds one from a home's model and ``odtd.yaml``.
 
@@ -141,6 +146,7 @@ class Ingestor:
         channels: int = 3,
         resize: str = "stretch",
         antialias: bool = False,
+        storage: Optional[StorageConfig] = None,
     ) -> None:
         self.home = home
         self.store = store
@@ -151,6 +157,7 @@ class Ingestor:
         self.resize = resize
         self.antialias = antialias
         self.holdout_every = holdout_every
+        self.storage = storage
 
     @classmethod
     def for_home(cls, home: Home, store: Store, config: Optional[Config] = None,
@@ -167,9 +174,10 @@ class Ingestor:
             ConfigError: ``odtd.yaml`` is invalid (only when ``config`` is None).
         """
         height, width, channels = store.meta("input_shape")
-        images = (config or home.load_config()).images
+        config = config or home.load_config()
         return cls(home, store, store.meta("classes"), (width, height), holdout_every,
-                   channels=channels, resize=images.resize, antialias=images.antialias)
+                   channels=channels, resize=config.images.resize,
+                   antialias=config.images.antialias, storage=config.storage)
 
     def ingest(
         self,
@@ -186,14 +194,30 @@ class Ingestor:
             move: remove each source after it is stored or quarantined (the inbox);
                 otherwise sources are left untouched (``odtctl ingest``).
             progress: called with (done, total) every 100 files.
+
+        Raises:
+            StorageError: the disk would go below ``storage.min_free_mb`` (checked first:
+                nothing is written), or filled up, or is read-only: every sample stored before
+                is whole, the file at hand and the rest are where they were.
         """
         day = day or date.today().isoformat()
         files = list(files)
+        if self.storage is not None and files:
+            check_room_for_ingest(self.home, self.store, self.storage, [p for p, _ in files],
+                                  self.input_shape)
         report = IngestReport()
-        for done, (path, label) in enumerate(files, start=1):
-            self._ingest_one(path, label, day, move, report)
-            if progress and (done % 100 == 0 or done == len(files)):
-                progress(done, len(files))
+        with ingest_lock(self.home.ingest_lock):
+            for done, (path, label) in enumerate(files, start=1):
+                try:
+                    self._ingest_one(path, label, day, move, report)
+                except OSError as exc:
+                    if exc.errno not in STORAGE_ERRNOS:
+                        raise
+                    raise StorageError(f"{storage_error(exc)}; {report.accepted} of {len(files)} "
+                                       "files were stored, the rest were left where they are"
+                                       ) from None
+                if progress and (done % 100 == 0 or done == len(files)):
+                    progress(done, len(files))
         return report
 
     def _ingest_one(self, path: Path, label: Optional[str], day: str, move: bool,
@@ -224,8 +248,13 @@ class Ingestor:
         suffix = path.suffix.lower() if path.suffix.lower() in IMAGE_SUFFIXES else ".img"
         stored = folder / f"{sha}{suffix}"
         array = folder / f"{sha}.npy"
-        stored.write_bytes(data)
-        np.save(array, pixels, allow_pickle=False)
+        try:
+            _write_sample_files(stored, data, array, pixels)
+        except OSError as exc:
+            if not self.store.has_sample(sha):  # else a concurrent ingest's row owns them
+                stored.unlink(missing_ok=True)
+                array.unlink(missing_ok=True)
+            raise OSError(exc.errno, exc.strerror, exc.filename or str(folder)) from None
         holdout = self.holdout_every and int(sha[:8], 16) % self.holdout_every == 0
         added = self.store.add_sample({
             "sha256": sha, "label": label, "day": day,
@@ -263,6 +292,25 @@ class Ingestor:
         report.rejected += 1
         report.rejected_files.append({"path": str(path), "reason": reason})
         logger.info("quarantined %s: %s", path, reason)
+
+
+def _write_sample_files(stored: Path, data: bytes, array: Path, pixels: np.ndarray) -> None:
+    """Write a sample's files and flush them, before its row commits.
+
+    Flushed first: the row's commit is durable (``synchronous=FULL``) and, from the inbox,
+    the source is deleted once it is; a power cut must not leave a row whose files were still
+    in the page cache. Content-addressed names: a killed ingest's leftover is overwritten by
+    the same content, or removed by ``repair``.
+    """
+    with open(stored, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    with open(array, "wb") as handle:
+        np.save(handle, pixels, allow_pickle=False)
+        handle.flush()
+        os.fsync(handle.fileno())
+    atomic.fsync(stored.parent)
 
 
 def load_sample_arrays(

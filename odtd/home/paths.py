@@ -38,6 +38,7 @@ class Home:
         self.run = self.root / "run"
         self.socket_path = self.run / "odtd.sock"
         self.session_lock = self.run / "session.lock"
+        self.ingest_lock = self.run / "ingest.lock"
 
     def directories(self) -> list[Path]:
         """Return every directory an initialised home has."""
@@ -50,6 +51,12 @@ class Home:
 
     def require(self) -> None:
         """Raise StoreError with the fix when this home was never initialised."""
+        if not self.root.exists():
+            raise StoreError(
+                f"{self.root}: not an odtd home (no such directory): if the home lives on a data "
+                "disk, mount it; else run `odtctl init --model NAME` (or --model-file FILE), or "
+                "pass --home / set ODTD_HOME"
+            )
         if not self.is_initialised():
             raise StoreError(
                 f"{self.root}: not an odtd home (no odtd.db); run `odtctl init --model NAME` (or "

@@ -14,12 +14,12 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
 
+from odtd import atomic
 from odtd.errors import ModelError
 from odtd.home.paths import Home
 from odtd.store.database import Store
@@ -29,38 +29,6 @@ logger = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "weights.npz"
 MANIFEST_NAME = "manifest.json"
-
-
-def fsync_dir(path: Path) -> None:
-    """Flush a directory entry (after a rename) to disk."""
-    fd = os.open(str(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
-    """Replace ``path`` with ``data`` so readers see the old or the new content, never a mix.
-
-    The content is written under a hidden, per-process name (``.NAME.PID.tmp``: an inbox scan
-    skips it, and two writers never share it) and renamed. ``durable`` also fsyncs the file
-    and its directory, for state that must survive a power cut.
-    """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        if durable:
-            handle.flush()
-            os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    if durable:
-        fsync_dir(path.parent)
-
-
-def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
-    """`atomic_write_bytes` for UTF-8 text."""
-    atomic_write_bytes(path, text.encode("utf-8"), durable)
 
 
 def check_weights_file(path: Path) -> list[str]:
@@ -114,11 +82,11 @@ class ModelRepo:
     def adopt_eval_cache(self, candidate_results: Path) -> None:
         """Make a promoted candidate's validation results the eval cache (if the worker wrote them)."""
         if candidate_results.exists():
-            os.replace(candidate_results, self.eval_cache_path)
+            atomic.move(candidate_results, self.eval_cache_path)
 
     def keep_for_resume(self, candidate: Path) -> None:
         """Keep a refused candidate as the next session's starting point (replacing any earlier)."""
-        os.replace(candidate, self.resume_path)
+        atomic.move(candidate, self.resume_path)
 
     def clear_resume(self) -> None:
         """Forget the resumable candidate: the next session starts from the current version."""
@@ -154,7 +122,7 @@ class ModelRepo:
         """Atomically make ``version`` the current model."""
         if not self.weights_path(version).exists():
             raise ModelError(f"{self.name} v{version}: no such version (see `odtctl models versions`)")
-        atomic_write_text(self.dir / "current", f"v{version}\n")
+        atomic.write_text(self.dir / "current", f"v{version}\n")
 
     def manifest(self, version: int) -> dict[str, Any]:
         """Return a version's manifest."""
@@ -206,9 +174,10 @@ class ModelRepo:
         staging.mkdir(parents=True)
         target = staging / WEIGHTS_NAME
         if move:
-            os.replace(weights, target)
+            atomic.move(weights, target, durable=False)  # flushed below, with the manifest
         else:
             shutil.copyfile(weights, target)
+        atomic.fsync(target)
         manifest = {
             "model": self.name,
             "version": version,
@@ -226,7 +195,7 @@ class ModelRepo:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(staging, final)
-        fsync_dir(self.dir)
+        atomic.fsync(self.dir)
         logger.info("stored %s v%d (parent %s)", self.name, version, parent)
         return version, manifest
 
@@ -236,7 +205,10 @@ class ModelRepo:
         protected = {current, self.manifest(current).get("parent")}
         if version in protected:
             raise ModelError(f"{self.name} v{version} is current or its parent; it cannot be removed")
-        shutil.rmtree(self.version_dir(version))
+        # Renamed away first: a version is whole or gone, never half-deleted by a crash.
+        doomed = self.dir / f".v{version}.removing"
+        os.replace(self.version_dir(version), doomed)
+        shutil.rmtree(doomed)
 
 
 def list_versions(home: Home, store: Store) -> list[dict[str, Any]]:
@@ -273,6 +245,24 @@ def rollback(home: Home, store: Store, version: int) -> dict[str, Any]:
 EXPORT_SUFFIXES = (".npz", ".keras", ".h5")
 
 
+def remove_stale_temporaries(directory: Path, stem: str) -> list[Path]:
+    """Remove the staged files (``odtd.atomic``) of ``stem`` that a killed export left in ``directory``.
+
+    Only those of processes that are gone, and only those named after ``stem``: an export's
+    directory is the user's.
+    """
+    removed = []
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        if f".{stem}." in entry.name and atomic.is_abandoned(entry.name):
+            atomic.remove_quietly(entry)
+            removed.append(entry)
+    return removed
+
+
 def export(home: Home, store: Store, version: int, out: Path, as_given: bool = False,
            on_message: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
     """Write a version (verified by sha256) to ``out`` and record the export.
@@ -299,24 +289,25 @@ def export(home: Home, store: Store, version: int, out: Path, as_given: bool = F
                          "(a full Keras model)")
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.stem}.{os.getpid()}.tmp{out.suffix}")
+    remove_stale_temporaries(out.parent, out.stem)
     result = {"export": "weights"}
-    if out.suffix == ".npz":
-        shutil.copyfile(repo.weights_path(version), tmp)
-    else:
-        original = original_file(repo.dir) if as_given else None
-        if as_given and (original is None or original.suffix != out.suffix):
-            given = "a built-in network has none" if original is None else \
-                f"it was {original.suffix}"
-            raise ModelError(f"--as-given writes into a copy of the model file given to init: "
-                             f"name --out like it ({given})")
-        with tempfile.TemporaryDirectory(dir=home.runs) as job_dir:
-            job = make_job("export", spec.name, spec.classes, spec.input_shape,
-                           weights_in=str(repo.weights_path(version)), export_to=str(tmp),
-                           model_file=str(original) if original else None, **spec.job_keys(home))
-            result, _, _ = run_job(home.load_config().trainer.command(), job, Path(job_dir),
-                                   on_message=on_message)
-    os.replace(tmp, out)
+    original = original_file(repo.dir) if as_given else None
+    if as_given and (original is None or original.suffix != out.suffix):
+        given = "a built-in network has none" if original is None else f"it was {original.suffix}"
+        raise ModelError(f"--as-given writes into a copy of the model file given to init: "
+                         f"name --out like it ({given})")
+    # Staged beside --out (same filesystem, wherever it is), renamed over it when whole.
+    with atomic.staged(out) as tmp:
+        if out.suffix == ".npz":
+            shutil.copyfile(repo.weights_path(version), tmp)
+        else:
+            with atomic.staging_dir(home.runs, "export-") as job_dir:
+                job = make_job("export", spec.name, spec.classes, spec.input_shape,
+                               weights_in=str(repo.weights_path(version)), export_to=tmp,
+                               model_file=str(original) if original else None,
+                               **spec.job_keys(home))
+                result, _, _ = run_job(home.load_config().trainer.command(), job, Path(job_dir),
+                                       on_message=on_message)
     sha = file_sha256(out)
     store.log_event("export", f"{spec.name} v{version} exported to {out}", version=version,
                     out=str(out))

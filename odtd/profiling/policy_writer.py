@@ -7,12 +7,12 @@ table and the memory fit go on top as comments.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
 
+from odtd import atomic
 from odtd.errors import PolicyError
 from odtd.policy import Policy, load_policy
 from odtd.profiling.memory_fit import allowed_mb
@@ -137,13 +137,8 @@ def write_policy(path: Path, base_policy: Policy, profile: ProfileResult, object
     text = "".join(f"# {line}".rstrip() + "\n" for line in header) + \
         yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
     path = Path(path)
-    temp = path.with_name(path.name + ".tmp")
-    temp.write_text(text, encoding="utf-8")
-    try:
-        load_policy(temp, missing_ok=False)
-    except PolicyError:
-        temp.unlink()
-        raise
-    os.replace(temp, path)
+    with atomic.staged(path) as temp:  # checked before it replaces anything
+        Path(temp).write_text(text, encoding="utf-8")
+        load_policy(Path(temp), missing_ok=False)
     return {"path": str(path), "batch_size": size, "objective": objective,
             "memory_budget_mb": budget_mb, "notes": notes}

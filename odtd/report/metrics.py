@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from odtd import atomic
 from odtd.home.paths import Home
-from odtd.home.versions import atomic_write_text
-from odtd.report.status import daemon_status
+from odtd.report.status import daemon_status, storage_section
 from odtd.store.database import OUTCOMES, Store
 from odtd.store.records import kept
 
@@ -55,6 +55,21 @@ def prometheus_text(home: Home, store: Store) -> str:
               None if last.get("peak_memory_mb") is None else last["peak_memory_mb"] * 1024 * 1024, labels))
     add("last_session_duration_seconds", "gauge", "Duration of the last session",
         _line("last_session_duration_seconds", last.get("duration_s"), labels))
+    storage = storage_section(home, store)
+    if not storage.get("error"):
+        pruned = storage["pruned"]
+        add("storage_free_bytes", "gauge", "Free bytes on the home's filesystem",
+            _line("storage_free_bytes", storage["free_bytes"]))
+        add("storage_min_free_bytes", "gauge", "The floor odtd keeps free (storage.min_free_mb)",
+            _line("storage_min_free_bytes", storage["min_free_bytes"]))
+        add("storage_writable", "gauge", "1 when the home can be written (0: read-only or gone)",
+            _line("storage_writable", int(storage["problem"] is None)))
+        add("storage_prunings_total", "counter", "Times odtd pruned to stay above the floor",
+            _line("storage_prunings_total", pruned["times"]))
+        add("storage_pruned_bytes_total", "counter", "Bytes freed by pruning",
+            _line("storage_pruned_bytes_total", pruned["freed_bytes"]))
+        add("storage_pruned_samples_total", "counter", "Trained samples pruned",
+            _line("storage_pruned_samples_total", pruned["samples"]))
     lines: list[str] = []
     for name, kind, help_text, values in metrics:
         if values:
@@ -64,4 +79,4 @@ def prometheus_text(home: Home, store: Store) -> str:
 
 def write_textfile(path: Path, text: str) -> None:
     """Write atomically (node_exporter must never read a half-written file)."""
-    atomic_write_text(path, text, durable=False)
+    atomic.write_text(path, text, durable=False)

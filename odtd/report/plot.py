@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from odtd import atomic
 from odtd.errors import OdtdError
 from odtd.store.records import kept
 
@@ -80,7 +81,8 @@ def plot_sessions(sessions: list[dict[str, Any]], out: Path, title: str) -> Path
     ax_mem.set_xlabel("session day")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    with atomic.staged(out, durable=False) as staged:  # the suffix stays: it names the format
+        fig.savefig(staged, dpi=110)
     plt.close(fig)
     return out
 
@@ -166,6 +168,7 @@ def plot_arms(summary: dict[str, Any], out: Path) -> Path:
     axes[-1].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    with atomic.staged(out, durable=False) as staged:  # the suffix stays: it names the format
+        fig.savefig(staged, dpi=110)
     plt.close(fig)
     return out

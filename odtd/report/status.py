@@ -7,6 +7,7 @@ from datetime import datetime, timezone
 from typing import Any, Optional
 
 from odtd.errors import OdtdError
+from odtd.home.disk import mb, storage_status
 from odtd.home.paths import Home
 from odtd.home.versions import ModelRepo
 from odtd.report.efficiency import cumulative_efficiency
@@ -41,8 +42,8 @@ def daemon_status(store: Store) -> dict[str, Any]:
     if row.get("heartbeat_at"):
         beat = datetime.fromisoformat(row["heartbeat_at"])
         age = round((datetime.now(timezone.utc) - beat).total_seconds(), 1)
-    running = bool(row.get("state") == "running" and pid_alive(row.get("pid"))
-                   and age is not None and age < HEARTBEAT_STALE_S)
+    alive = row.get("state") == "running" and pid_alive(row.get("pid"))
+    running = bool(alive and age is not None and age < HEARTBEAT_STALE_S)
     return {
         "running": running,
         "pid": row.get("pid") if running else None,
@@ -50,6 +51,8 @@ def daemon_status(store: Store) -> dict[str, Any]:
         "next_session_at": row.get("next_session_at") if running else None,
         "paused": bool(row.get("paused")) if running else False,
         "started_at": row.get("started_at"),
+        # alive but silent: a daemon that cannot write its heartbeat (a read-only disk)
+        "silent_pid": row.get("pid") if alive and not running else None,
     }
 
 
@@ -106,6 +109,15 @@ def gates_status(home: Home) -> dict[str, Any]:
                                       "reason": r.reason} for r in results]}
 
 
+def storage_section(home: Home, store: Store) -> dict[str, Any]:
+    """Return the ``storage`` section: the home's disk (``home.disk.storage_status``)."""
+    try:
+        storage = home.load_config().storage
+    except OdtdError as exc:
+        return {"error": str(exc)}
+    return {"error": None, **storage_status(home, store, storage)}
+
+
 def status(home: Home, store: Store, limit: int = 10) -> dict[str, Any]:
     """Return the ``odtctl status --json`` object."""
     model = model_status(home, store)
@@ -115,9 +127,32 @@ def status(home: Home, store: Store, limit: int = 10) -> dict[str, Any]:
         "daemon": daemon_status(store),
         "model": model,
         "samples": store.sample_counts(),
+        "storage": storage_section(home, store),
         "gates": gates_status(home),
         "sessions": session_objects(store, limit),
     }
+
+
+def storage_lines(storage: dict[str, Any]) -> list[str]:
+    """The ``storage`` section for people: free space and the floor, a problem, pruning."""
+    if storage.get("error"):
+        return [f"storage  odtd.yaml invalid: {storage['error']}"]
+    free, floor = mb(storage["free_bytes"]), mb(storage["min_free_bytes"])
+    lines = [f"storage  {free} free of {mb(storage['total_bytes'])} on the filesystem of "
+             f"{storage['path']}; floor {floor} (storage.min_free_mb)"]
+    if storage["problem"]:
+        lines.append(f"         PROBLEM: {storage['problem']}; sessions and ingest wait, the "
+                     "daemon retries on its schedule")
+    elif storage["below_floor"]:
+        lines.append(f"         BELOW THE FLOOR: ingest refuses and a session that does not fit is "
+                     f"skipped; free space on that disk (odtd may prune: "
+                     f"{', '.join(storage['prune']) or 'nothing'})")
+    pruned = storage["pruned"]
+    if pruned["times"]:
+        times = "once" if pruned["times"] == 1 else f"{pruned['times']} times"
+        lines.append(f"         pruned {times}, {mb(pruned['freed_bytes'])} freed in all "
+                     f"({pruned['samples']} samples); last at {pruned['last_at']}: {pruned['last']}")
+    return lines
 
 
 def session_objects(store: Store, limit: Optional[int] = None) -> list[dict[str, Any]]:
@@ -202,6 +237,9 @@ def render_status(data: dict[str, Any]) -> str:
         state = "paused" if d["paused"] else "running"
         lines.append(f"daemon   {state} (pid {d['pid']}, heartbeat {d['heartbeat_age_s']} s ago); "
                      f"next session {d['next_session_at'] or '-'}")
+    elif d.get("silent_pid"):
+        lines.append(f"daemon   pid {d['silent_pid']} is alive but its heartbeat is "
+                     f"{d['heartbeat_age_s']} s old (see storage; `journalctl -u odtd`)")
     else:
         lines.append("daemon   not running (start it with `odtd run` or `systemctl start odtd`)")
     lines.append(f"model    {m['name']} v{m['version']}  accuracy {pct(m['accuracy'])}  "
@@ -217,7 +255,10 @@ def render_status(data: dict[str, Any]) -> str:
                      f"{rate['policy_rate']:g} diverged on this model ({rate['found_by']}); "
                      "sessions start at the lower rate until training.learning_rate changes")
     lines.append(f"samples  total {s['total']}  pending {s['pending']}  trained {s['trained']}  "
-                 f"holdout {s['holdout']}  quarantined {s['quarantined']}")
+                 f"holdout {s['holdout']}  quarantined {s['quarantined']}" +
+                 (f"  pruned {s['pruned']}" if s.get("pruned") else ""))
+    if data.get("storage"):
+        lines.extend(storage_lines(data["storage"]))
     gates = data.get("gates") or {}
     if gates.get("error"):
         lines.append(f"gates    policy invalid: {gates['error']}")

@@ -1,56 +1,31 @@
 """One session at a time per home: the lock, and recovery of sessions a dead process left.
 
 ``SessionLock`` is held by every process that trains or profiles (``SessionRunner``,
-``odtctl profile``); ``recover_stale_sessions`` runs under it when the daemon's session process
-starts.
+``odtctl profile``; it lives in ``home.lock``); ``recover_stale_sessions`` runs under it when a
+session starts, and repairs what a crash left in the home's files.
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import os
-from pathlib import Path
 from typing import Optional
 
-from odtd.errors import SessionBusy
+from odtd.home.lock import SessionLock
+from odtd.home.paths import Home
+from odtd.home.repair import repair_home
 from odtd.store.database import Store
+
+__all__ = ["SessionLock", "recover_stale_sessions"]  # SessionLock lives in home.lock
 
 logger = logging.getLogger(__name__)
 
 
-class SessionLock:
-    """An exclusive ``flock`` on ``run/session.lock``: one session at a time across processes."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._fd: Optional[int] = None
-
-    def __enter__(self) -> SessionLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(str(self.path), os.O_RDWR | os.O_CREAT, 0o660)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise SessionBusy(f"a session is already running (pid {holder}); wait for it to finish") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
-        self._fd = fd
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
-def recover_stale_sessions(store: Store) -> list[int]:
+def recover_stale_sessions(store: Store, home: Optional[Home] = None) -> list[int]:
     """Mark sessions left ``running`` by a dead process as interrupted; return their ids.
 
     Call it only while holding the session lock: then no live process can own such a row.
-    Their samples were never marked trained, so they stay pending.
+    Their samples were never marked trained, so they stay pending. With ``home``, what a crash
+    left in its files is repaired too (``home.repair.repair_home``).
     """
     stale = store.running_sessions()
     for record in stale:
@@ -60,4 +35,6 @@ def recover_stale_sessions(store: Store) -> list[int]:
         store.finish_session(record)
         store.log_event("recovered", f"session {record.id} marked interrupted", session_id=record.id)
         logger.warning("session %d was left running by a dead process: marked interrupted", record.id)
+    if home is not None:
+        repair_home(home, store)
     return [record.id for record in stale]

@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from odtd.errors import OdtdError, failure_reason
 from odtd.home.paths import Home
 from odtd.home.versions import ModelRepo, prune
 from odtd.policy import Policy
@@ -50,8 +51,10 @@ class Promotion:
         """Promote the candidate in ``job_dir`` or roll it back; finish ``record`` either way.
 
         Raises:
-            Exception: Whatever failed; then nothing of this session was written (the caller
-                records the session as failed).
+            Exception: Whatever failed before the outcome was committed; then nothing of this
+                session was written (the caller records the session as failed). After the
+                commit, a failure to tidy up (the eval cache, the resumable candidate, pruning)
+                is logged: the outcome stands.
         """
         current = record.model_version_before
         before, after = record.accuracy_before, record.accuracy_after
@@ -76,10 +79,7 @@ class Promotion:
                                               and after >= before - within / 100.0)
             record.outcome, record.reason = "rolled_back", refusal + "; kept the current model"
             self._commit(record, pending, new_version=None, manifest=None)
-            if record.details.kept_for_resume:
-                self.repo.keep_for_resume(candidate)
-            else:
-                self.repo.clear_resume()
+            self._settled(record, self._after_refusal, record, candidate)
             return
         version, manifest = self.repo.add_version(
             candidate, classes=self.store.meta("classes"), input_shape=self.store.meta("input_shape"),
@@ -93,6 +93,15 @@ class Promotion:
         except BaseException:
             self._discard(version, current)
             raise
+        self._settled(record, self._after_promotion, record, job_dir, version)
+
+    def _after_refusal(self, record: SessionRecord, candidate: Path) -> None:
+        if record.details.kept_for_resume:
+            self.repo.keep_for_resume(candidate)
+        else:
+            self.repo.clear_resume()
+
+    def _after_promotion(self, record: SessionRecord, job_dir: Path, version: int) -> None:
         self.repo.adopt_eval_cache(job_dir / CANDIDATE_EVAL_CACHE)
         self.repo.clear_resume()  # the promoted candidate is current: go on from there
         self.store.log_event("promoted", f"{self.repo.name} v{version} is current",
@@ -100,6 +109,18 @@ class Promotion:
         pruned = prune(self.home, self.store, keep=self.policy.models.keep_versions)
         if pruned:
             self.progress(f"pruned model versions {', '.join(f'v{v}' for v in pruned)}")
+
+    @staticmethod
+    def _settled(record: SessionRecord, step: Callable[..., None], *args: Any) -> None:
+        """Run what follows the commit; a failure here is logged, never the session's.
+
+        The outcome stands (a failure on a full or read-only disk would undo nothing of it).
+        """
+        try:
+            step(*args)
+        except (OSError, OdtdError) as exc:
+            logger.warning("session %d %s; what follows failed: %s", record.id, record.outcome,
+                           failure_reason(exc))
 
     def _commit(self, record: SessionRecord, pending: list[dict[str, Any]],
                 new_version: Optional[int], manifest: Optional[dict[str, Any]]) -> None:

@@ -20,6 +20,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from odtd.config import Config
+from odtd.errors import as_odtd_error, failure_reason
+from odtd.home.disk import room_for_session
 from odtd.home.ingest import load_sample_arrays
 from odtd.home.paths import Home
 from odtd.home.spec import ModelSpec
@@ -117,7 +119,7 @@ class SessionRunner:
             SessionBusy: another session holds the lock.
         """
         with SessionLock(self.home.session_lock):
-            recover_stale_sessions(self.store)
+            recover_stale_sessions(self.store, self.home)
             return self._run_locked(trigger, day or date.today().isoformat(),
                                     stop or StopRequest(), force)
 
@@ -154,12 +156,15 @@ class SessionRunner:
             self.repo.resume_path.exists()
         if admission.decision == SKIP:
             return self._finish(record, "skipped", admission.reason)
+        if refusal := room_for_session(self.home, self.store, self.config.storage, policy,
+                                       pending + replay_rows, self.repo.weights_path(current)):
+            return self._finish(record, "skipped", refusal)  # the disk: no night spent failing
         job_dir = self.home.runs / f"session-{record.id}"
         try:
             result = self._train_with_retries(record, job_dir, current, pending + replay_rows, stop)
         except BaseException as exc:
             # Record before propagating: a session row must never stay `running` by our hand.
-            self._finish(record, "failed", f"internal error: {exc!r}")
+            self._finish(record, "failed", failure_reason(exc))
             raise
         if result is None:  # failed or interrupted; the record says which and why
             return self._finish(record, record.outcome, record.reason)
@@ -169,11 +174,12 @@ class SessionRunner:
         except BaseException as exc:
             # Promotion is all or nothing: the served model, the versions, the samples and the
             # replay buffer are as they were; the session is failed, with why.
-            logger.exception("session %d: accepting the candidate failed", record.id)
+            if as_odtd_error(exc) is None:  # a bug: its traceback; a full disk: its line
+                logger.exception("session %d: accepting the candidate failed", record.id)
             record.details.kept_for_resume = False
             record.details.replay_buffer = None
             record.model_version_after = current
-            self._finish(record, "failed", f"internal error while accepting the candidate: {exc!r}; "
+            self._finish(record, "failed", f"{failure_reason(exc, 'accepting the candidate')}; "
                          "the current model, its versions and the samples are unchanged")
             if not isinstance(exc, Exception):
                 raise
@@ -420,9 +426,10 @@ def _by_class(classes: list[str], values: Optional[list[Optional[float]]]) -> Op
 
 def _remove_bulky_files(job_dir: Path) -> None:
     # The job file and the worker's stderr stay for diagnosis; data and weights go.
-    for name in ("train.npz", "evaluation.npz", "candidate.npz", "candidate.npz.tmp",
-                 CANDIDATE_EVAL_CACHE):
+    for name in ("train.npz", "evaluation.npz", "candidate.npz", CANDIDATE_EVAL_CACHE):
         (job_dir / name).unlink(missing_ok=True)
+    for staged in job_dir.glob(".*.tmp*"):  # a stopped worker's half-written candidate
+        staged.unlink(missing_ok=True)
 
 
 def throughput_sps(steps: list[dict[str, Any]]) -> Optional[float]:

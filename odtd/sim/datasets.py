@@ -22,8 +22,8 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 from PIL import Image
 
+from odtd import atomic
 from odtd.errors import IngestError
-from odtd.home.versions import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def synthetic(n: int, domain: str = "server", seed: int = 0) -> tuple[np.ndarray
 def _write_image(path: Path, data: bytes) -> None:
     # Hidden until renamed: an inbox never ingests a half-written image.
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, data, durable=False)
+    atomic.write_bytes(path, data, durable=False)
 
 
 def write_image_folder(x: np.ndarray, y: np.ndarray, classes: Sequence[str], out_dir: str | os.PathLike,

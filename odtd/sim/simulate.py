@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from odtd import atomic
 from odtd.config import Config
 from odtd.errors import ConfigError
 from odtd.home.create import init_home
@@ -212,7 +213,7 @@ def install_policy(home: Home, policy: Path) -> None:
     """Validate a policy file and make it the home's active policy."""
     load_policy(policy, missing_ok=False)
     config = home.load_config()
-    home.policy_path(config).write_text(policy.read_text(encoding="utf-8"), encoding="utf-8")
+    atomic.write_text(home.policy_path(config), policy.read_text(encoding="utf-8"))
 
 
 def pretrain_base(home: Home, source: DataSource, options: SimulationOptions,

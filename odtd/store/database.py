@@ -21,9 +21,10 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import sqlite_utils
 from sqlite_utils.db import NotFoundError
 
-from odtd.errors import StoreError
-from odtd.store.liveness import utc_now
+from odtd.errors import StoreError, sqlite_storage_error
+from odtd.store.liveness import open_database, utc_now
 from odtd.store.profiles import ProfileRows
+from odtd.store.pruned import PrunedRows
 from odtd.store.records import JUDGED, OUTCOMES, SessionRecord
 from odtd.store.schema import MIGRATIONS
 
@@ -54,7 +55,7 @@ class _SavepointConnection(sqlite3.Connection):
         return False
 
 
-class Store(ProfileRows):
+class Store(ProfileRows, PrunedRows):
     """Typed access to ``odtd.db``; the only module that imports sqlite_utils.
 
     Args:
@@ -65,21 +66,21 @@ class Store(ProfileRows):
     def __init__(self, path: Path, busy_timeout_s: float = 10.0) -> None:
         self.path = Path(path)
         try:
-            # isolation_level=None: no implicit transactions; ``transaction()`` opens them
+            # No implicit transactions (isolation_level=None): ``transaction()`` opens them
             # explicitly, so a multi-statement write is all-or-nothing.
-            conn = sqlite3.connect(
-                str(self.path), timeout=busy_timeout_s, check_same_thread=False,
-                isolation_level=None, factory=_SavepointConnection,
-            )
+            conn = open_database(self.path, busy_timeout_s, factory=_SavepointConnection)
             self._depth = 0
             self._lock = threading.RLock()
             self.db = sqlite_utils.Database(conn)
-            self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA foreign_keys=ON")
-            self.db.execute("PRAGMA synchronous=NORMAL")
+            # FULL: in WAL mode each COMMIT is on disk when it returns. NORMAL may lose the
+            # latest commits at a power cut, after odtd acted on them: an inbox file removed
+            # once its row committed, a `current` pointer moved (docs/storage.md).
+            self.db.execute("PRAGMA synchronous=FULL")
             self.migrate()
-        except sqlite3.DatabaseError as exc:
-            raise StoreError(f"{self.path}: cannot open the database ({exc})") from None
+        except sqlite3.DatabaseError as exc:  # a read-only or full disk, no permission: its line
+            raise (sqlite_storage_error(exc, str(self.path)) or
+                   StoreError(f"{self.path}: cannot open the database ({exc})")) from None
 
     # -- schema ---------------------------------------------------------------------------
 
@@ -120,17 +121,23 @@ class Store(ProfileRows):
                 finally:
                     self._depth -= 1
                 return
-            self.db.conn.execute("BEGIN IMMEDIATE")
-            self._depth = 1
             try:
-                yield
-            except BaseException:
+                self.db.conn.execute("BEGIN IMMEDIATE")
+                self._depth = 1
+                try:
+                    yield
+                except BaseException:
+                    self._depth = 0
+                    if self.db.conn.in_transaction:  # an I/O error may have rolled it back already
+                        self.db.conn.execute("ROLLBACK")
+                    raise
                 self._depth = 0
-                if self.db.conn.in_transaction:  # an I/O error may have rolled it back already
+                self.db.conn.execute("COMMIT")
+            except sqlite3.OperationalError as exc:  # a full, read-only or vanished disk: one line
+                self._depth = 0
+                if self.db.conn.in_transaction:  # a COMMIT that failed may leave it open
                     self.db.conn.execute("ROLLBACK")
-                raise
-            self._depth = 0
-            self.db.conn.execute("COMMIT")
+                raise (sqlite_storage_error(exc, str(self.path)) or exc) from None
 
     def _rows(self, table: str, where: Optional[str] = None, where_args: Optional[Sequence[Any]] = None,
               **options: Any) -> list[dict[str, Any]]:
@@ -181,9 +188,10 @@ class Store(ProfileRows):
     # -- samples --------------------------------------------------------------------------
 
     def has_sample(self, sha256: str) -> bool:
-        """Whether a sample with this content hash is already stored."""
-        with self._lock:
-            return self.db["samples"].count_where("sha256 = ?", [sha256]) > 0
+        """Whether a sample with this content hash is already stored (or was, and was pruned)."""
+        return bool(self._query("SELECT EXISTS (SELECT 1 FROM samples WHERE sha256 = ?) OR "
+                                "EXISTS (SELECT 1 FROM pruned_samples WHERE sha256 = ?) AS known",
+                                [sha256, sha256])[0]["known"])
 
     def add_sample(self, row: dict[str, Any]) -> bool:
         """Insert a sample row; return False when its sha256 is already there (a duplicate)."""
@@ -226,13 +234,14 @@ class Store(ProfileRows):
             )
 
     def sample_counts(self) -> dict[str, int]:
-        """Return counts: total, pending, trained, holdout, quarantined."""
+        """Return counts: total, pending, trained, holdout, quarantined, pruned."""
         counts = {"total": 0, "pending": 0, "trained": 0, "holdout": 0}
         for row in self._query("SELECT status, count(*) AS n FROM samples GROUP BY status"):
             counts[row["status"]] = row["n"]
             counts["total"] += row["n"]
         with self._lock:
             counts["quarantined"] = self.db["quarantine"].count
+        counts["pruned"] = self.pruned_totals()["samples"]
         return counts
 
     # -- sessions -------------------------------------------------------------------------

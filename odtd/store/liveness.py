@@ -10,6 +10,7 @@ the processes that need it (sessions, ingest, the CLI). Parameterised SQL only.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 from datetime import datetime, timezone
@@ -20,6 +21,30 @@ from odtd.errors import StoreError
 
 # The liveness row's columns (schema migration 1's ``daemon`` table).
 DAEMON_FIELDS = ("pid", "started_at", "heartbeat_at", "next_session_at", "paused", "state")
+
+
+def open_database(path: Path, timeout_s: float,
+                  factory: type[sqlite3.Connection] = sqlite3.Connection) -> sqlite3.Connection:
+    """Open ``odtd.db`` in WAL mode, or for reading only where its filesystem is read-only.
+
+    SQLite reads a WAL database through its ``-shm`` file, which it cannot create on a
+    read-only filesystem: after a clean close there is none, and it refuses to open the
+    database ("unable to open database file"). All its content is then in the database file
+    itself, which SQLite reads as immutable: ``odtctl status`` still works on an SD card
+    remounted read-only, and the daemon waits instead of exiting.
+    """
+    conn = sqlite3.connect(str(path), timeout=timeout_s, check_same_thread=False,
+                           isolation_level=None, factory=factory)
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+        return conn
+    except sqlite3.OperationalError:
+        conn.close()
+        if not (path.exists() and not Path(f"{path}-wal").exists()
+                and os.statvfs(path.parent).f_flag & os.ST_RDONLY):
+            raise
+    return sqlite3.connect(f"{path.resolve().as_uri()}?immutable=1", uri=True, timeout=timeout_s,
+                           check_same_thread=False, isolation_level=None, factory=factory)
 
 
 def utc_now() -> str:
@@ -39,9 +64,10 @@ class Liveness:
         self.path = Path(path)
         self._lock = threading.Lock()
         try:
-            self._conn = sqlite3.connect(str(self.path), timeout=busy_timeout_s,
-                                         check_same_thread=False, isolation_level=None)
-            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn = open_database(self.path, busy_timeout_s)
+            # NORMAL: a heartbeat every few seconds need not flush the disk (an SD card wears);
+            # one lost at a power cut costs nothing. The store's own writes are FULL.
+            self._conn.execute("PRAGMA synchronous=NORMAL")
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"{self.path}: cannot open the database ({exc})") from None
 

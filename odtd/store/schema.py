@@ -218,4 +218,17 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE profiles ADD COLUMN peak_memory_runs_mb TEXT;
     """,
+    # 7: samples pruned to keep the disk above ``storage.min_free_mb`` (``odtd.home.disk``):
+    # their files are gone, their row moves here, so the same image is still known (a
+    # duplicate, not a new sample) and the counts add up.
+    """
+    CREATE TABLE pruned_samples (
+        sha256 TEXT PRIMARY KEY,
+        label TEXT NOT NULL,
+        day TEXT NOT NULL,
+        session_id INTEGER,
+        size_bytes INTEGER NOT NULL,
+        pruned_at TEXT NOT NULL
+    );
+    """,
 ]

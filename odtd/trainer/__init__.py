@@ -11,6 +11,6 @@ stopping a worker from the daemon side), ``catalog`` (the built-in architectures
 and parameter counts) and ``evalcache``.
 
 Everything here stays Python 3.6-compatible (a Jetson TX2's worker runs under JetPack's Python
-3.6 with TensorFlow 2.7) and works with tf.keras 2 and Keras 3. May import only ``errors``,
-the standard library, numpy and TensorFlow.
+3.6 with TensorFlow 2.7) and works with tf.keras 2 and Keras 3. May import only ``errors``
+and ``atomic`` (staged writes), the standard library, numpy and TensorFlow.
 """

@@ -15,6 +15,8 @@ from typing import Optional, Tuple, Union
 
 import numpy as np
 
+from odtd import atomic
+
 KEY_BYTES = 16
 
 
@@ -65,8 +67,7 @@ def lookup(path: str, weights_sha256: str, precision: str, keys: np.ndarray
 def save(path: str, weights_sha256: str, precision: str, keys: np.ndarray, correct: np.ndarray,
          losses: np.ndarray) -> None:
     """Replace the cache with these results (written to a temporary name, then renamed)."""
-    partial = path + ".partial.npz"
-    np.savez(partial, weights_sha256=np.array(weights_sha256), precision=np.array(precision),
-             keys=keys,
-             correct=np.asarray(correct, dtype=bool), losses=np.asarray(losses, dtype=np.float64))
-    os.replace(partial, path)
+    with atomic.staged(path, durable=False) as partial:  # a cache: lost, it is scored again
+        np.savez(partial, weights_sha256=np.array(weights_sha256), precision=np.array(precision),
+                 keys=keys,
+                 correct=np.asarray(correct, dtype=bool), losses=np.asarray(losses, dtype=np.float64))

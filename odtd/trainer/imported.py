@@ -11,15 +11,14 @@ Runs only in the worker (TensorFlow is passed in). Python 3.6-compatible; tf.ker
 """
 import io
 import json
-import os
 import re
 import shutil
-import tempfile
 import zipfile
 from typing import Any, Dict, Iterator, List, Tuple
 
 import numpy as np
 
+from odtd import atomic
 from odtd.trainer import graph, keras_dialects, model_config, model_file
 
 
@@ -270,44 +269,48 @@ def export_like_original(model: Any, original_path: str, out_path: str) -> None:
 
     fmt = model_file.read_config(original_path)["format"]
     if fmt == "h5":
-        tmp = out_path + ".tmp"
-        shutil.copyfile(original_path, tmp)
-        with h5py.File(tmp, "r+") as handle:
-            group = handle["model_weights"]
-            if "optimizer_weights" in handle:
-                del handle["optimizer_weights"]
-            if "training_config" in handle.attrs:
-                del handle.attrs["training_config"]
-            keys = _leaf_keys(model)
-            for top, key, wnames in list(_h5_weight_names(group, keys)):
-                if key not in keys:
-                    raise ValueError("layer {} of {}: not in the model".format(
-                        "/".join(key), original_path))
-                values = keys[key][1].get_weights()
-                if len(values) != len(wnames):
-                    raise ValueError("layer {}: {} weights in the model, {} in {}".format(
-                        "/".join(key), len(values), len(wnames), original_path))
-                for wname, value in zip(wnames, values):
-                    group[top][wname][...] = value
-        os.replace(tmp, out_path)
+        with atomic.staged(out_path) as tmp:
+            shutil.copyfile(original_path, tmp)
+            with h5py.File(tmp, "r+") as handle:
+                _write_h5_weights(model, handle, original_path)
         return
     with zipfile.ZipFile(original_path) as archive:
         members = dict((name, archive.read(name)) for name in archive.namelist())
-    fd, tmp_h5 = tempfile.mkstemp(suffix=".h5")
-    os.close(fd)
+    # A scratch file beside the export rather than in the system's temporary directory: the
+    # same disk, not a small RAM-backed /tmp, and a killed worker's leftover is found there.
+    scratch = atomic.temporary_name(out_path + ".weights.h5")
     try:
-        with open(tmp_h5, "wb") as handle:
+        with open(scratch, "wb") as handle:
             handle.write(members["model.weights.h5"])
-        with h5py.File(tmp_h5, "r+") as handle:
+        with h5py.File(scratch, "r+") as handle:
             for vars_path, layer in _keras_v3_paths(model):
                 for i, value in enumerate(layer.get_weights()):
                     handle[vars_path][str(i)][...] = value
-        with open(tmp_h5, "rb") as handle:
+        with open(scratch, "rb") as handle:
             members["model.weights.h5"] = handle.read()
     finally:
-        os.remove(tmp_h5)
-    tmp = out_path + ".tmp"
-    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as archive:
-        for name, data in members.items():
-            archive.writestr(name, data)
-    os.replace(tmp, out_path)
+        atomic.remove_quietly(scratch)
+    with atomic.staged(out_path) as tmp:
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as archive:
+            for name, data in members.items():
+                archive.writestr(name, data)
+
+
+def _write_h5_weights(model: Any, handle: Any, original_path: str) -> None:
+    """Write ``model``'s weights into ``handle``, an open copy of the user's ``.h5`` file."""
+    group = handle["model_weights"]
+    if "optimizer_weights" in handle:
+        del handle["optimizer_weights"]
+    if "training_config" in handle.attrs:
+        del handle.attrs["training_config"]
+    keys = _leaf_keys(model)
+    for top, key, wnames in list(_h5_weight_names(group, keys)):
+        if key not in keys:
+            raise ValueError("layer {} of {}: not in the model".format(
+                "/".join(key), original_path))
+        values = keys[key][1].get_weights()
+        if len(values) != len(wnames):
+            raise ValueError("layer {}: {} weights in the model, {} in {}".format(
+                "/".join(key), len(values), len(wnames), original_path))
+        for wname, value in zip(wnames, values):
+            group[top][wname][...] = value

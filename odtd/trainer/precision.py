@@ -20,6 +20,8 @@ import sys
 import time
 from typing import Any, Dict, Optional, Tuple
 
+from odtd import atomic
+
 BFLOAT16_FLAGS = frozenset(("avx512_bf16", "amx_bf16"))
 MIN_SPEEDUP = 1.15
 """bfloat16 is chosen when its convolutions run at least this much faster than float32's: the
@@ -189,11 +191,8 @@ def _read_verdict(path: Optional[str], key: Dict[str, Any]) -> Optional[Dict[str
 def _write_verdict(path: Optional[str], verdict: Dict[str, Any]) -> None:
     if not path:
         return
-    temp = "{}.{}.tmp".format(path, os.getpid())
     try:
-        with open(temp, "w") as handle:
-            json.dump(verdict, handle, indent=1, sort_keys=True)
-        os.replace(temp, path)
+        atomic.write_text(path, json.dumps(verdict, indent=1, sort_keys=True), durable=False)
     except OSError as error:  # a read-only home still trains; it measures again next time
         print("odtd worker: cannot keep the precision probe in {} ({})".format(path, error),
               file=sys.stderr)

@@ -37,6 +37,7 @@ if __name__ == "__main__":
 
 import numpy as np
 
+from odtd import atomic
 from odtd.trainer import evalcache
 from odtd.trainer.data import load_dataset, load_device_mask, load_device_split, load_groups
 from odtd.trainer.evaluation import evaluate, make_eval_step
@@ -134,17 +135,9 @@ def peak_rss_mb(status_path: str = "/proc/self/status") -> float:
 
 def write_weights(weights: List[np.ndarray], path: str) -> None:
     """Write weights as ``w0000``, ``w0001``, ... to ``path`` atomically (temp, fsync, rename)."""
-    temp_path = path + ".tmp"
-    with open(temp_path, "wb") as out:
-        np.savez(out, **{"w{:04d}".format(i): array for i, array in enumerate(weights)})
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(temp_path, path)
-    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    with atomic.staged(path) as temp_path:
+        with open(temp_path, "wb") as out:
+            np.savez(out, **{"w{:04d}".format(i): array for i, array in enumerate(weights)})
 
 
 def read_weights(path: str, expected: List[np.ndarray], names: List[str]) -> List[np.ndarray]:
