@@ -134,14 +134,31 @@ _SQLITE_STORAGE = (("database or disk is full", errno.ENOSPC),
                    ("disk I/O error", errno.EIO), ("unable to open database file", errno.EIO))
 
 
+# Below this, SQLite cannot grow its ``-shm`` index (32 KiB at a time) nor append to its log.
+FULL_DISK_BYTES = 1 << 20
+
+
+def disk_full(path: str) -> bool:
+    """Whether the filesystem that holds ``path`` has less than `FULL_DISK_BYTES` free."""
+    try:
+        stats = os.statvfs(os.path.dirname(os.path.abspath(path)))
+    except OSError:
+        return False
+    return stats.f_bavail * stats.f_frsize < FULL_DISK_BYTES
+
+
 def sqlite_storage_error(error: Exception, path: str) -> "StorageError | None":
     """The `storage_error` a SQLite error on ``path`` stands for, or None if it is none of those.
 
     A database SQLite may not write is either on a read-only filesystem or the user's lacks
-    write access: the message says which it is.
+    write access: the message says which it is. On a disk with no room left, SQLite reports
+    "disk I/O error" (it could not extend its ``-shm`` file) or, for a database it opened for
+    reading only, "readonly database": both are the full disk.
     """
     for text, code in _SQLITE_STORAGE:
         if text in str(error):
+            if disk_full(path):
+                code = errno.ENOSPC
             if code == errno.EROFS and not os.access(path, os.W_OK) and \
                     not os.statvfs(os.path.dirname(path) or ".").f_flag & os.ST_RDONLY:
                 code = errno.EACCES if os.path.exists(path) else code

@@ -152,6 +152,28 @@ def test_ingest_below_the_floor_refuses_with_the_free_and_needed_space(home, tmp
         check_home(disk / "home")
 
 
+def test_a_disk_filled_to_the_last_byte_still_shows_status_and_says_full(home, tmp_path):
+    # Another program (a camera) fills the disk completely: SQLite cannot extend its -shm file
+    # then, and says "disk I/O error". status still reads the home; the rest says ENOSPC.
+    write_images(tmp_path / "imgs", per_class=2)
+    with tmpfs(tmp_path / "disk", 8) as disk:
+        odtd_home = home_on(disk, home, 1)
+        with open(disk / "ballast", "wb") as handle, pytest.raises(OSError):
+            while True:
+                handle.write(b"\0" * 65536)
+                handle.flush()
+        assert free_bytes(disk) == 0
+        status = odtctl_json("status", home=odtd_home)
+        assert status["storage"]["free_bytes"] == 0 and "ENOSPC" in status["storage"]["problem"]
+        for command in (("ingest", str(tmp_path / "imgs")), ("train-now", "--foreground")):
+            line = one_error_line(odtctl(*command, home=odtd_home, check=False))
+            assert ("no space left" in line or "not enough disk space" in line), line
+            assert "I/O error" not in line, line
+        (disk / "ballast").unlink()
+        assert odtctl_json("ingest", str(tmp_path / "imgs"), home=odtd_home)["accepted"] == 20
+        check_home(odtd_home)
+
+
 def test_a_disk_that_fills_during_an_ingest_stops_it_whole(home, tmp_path):
     # No floor (storage=None) and a disk smaller than the images: the ingest meets ENOSPC.
     write_images(tmp_path / "inbox", per_class=20, size=48)

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
 
-from odtd.errors import StoreError
+from odtd.errors import StoreError, disk_full
 
 # The liveness row's columns (schema migration 1's ``daemon`` table).
 DAEMON_FIELDS = ("pid", "started_at", "heartbeat_at", "next_session_at", "paused", "state")
@@ -25,13 +25,14 @@ DAEMON_FIELDS = ("pid", "started_at", "heartbeat_at", "next_session_at", "paused
 
 def open_database(path: Path, timeout_s: float,
                   factory: type[sqlite3.Connection] = sqlite3.Connection) -> sqlite3.Connection:
-    """Open ``odtd.db`` in WAL mode, or for reading only where its filesystem is read-only.
+    """Open ``odtd.db`` in WAL mode, or for reading only where its disk cannot be written.
 
     SQLite reads a WAL database through its ``-shm`` file, which it cannot create on a
-    read-only filesystem: after a clean close there is none, and it refuses to open the
-    database ("unable to open database file"). All its content is then in the database file
-    itself, which SQLite reads as immutable: ``odtctl status`` still works on an SD card
-    remounted read-only, and the daemon waits instead of exiting.
+    read-only filesystem, nor extend on a full one: it refuses to open the database ("unable
+    to open database file", "disk I/O error"). Where the log holds nothing (after a clean
+    close there is none, or it is empty), all the content is in the database file itself,
+    which SQLite reads as immutable: ``odtctl status`` still works on an SD card remounted
+    read-only or filled by another program, and the daemon waits instead of exiting.
     """
     conn = sqlite3.connect(str(path), timeout=timeout_s, check_same_thread=False,
                            isolation_level=None, factory=factory)
@@ -40,8 +41,9 @@ def open_database(path: Path, timeout_s: float,
         return conn
     except sqlite3.OperationalError:
         conn.close()
-        if not (path.exists() and not Path(f"{path}-wal").exists()
-                and os.statvfs(path.parent).f_flag & os.ST_RDONLY):
+        log = Path(f"{path}-wal")
+        unwritable = (os.statvfs(path.parent).f_flag & os.ST_RDONLY) or disk_full(str(path))
+        if not (path.exists() and (not log.exists() or log.stat().st_size == 0) and unwritable):
             raise
     return sqlite3.connect(f"{path.resolve().as_uri()}?immutable=1", uri=True, timeout=timeout_s,
                            check_same_thread=False, isolation_level=None, factory=factory)
