@@ -34,7 +34,7 @@ TRAINING_FIXTURES = {"_base_home", "home", "daemon_home", "pretrained", "trained
 # gain from more. Measured on the development machine (2026-11-26): two pytest workers with
 # TensorFlow's default pools 5 min 30 s (7 min 50 s of user CPU), with one thread per pool
 # 5 min 24 s (7 min 22 s), three pytest workers with one thread 4 min 39 s-4 min 52 s (6.5 min
-# later that day, when the machine itself ran a quarter slower: README, Development). A real
+# later that day, when the machine itself ran a quarter slower: CHANGELOG.md, 2026-11-26). A real
 # worker keeps TensorFlow's defaults.
 os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
 os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")

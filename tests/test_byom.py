@@ -241,7 +241,7 @@ def test_a_refused_model_is_one_line_and_leaves_no_home(tmp_path, file, classes,
 @pytest.mark.trains
 def test_a_model_that_rescales_itself_given_an_input_scale_too_gets_a_note(other_stack, tmp_path):
     # cnn_softmax starts with Rescaling(1/255): --input-scale would scale the pixels twice.
-    # The value "-1-1" is given as its own argument, as README spells it.
+    # The value "-1-1" is given as its own argument, as docs/own-model.md spells it.
     summary = json.loads(odtctl(
         "init", "--model-file", str(other_stack / "cnn_softmax.keras"), "--classes",
         CLASSES["cnn_softmax"], "--input-scale", "-1-1", "--json", home=tmp_path / "home").stdout)

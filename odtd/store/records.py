@@ -1,6 +1,6 @@
 """The session record: one typed value that the session fills, the store writes and the CLI prints.
 
-``SessionRecord.to_dict()`` is the session object of the CLI contract (DESIGN.md; README:
+``SessionRecord.to_dict()`` is the session object of the CLI contract (DESIGN.md; docs/cli.md:
 ``train-now --json``, ``history --json``, ``status --json``'s ``sessions``): the contract keys in
 their documented order, then ``trigger``, ``state`` and ``details``. ``SessionDetails`` is what
 ``details`` holds; a session row stores it as JSON, so a home written by an older release reads
@@ -144,7 +144,7 @@ def kept(outcome: Optional[str], before: Any, after: Any) -> Any:
 class SessionRecord:
     """One session: its trigger, its outcome and everything measured (a ``sessions`` row).
 
-    The contract keys are documented in README.md ("A session object"); ``worker_pid`` is
+    The contract keys are documented in docs/cli.md (`odtctl train-now`); ``worker_pid`` is
     internal (crash diagnosis) and not part of ``to_dict``.
     """
 
