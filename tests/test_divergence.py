@@ -124,7 +124,7 @@ def test_init_installs_the_recipe_for_an_imported_model_and_checks_it(exploding,
     assert lines[1] == (f"policy {home / 'policy.yaml'}: new-camera.yaml, the recipe for a model "
                         "trained on a server that now sees through the device's camera (imported "
                         "with --model-file); --policy FILE installs another")
-    assert lines[2].startswith("policy check: ok, loss ") and " at learning rate 0.003" in lines[2]
+    assert lines[2].startswith("policy check: ok, loss ") and " at learning rate 0.0001" in lines[2]
     assert (home / "policy.yaml").read_text() == (REPO / "policies" / "new-camera.yaml").read_text()
 
 
