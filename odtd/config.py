@@ -68,9 +68,9 @@ class TrainerConfig(_Strict):
         """Return the argv prefix that runs the worker module (or another of the trainer's).
 
         ``python`` imports the daemon's own odtd package and nothing else of its environment
-        (``odtd.trainer.launch.module_command``): no hand-made path is needed.
+        (``odtd.trainer.protocol.launch.module_command``): no hand-made path is needed.
         """
-        from odtd.trainer.launch import module_command
+        from odtd.trainer.protocol.launch import module_command
 
         return module_command(self.python, module)
 

@@ -31,7 +31,7 @@ def test_another_interpreter_imports_the_daemons_own_odtd_package_and_nothing_el
     plain = subprocess.run([str(python), "-c", "import odtd"], capture_output=True, text=True,
                            cwd=tmp_path)
     assert plain.returncode == 1 and "No module named 'odtd'" in plain.stderr
-    command = TrainerConfig(python=str(python)).command("odtd.trainer.stack")
+    command = TrainerConfig(python=str(python)).command("odtd.trainer.worker.stack")
     assert command[:2] == [str(python), "-c"] and len(command) == 3  # the shape of -m MODULE
     assert TrainerConfig().command() == [sys.executable, "-m", "odtd.trainer.worker"]
     proc = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=60)

@@ -23,8 +23,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from odtd.trainer.evaluation import acceptance_group, score_group, score_rest
-from odtd.trainer.imported import leaf_layers
+from odtd.trainer.learning.evaluation import acceptance_group, score_group, score_rest
+from odtd.trainer.models.imported import batchnorm_layers
 
 Moments = List[Tuple[np.ndarray, np.ndarray]]
 # The compiled statistics passes of this process, by ``_statistics_key``: a session measures
@@ -32,12 +32,6 @@ Moments = List[Tuple[np.ndarray, np.ndarray]]
 # and the rehearsed images, then recalibration), and tracing a large model's forward pass takes
 # seconds each time (MobileNetV2 at 64x64: about 5 s on the development CPU).
 _COMPILED = {}  # type: Dict[Tuple[Any, ...], Tuple[Any, Callable[[Any], Any]]]
-
-
-def batchnorm_layers(tf: Any, model: Any) -> List[Any]:
-    """The model's BatchNormalization layers, in nested models too (freeze_bn, recalibrate_bn)."""
-    return [layer for _, layer in leaf_layers(model)
-            if isinstance(layer, tf.keras.layers.BatchNormalization)]
 
 
 def batch_moments(tf: Any, model: Any, job: Any, layers: List[Any], x: np.ndarray,
@@ -82,8 +76,8 @@ def _statistics_pass(tf: Any, model: Any, job: Any, layers: List[Any]) -> Callab
     one normalises by its moving statistics), and its momentum (``batch_moments`` sets 0 before
     every call).
     """
-    from odtd.trainer import networks
-    from odtd.trainer.pool_first import pooling_first
+    from odtd.trainer.models import networks
+    from odtd.trainer.plans.pool_first import pooling_first
 
     key = (id(model), tuple(id(layer) for layer in layers),
            tuple(bool(layer.trainable) for layer in batchnorm_layers(tf, model)),

@@ -18,9 +18,9 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tu
 
 import numpy as np
 
-from odtd.trainer import evalcache
-from odtd.trainer.averaging import average_with_served
-from odtd.trainer.batchnorm import (
+from odtd.trainer.learning import evalcache
+from odtd.trainer.learning.averaging import average_with_served
+from odtd.trainer.learning.batchnorm import (
     AUTO,
     AUTO_WEIGHT_BEFORE,
     REFERENCE_GROUP,
@@ -28,9 +28,8 @@ from odtd.trainer.batchnorm import (
     batchnorm_layers,
     recalibrate_batchnorm,
 )
-from odtd.trainer.data import load_groups
-from odtd.trainer.distill import teacher_targets
-from odtd.trainer.evaluation import (
+from odtd.trainer.learning.distill import teacher_targets
+from odtd.trainer.learning.evaluation import (
     evaluate,
     make_eval_step,
     open_eval_cache,
@@ -38,9 +37,15 @@ from odtd.trainer.evaluation import (
     refusal_check,
     score_candidate,
 )
-from odtd.trainer.fused_batchnorm import fuse, keep_relu_apart
-from odtd.trainer.imported import leaf_layers
-from odtd.trainer.step import iterate_batches, make_forward, make_optimizer, make_rate, make_train_step
+from odtd.trainer.learning.step import (
+    iterate_batches,
+    make_forward,
+    make_optimizer,
+    make_rate,
+    make_train_step,
+)
+from odtd.trainer.models.imported import leaf_layers
+from odtd.trainer.plans.fused_batchnorm import fuse, keep_relu_apart
 
 Emit = Callable[..., None]
 
@@ -110,7 +115,7 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     eval_batch_size = job["eval_batch_size"] or batch_size
     groups = score = refused = None  # type: Any
     if validation is not None:
-        groups = load_groups(job["validation_data"], len(validation[1]))
+        groups = data.get("validation_groups")
         eval_step = make_eval_step(tf, model, job)
         cache = open_eval_cache(job, precision, validation)
         with serving(model, baseline):

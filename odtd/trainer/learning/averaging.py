@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from odtd.trainer.batchnorm import AUTO, choose_mixture
+from odtd.trainer.learning.batchnorm import AUTO, choose_mixture
 
 AUTO_SHARES = (0.25, 0.5, 0.75, 1.0)  # what ``trained_share: auto`` tries
 UNSCORED_SHARE = 0.5  # ``auto`` without an evaluation set: nothing to choose by

@@ -41,8 +41,8 @@ def teacher_targets(tf: Any, model: Any, job: Dict[str, Any], x: np.ndarray,
         ``(logits, weights)``: float32 ``(N, classes)`` (zeros where not rehearsed) and float32
         ``(N,)`` (``job["distill"]`` where rehearsed, else 0); None if a stop was requested.
     """
-    from odtd.trainer import networks
-    from odtd.trainer.pool_first import pooling_first
+    from odtd.trainer.models import networks
+    from odtd.trainer.plans.pool_first import pooling_first
 
     num_classes = len(job["classes"])
     forward_model = pooling_first(tf, model)

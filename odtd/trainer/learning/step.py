@@ -100,10 +100,10 @@ def make_forward(tf: Any, model: Any, job: Dict[str, Any]) -> Any:
     nothing swaps.
     """
     if job["recompute"]:
-        from odtd.trainer.recompute import Checkpointed
+        from odtd.trainer.plans.recompute import Checkpointed
 
         return Checkpointed(tf, model, share=job["recompute"])
-    from odtd.trainer.pool_first import pooling_first
+    from odtd.trainer.plans.pool_first import pooling_first
 
     return pooling_first(tf, model)
 
@@ -123,8 +123,8 @@ def make_train_step(tf: Any, model: Any, forward_model: Any, optimizer: Any,
     memory of a micro-batch (a BatchNorm that trains normalises each micro-batch by its own
     statistics).
     """
-    from odtd.trainer import networks
-    from odtd.trainer.distill import distillation_loss
+    from odtd.trainer.learning.distill import distillation_loss
+    from odtd.trainer.models import networks
 
     variables = model.trainable_variables
     # tf.keras 2 and Keras 3 spell loss scaling differently; Keras 3 unscales in apply_gradients.
