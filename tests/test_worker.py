@@ -16,7 +16,7 @@ import pytest
 from conftest import WORKER_PYTHON, bfloat16_refused, built_once, tensorflow_report
 
 from odtd.config import TrainerConfig
-from odtd.trainer.learning import training
+from odtd.trainer.learning import step
 from odtd.trainer.plans import precision
 from odtd.trainer.protocol import catalog, procfs
 
@@ -454,7 +454,7 @@ def test_release_free_heap_gives_freed_heap_pages_back_to_the_system():
         libc.free(block)
     status = Path("/proc/self/status")
     before = procfs.read_proc_mb("RssAnon", status)
-    assert training.release_free_heap()
+    assert step.release_free_heap()
     assert before - procfs.read_proc_mb("RssAnon", status) > 80
     libc.free(blocks[-1])
 

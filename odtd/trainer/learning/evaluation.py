@@ -8,7 +8,7 @@ Keras 3 alike.
 """
 
 import time
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -180,10 +180,17 @@ def refusal_check(correct_before: np.ndarray, groups: np.ndarray, tolerance: flo
     return refused
 
 
+class OpenCache(NamedTuple):
+    """The evaluation cache of the model to beat, as ``open_eval_cache`` found it."""
+
+    weights_sha256: str  # what the cache is keyed by
+    keys: np.ndarray  # each validation sample's key (``evalcache.sample_keys``)
+    cached: Any  # ``evalcache.lookup``'s result for those keys
+
+
 def open_eval_cache(job: Dict[str, Any], precision: str,
-                     validation: Tuple[np.ndarray, np.ndarray]
-                     ) -> Optional[Tuple[str, np.ndarray, Any]]:
-    """``(weights sha256, sample keys, evalcache.lookup result)`` for the "before" evaluation.
+                    validation: Tuple[np.ndarray, np.ndarray]) -> Optional[OpenCache]:
+    """The weights' sha256, the sample keys and the cached results, for the "before" evaluation.
 
     None without ``eval_cache`` or without a weights file to key it by (a fresh init).
     """
@@ -192,4 +199,5 @@ def open_eval_cache(job: Dict[str, Any], precision: str,
         return None
     weights_sha256 = file_sha256(source)
     keys = evalcache.sample_keys(validation[0], validation[1])
-    return weights_sha256, keys, evalcache.lookup(job["eval_cache"], weights_sha256, precision, keys)
+    return OpenCache(weights_sha256, keys,
+                     evalcache.lookup(job["eval_cache"], weights_sha256, precision, keys))

@@ -1,7 +1,8 @@
 """Training in the worker: one job's order of work around the steps, and its trainable scope.
 
-``train_and_evaluate`` is one ``train`` or ``profile`` job's work: score the model the candidate
-must beat, train, recalibrate BatchNorm, average with the served model, score the candidate.
+``train_and_evaluate`` is one ``train`` or ``profile`` job's work, as named steps with typed
+results: score the model the candidate must beat, train, recalibrate or adapt BatchNorm, average
+with the served model, score the candidate.
 Every model is called through ``networks.forward``, so built-in and imported models are trained
 alike.
 
@@ -10,10 +11,7 @@ Keras 3 alike.
 """
 
 import contextlib
-import ctypes
 import gc
-import math
-import time
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -28,8 +26,9 @@ from odtd.trainer.learning.batchnorm import (
     batchnorm_layers,
     recalibrate_batchnorm,
 )
-from odtd.trainer.learning.distill import teacher_targets
+from odtd.trainer.learning.distill import Teacher, teacher_targets
 from odtd.trainer.learning.evaluation import (
+    OpenCache,
     evaluate,
     make_eval_step,
     open_eval_cache,
@@ -37,17 +36,9 @@ from odtd.trainer.learning.evaluation import (
     refusal_check,
     score_candidate,
 )
-from odtd.trainer.learning.step import (
-    iterate_batches,
-    make_forward,
-    make_optimizer,
-    make_rate,
-    make_train_step,
-)
+from odtd.trainer.learning.step import Emit, Trained, iterate_batches, release_free_heap, train_steps
 from odtd.trainer.models.imported import leaf_layers
 from odtd.trainer.plans.fused_batchnorm import fuse, keep_relu_apart
-
-Emit = Callable[..., None]
 
 
 @contextlib.contextmanager
@@ -64,27 +55,43 @@ def serving(model: Any, baseline: Optional[List[np.ndarray]]) -> Iterator[None]:
         model.set_weights(start_weights)
 
 
-def release_free_heap() -> bool:
-    """Give the free pages inside malloc's heap back to the system (glibc's ``malloc_trim``).
+class Stopped(Exception):
+    """A stop was requested during one of a job's steps: the job ends ``interrupted``."""
 
-    The first train step traces its graph and optimises it; what that leaves freed in the heap
-    (about 40 MB for DenseNet40) would stay resident under every later step's tensors, and the
-    step's graph, once freed after the last step, under the passes after training. Returns
-    False where the C library has no ``malloc_trim`` or nothing was returned.
-    """
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return False
-    return bool(trim(0))
+
+def _unless_stopped(value: Any) -> Any:
+    """``value``; ``Stopped`` where a step said None (a stop was requested meanwhile)."""
+    if value is None:
+        raise Stopped()
+    return value
+
+
+class Validation(NamedTuple):
+    """The validation set as one job scores it."""
+
+    x: np.ndarray
+    y: np.ndarray
+    groups: Optional[np.ndarray]  # each image's group (acceptance, reference), if any
+    score: Callable[..., Optional[Dict[str, Any]]]  # ``evaluate(cached)`` over it; None: stopped
+    cache: Optional[OpenCache]  # the model to beat's cached results, with ``eval_cache``
+
+
+class Before(NamedTuple):
+    """The model to beat, scored."""
+
+    correct: np.ndarray  # each validation image's correctness
+    refused: Optional[Callable[[Dict[str, Any]], bool]]  # the acceptance test's early refusal
 
 
 def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
-                       data: Dict[str, Tuple[np.ndarray, np.ndarray]],
-                       should_stop: Callable[[], bool], emit: Emit,
+                       data: Dict[str, Any], should_stop: Callable[[], bool], emit: Emit,
                        baseline: Optional[List[np.ndarray]] = None,
                        scored_after: Optional[Dict[str, np.ndarray]] = None) -> Dict[str, Any]:
     """Evaluate before, train, evaluate after; return the result fields this produces.
+
+    The steps, in order: ``prepare_model``, ``score_before``, ``distillation_targets``,
+    ``adapt_before``, ``train``, ``settle_batchnorm``, ``average``, ``score_after``. A stop
+    requested during any of them ends the job ``interrupted`` with the fields so far.
 
     With ``baseline`` (the ``baseline_weights`` arrays) the "before" figures are that model's
     (the one the candidate must beat), and so is distillation's teacher; training then starts
@@ -92,8 +99,39 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     ``scored_after``, if given, receives the trained model's per-sample validation results
     (``keys``, ``correct``, ``losses``: ``evalcache.save``'s arguments).
     """
-    fields = {"status": "interrupted",
-              "trainable_layers": set_trainable_scope(tf, model, job["trainable"])}  # type: Dict[str, Any]
+    fields = {"status": "interrupted"}  # type: Dict[str, Any]
+    try:
+        served = prepare_model(tf, job, model, baseline, fields)
+        validation = None if job["mode"] == "profile" else validation_set(
+            tf, job, model, precision, data, should_stop)
+        before = None
+        if validation is not None:
+            before = score_before(job, model, precision, validation, baseline, emit, fields)
+        teacher = distillation_targets(tf, job, model, data, baseline, should_stop, fields)
+        device_split = data.get("device_split") if job["bn_device_weight"] is not None else None
+        if device_split is not None:  # the steps see the device's statistics
+            fields["adapt_seconds"] = adapt_before(tf, job, model, device_split, should_stop)
+        trained = train(tf, job, model, precision, data["train_data"][0], data["train_data"][1],
+                        teacher, should_stop, emit, fields)
+        if trained.diverged_at_step is not None or should_stop():
+            return fields  # no candidate: nothing more to score
+        after = settle_batchnorm(tf, job, model, data, device_split, validation, before,
+                                 should_stop, fields)
+        if served is not None:  # the candidate: the trained weights averaged with the served
+            after = average(job, model, served, validation, before, fields)
+        if validation is not None:
+            score_after(job, validation, before, after, emit, fields, scored_after)
+        fields["status"] = "ok"
+    except Stopped:
+        pass
+    return fields
+
+
+def prepare_model(tf: Any, job: Dict[str, Any], model: Any,
+                  baseline: Optional[List[np.ndarray]], fields: Dict[str, Any]
+                  ) -> Optional[List[np.ndarray]]:
+    """Set the trainable scope and BatchNorm's kernel; the weights to average with, if any."""
+    fields["trainable_layers"] = set_trainable_scope(tf, model, job["trainable"])
     served = None  # the weights the trained ones are averaged with (trained_share)
     if job["trained_share"] != 1.0 and job["mode"] == "train":
         served = baseline if baseline is not None else model.get_weights()
@@ -106,69 +144,94 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     # (docs/memory.md, "Fused BatchNorm under Keras 3"); before the train step is traced.
     fields["fused_batchnorm"] = fuse(tf, model)
     fields["batchnorm_relu_apart"] = keep_relu_apart(tf, model)
-    profiling = job["mode"] == "profile"
-    num_classes = len(job["classes"])
-    batch_size = job["batch_size"]
-    validation = None if profiling else data.get("validation_data")
+    return served
+
+
+def validation_set(tf: Any, job: Dict[str, Any], model: Any, precision: str,
+                   data: Dict[str, Any], should_stop: Callable[[], bool]
+                   ) -> Optional[Validation]:
+    """The job's validation set and how to score it, None without one."""
+    if data.get("validation_data") is None:
+        return None
+    x, y = data["validation_data"]
+    groups = data.get("validation_groups")
+    eval_step = make_eval_step(tf, model, job)
     # Evaluating at the training batch size (the default) keeps the session's memory within
     # what the profile measured for that size.
-    eval_batch_size = job["eval_batch_size"] or batch_size
-    groups = score = refused = None  # type: Any
-    if validation is not None:
-        groups = data.get("validation_groups")
-        eval_step = make_eval_step(tf, model, job)
-        cache = open_eval_cache(job, precision, validation)
-        with serving(model, baseline):
-            before = evaluate(eval_step, validation[0], validation[1], num_classes,
-                              eval_batch_size, should_stop, groups, cache and cache[2])
-        if before is None:
-            return fields
-        correct_before = before.pop("correct")
-        losses_before = before.pop("losses")
-        if cache is not None:
-            evalcache.save(job["eval_cache"], cache[0], precision, cache[1], correct_before,
-                           losses_before)
-        emit("eval", phase="before", **before)
-        fields["accuracy_before"] = before["accuracy"]
-        fields["per_class_before"] = before["per_class"]
-        fields["by_group_before"] = before["by_group"]
+    eval_batch_size = job["eval_batch_size"] or job["batch_size"]
 
-        def score(cached: Any = None) -> Optional[Dict[str, Any]]:
-            return evaluate(eval_step, validation[0], validation[1], num_classes,
-                            eval_batch_size, should_stop, groups, cached)
+    def score(cached: Any = None) -> Optional[Dict[str, Any]]:
+        return evaluate(eval_step, x, y, len(job["classes"]), eval_batch_size, should_stop,
+                        groups, cached)
 
-        if job["acceptance_tolerance"] is not None and groups is not None:
-            # A candidate refused on the acceptance group is not scored on the rest.
-            refused = refusal_check(correct_before, groups, job["acceptance_tolerance"],
-                                    job["confidence_z"])
+    return Validation(x, y, groups, score, open_eval_cache(job, precision, (x, y)))
 
+
+def score_before(job: Dict[str, Any], model: Any, precision: str, validation: Validation,
+                 baseline: Optional[List[np.ndarray]], emit: Emit, fields: Dict[str, Any]
+                 ) -> Before:
+    """Score the model to beat (kept in the eval cache); its figures go to ``fields``."""
+    cache = validation.cache
+    with serving(model, baseline):
+        before = _unless_stopped(validation.score(cache and cache.cached))
+    correct, losses = before.pop("correct"), before.pop("losses")
+    if cache is not None:
+        evalcache.save(job["eval_cache"], cache.weights_sha256, precision, cache.keys, correct,
+                       losses)
+    emit("eval", phase="before", **before)
+    fields["accuracy_before"] = before["accuracy"]
+    fields["per_class_before"] = before["per_class"]
+    fields["by_group_before"] = before["by_group"]
+    refused = None
+    if job["acceptance_tolerance"] is not None and validation.groups is not None:
+        # A candidate refused on the acceptance group is not scored on the rest.
+        refused = refusal_check(correct, validation.groups, job["acceptance_tolerance"],
+                                job["confidence_z"])
+    return Before(correct, refused)
+
+
+def distillation_targets(tf: Any, job: Dict[str, Any], model: Any, data: Dict[str, Any],
+                         baseline: Optional[List[np.ndarray]], should_stop: Callable[[], bool],
+                         fields: Dict[str, Any]) -> Teacher:
+    """The served model's targets on the rehearsed images; all weight 0 with nothing to distil."""
     x_train, y_train = data["train_data"]
-    adapt_batch_size = job["micro_batch_size"] or batch_size  # forward passes: a step's memory
-    teacher = None  # the served model's view of the rehearsed images, before any adaptation
-    if job["distill"] and data.get("rehearsed") is not None and not profiling:
-        with serving(model, baseline):
-            teacher = teacher_targets(tf, model, job, x_train, data["rehearsed"],
-                                      adapt_batch_size, should_stop)
-        if teacher is None:
-            return fields
-        fields["distill_images"] = int(np.count_nonzero(teacher[1]))
-    if teacher is None:  # nothing to distil: the step's teacher inputs, all weight 0
-        teacher = (np.zeros((len(y_train), num_classes), np.float32),
+    if job["distill"] and data.get("rehearsed") is not None and job["mode"] != "profile":
+        with serving(model, baseline):  # before any adaptation
+            teacher = _unless_stopped(teacher_targets(tf, model, job, x_train, data["rehearsed"],
+                                                      _forward_batch(job), should_stop))
+        fields["distill_images"] = int(np.count_nonzero(teacher.weights))
+        return teacher
+    return Teacher(np.zeros((len(y_train), len(job["classes"])), np.float32),
                    np.zeros(len(y_train), np.float32))
-    device_split = data.get("device_split") if job["bn_device_weight"] is not None else None
+
+
+def _forward_batch(job: Dict[str, Any]) -> int:
+    """Images per forward pass outside a step: no more memory than a step's."""
+    return job["micro_batch_size"] or job["batch_size"]
+
+
+def adapt_before(tf: Any, job: Dict[str, Any], model: Any,
+                 device_split: Tuple[np.ndarray, np.ndarray], should_stop: Callable[[], bool]
+                 ) -> float:
+    """BatchNorm's statistics set to the device's mixture before training; the seconds taken."""
     weight = job["bn_device_weight"]
-    if device_split is not None:  # the steps see the device's statistics
-        adapted = adapt_batchnorm(tf, model, job, device_split[0], device_split[1],
-                                  adapt_batch_size, should_stop,
-                                  AUTO_WEIGHT_BEFORE if weight == AUTO else weight)
-        if adapted is None:
-            return fields
-        fields["adapt_seconds"] = adapted[0]
-    inputs = (tf.constant(x_train), tf.constant(y_train), tf.constant(teacher[0]),
-              tf.constant(teacher[1]))
+    adapted = _unless_stopped(adapt_batchnorm(
+        tf, model, job, device_split[0], device_split[1], _forward_batch(job), should_stop,
+        AUTO_WEIGHT_BEFORE if weight == AUTO else weight))
+    return adapted.seconds
+
+
+def train(tf: Any, job: Dict[str, Any], model: Any, precision: str, x_train: np.ndarray,
+          y_train: np.ndarray, teacher: Teacher, should_stop: Callable[[], bool], emit: Emit,
+          fields: Dict[str, Any]) -> Trained:
+    """Run the job's steps (``train_steps``); then free the step's graph and heap."""
+    profiling = job["mode"] == "profile"
+    inputs = (tf.constant(x_train), tf.constant(y_train), tf.constant(teacher.logits),
+              tf.constant(teacher.weights))
     # Finite either way (profile mode requires max_steps); the count sizes the schedule.
-    batches = list(iterate_batches(len(y_train), batch_size, None if profiling else job["epochs"],
-                                   job["max_steps"], np.random.RandomState(job["seed"])))
+    batches = list(iterate_batches(len(y_train), job["batch_size"],
+                                   None if profiling else job["epochs"], job["max_steps"],
+                                   np.random.RandomState(job["seed"])))
     trained = train_steps(tf, job, model, precision, inputs, batches, should_stop, emit)
     fields.update(steps=trained.steps, samples=trained.samples, train_seconds=trained.seconds,
                   pool_first=trained.pool_first, heap_released=trained.heap_released,
@@ -183,158 +246,85 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     # passes after training trace theirs (a session's peak could otherwise come after its steps).
     gc.collect()
     release_free_heap()
-    if should_stop() or fields["status"] == "diverged":
-        return fields
-    after = None
+    return trained
+
+
+def _reference_bar(job: Dict[str, Any], fields: Dict[str, Any]) -> Optional[float]:
     # What a try the choosers (``auto``) keep must not lose more than the tolerance against on
     # the reference group: the before model's accuracy there, or the first model's where that
     # is higher. As measured; the session's guard allows the before model's a margin of
     # standard errors (acceptance.reference_refusal), so a try that clears this bar passes there.
-    reference_bar = reference_held(fields.get("by_group_before"), job["reference_origin"])
+    return reference_held(fields.get("by_group_before"), job["reference_origin"])
+
+
+def settle_batchnorm(tf: Any, job: Dict[str, Any], model: Any, data: Dict[str, Any],
+                     device_split: Optional[Tuple[np.ndarray, np.ndarray]],
+                     validation: Optional[Validation], before: Optional[Before],
+                     should_stop: Callable[[], bool], fields: Dict[str, Any]
+                     ) -> Optional[Dict[str, Any]]:
+    """BatchNorm's statistics under the trained weights: adapted, or recalibrated.
+
+    Returns:
+        The candidate's evaluation where ``auto`` chose the mixture by scoring it, else None.
+    """
     if device_split is not None:  # again, under the trained weights; it replaces recalibration
+        weight = job["bn_device_weight"]
         if validation is None and weight == AUTO:
             weight = AUTO_WEIGHT_BEFORE  # nothing to choose by
-        adapted = adapt_batchnorm(tf, model, job, device_split[0], device_split[1],
-                                  adapt_batch_size, should_stop, weight, score, reference_bar,
-                                  groups, refused)
-        if adapted is None:
-            return fields
-        fields["adapt_seconds"] += adapted[0]
-        if adapted[3]:  # auto: the mixture kept, already scored
-            fields["bn_device_weight"], after, fields["bn_weights_tried"] = adapted[1:]
+        adapted = _unless_stopped(adapt_batchnorm(
+            tf, model, job, device_split[0], device_split[1], _forward_batch(job), should_stop,
+            weight, validation and validation.score, _reference_bar(job, fields),
+            validation and validation.groups, before and before.refused))
+        fields["adapt_seconds"] += adapted.seconds
+        if adapted.tried:  # auto: the mixture kept, already scored
+            fields["bn_device_weight"], fields["bn_weights_tried"] = adapted.weight, adapted.tried
+            return adapted.scores
     elif job["recalibrate_bn"] and not job["freeze_bn"]:  # in profile mode too: its memory counts
-        fields["recalibrate_seconds"] = recalibrate_batchnorm(
-            tf, model, job, x_train, adapt_batch_size, should_stop)
-        if fields["recalibrate_seconds"] is None:
-            return fields
-    if served is not None:  # the candidate: the trained weights averaged with the served ones
-        averaged = average_with_served(
-            model, served, job["trained_share"], score, groups, reference_bar,
-            job["reference_tolerance"], refused)
-        if averaged is None:
-            return fields
-        fields["trained_share"], after, tried = averaged  # a mixture's score is stale now
-        if tried:
-            fields["trained_shares_tried"] = tried
-    if validation is not None:
-        if after is None:
-            after = score_candidate(score, groups, refused)
-        if after is None:
-            return fields
-        correct_after, losses_after = after.pop("correct"), after.pop("losses")
-        # A refused candidate's evaluation may hold the acceptance group alone.
-        fields["paired_by_group"] = {
-            name: counts for name, counts in paired_counts(correct_before, correct_after, groups).items()
-            if groups is None or name in after["by_group"]}
-        complete = groups is None or len(after["by_group"]) == len(np.unique(groups))
-        if scored_after is not None and complete:
-            keys = cache[1] if cache is not None else evalcache.sample_keys(*validation)
-            scored_after.update(keys=keys, correct=correct_after, losses=losses_after)
-        emit("eval", phase="after", **after)
-        fields["accuracy_after"] = after["accuracy"]
-        fields["per_class_after"] = after["per_class"]
-        fields["by_group_after"] = after["by_group"]
-    fields["status"] = "ok"
-    return fields
+        fields["recalibrate_seconds"] = _unless_stopped(recalibrate_batchnorm(
+            tf, model, job, data["train_data"][0], _forward_batch(job), should_stop))
+    return None
 
 
-BLOWN_UP = 100.0  # a loss this many times the attempt's first (or chance's) has diverged
+def average(job: Dict[str, Any], model: Any, served: List[np.ndarray],
+            validation: Optional[Validation], before: Optional[Before], fields: Dict[str, Any]
+            ) -> Optional[Dict[str, Any]]:
+    """The candidate as the trained weights averaged with the served ones.
 
-
-def diverging(loss: float, first_loss: float, num_classes: int, model: Any) -> bool:
-    """Whether a step's loss says training diverged.
-
-    A loss that is not finite, with weights no longer finite (a float16 step that overflowed
-    and was skipped by loss scaling leaves the weights finite: training goes on), or a finite
-    loss ``BLOWN_UP`` times the attempt's first step's, or chance's (log of the classes), if
-    that is higher: a probability of e**-160 for the right class among five, where an
-    exponential overflowed (seen: 458 -> 3e30 -> 15 on a model that then served nonsense).
+    Returns:
+        The candidate's evaluation where ``auto`` chose the share by scoring it, else None (a
+        mixture's earlier score is stale now).
     """
-    if not np.isfinite(loss):
-        return not all(np.isfinite(array).all() for array in model.get_weights())
-    return loss > BLOWN_UP * max(first_loss if np.isfinite(first_loss) else 0.0,
-                                 math.log(max(num_classes, 2)))
+    averaged = _unless_stopped(average_with_served(
+        model, served, job["trained_share"], validation and validation.score,
+        validation and validation.groups, _reference_bar(job, fields), job["reference_tolerance"],
+        before and before.refused))
+    fields["trained_share"] = averaged.share
+    if averaged.tried:
+        fields["trained_shares_tried"] = averaged.tried
+    return averaged.scores
 
 
-class Trained(NamedTuple):
-    """What ``train_steps`` did: its steps (every attempt's), and each attempt that diverged."""
-
-    steps: int
-    samples: int
-    seconds: float
-    learning_rate: float  # the last attempt's peak rate
-    diverged: List[Dict[str, Any]]  # {"learning_rate", "diverged_at_step"} per attempt
-    diverged_at_step: Optional[int]  # the last attempt's step, None where it trained
-    pool_first: List[str]
-    heap_released: Optional[bool]
-
-
-def train_steps(tf: Any, job: Dict[str, Any], model: Any, precision: str, inputs: Tuple[Any, ...],
-                batches: List[Tuple[int, np.ndarray]], should_stop: Callable[[], bool],
-                emit: Emit) -> Trained:
-    """Run the job's steps over ``batches``; after a divergence, again at a lower rate.
-
-    A train job's step that ``diverging`` finds ends the attempt. While ``diverged_retries``
-    allows, the model is set back to its weights before the first step (its BatchNorm
-    statistics too), a new optimizer takes ``diverged_lr_factor`` times the rate and the steps
-    run again from the first batch. A profile job never retries.
-
-    Args:
-        tf: TensorFlow.
-        job: the job (``learning_rate``, ``clip_norm``, ``diverged_retries``, ...).
-        model: the model, as the steps start from it.
-        precision: the resolved precision (the optimizer's loss scaling).
-        inputs: the training images, labels, distillation targets and their weights (tensors).
-        batches: ``(epoch, indices)`` per step, from ``step.iterate_batches``.
-        should_stop: true once a stop was asked for (at the next step boundary).
-        emit: prints a worker event (``step``, ``retry``).
-    """
-    profiling = job["mode"] == "profile"
-    retries = 0 if profiling else job["diverged_retries"]
-    start_weights = model.get_weights() if retries else None
-    images, labels, soft, soft_weights = inputs
-    rate_peak, diverged = job["learning_rate"], []  # type: float, List[Dict[str, Any]]
-    steps = samples = 0
-    pool_first, heap_released = [], None  # type: List[str], Optional[bool]
-    started = time.monotonic()
-    while True:
-        rate = make_rate(tf, job, None if profiling else len(batches), rate_peak)
-        forward = make_forward(tf, model, job)
-        pool_first = list(getattr(forward, "swapped", []))
-        train_step = make_train_step(tf, model, forward, make_optimizer(tf, job, precision, rate),
-                                     job)
-        diverged_at, first_loss = None, float("nan")
-        for index, (epoch, indices) in enumerate(batches):
-            if should_stop():
-                break
-            start = time.monotonic()
-            batch = tf.constant(indices)
-            loss = float(train_step(tf.gather(images, batch), tf.gather(labels, batch),
-                                    tf.gather(soft, batch), tf.gather(soft_weights, batch)))
-            end = time.monotonic()
-            emit("step", index=steps, epoch=epoch, batch_size=len(indices), loss=loss,
-                 lr=float(rate(index)) if callable(rate) else rate, start=start, end=end,
-                 attempt=len(diverged))
-            steps += 1
-            samples += len(indices)
-            if steps == 1:
-                heap_released = release_free_heap()
-            first_loss = loss if index == 0 else first_loss
-            if not profiling and diverging(loss, first_loss, len(job["classes"]), model):
-                diverged_at = index
-                break
-        del train_step, forward
-        if diverged_at is None or len(diverged) >= retries or should_stop():
-            break
-        diverged.append({"learning_rate": rate_peak, "diverged_at_step": diverged_at})
-        emit("retry", reason="diverged", learning_rate=rate_peak, diverged_at_step=diverged_at,
-             next_learning_rate=rate_peak * job["diverged_lr_factor"])
-        model.set_weights(start_weights)
-        rate_peak *= job["diverged_lr_factor"]
-    if diverged_at is not None:
-        diverged.append({"learning_rate": rate_peak, "diverged_at_step": diverged_at})
-    return Trained(steps, samples, time.monotonic() - started, rate_peak, diverged, diverged_at,
-                   pool_first, heap_released)
+def score_after(job: Dict[str, Any], validation: Validation, before: Before,
+                after: Optional[Dict[str, Any]], emit: Emit, fields: Dict[str, Any],
+                scored_after: Optional[Dict[str, np.ndarray]]) -> None:
+    """Score the candidate (unless a chooser did); its figures and paired counts to ``fields``."""
+    groups = validation.groups
+    if after is None:
+        after = _unless_stopped(score_candidate(validation.score, groups, before.refused))
+    correct_after, losses_after = after.pop("correct"), after.pop("losses")
+    # A refused candidate's evaluation may hold the acceptance group alone.
+    fields["paired_by_group"] = {
+        name: counts for name, counts in paired_counts(before.correct, correct_after, groups).items()
+        if groups is None or name in after["by_group"]}
+    complete = groups is None or len(after["by_group"]) == len(np.unique(groups))
+    if scored_after is not None and complete:
+        keys = validation.cache.keys if validation.cache is not None else evalcache.sample_keys(
+            validation.x, validation.y)
+        scored_after.update(keys=keys, correct=correct_after, losses=losses_after)
+    emit("eval", phase="after", **after)
+    fields["accuracy_after"] = after["accuracy"]
+    fields["per_class_after"] = after["per_class"]
+    fields["by_group_after"] = after["by_group"]
 
 
 def reference_held(by_group_before: Optional[Dict[str, float]], origin: Optional[float]
