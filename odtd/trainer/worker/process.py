@@ -46,6 +46,12 @@ _STARTED_AT = time.monotonic()
 # (One operation at a time, TF_NUM_INTEROP_THREADS=1, lowered DenseNet40's recomputed peak by
 # 50 MB but spread VGG16's at 128x128 from 2.0 to 3.1 GB: not a default; docs/memory.md.)
 ENVIRONMENT_DEFAULTS = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_CPU_ALLOCATOR_USE_BFC": "true"}
+# The worker's modules that import TensorFlow or Keras: a worker server imports them before it
+# forks (``WorkerProgram``), ``odtctl doctor`` checks they import (``stack``).
+WORKER_MODULES = tuple("odtd.trainer." + name for name in (
+    "learning.averaging", "learning.batchnorm", "learning.distill", "models.imported",
+    "models.networks", "models.suite", "plans.dense_blocks", "plans.fused_batchnorm",
+    "plans.recompute"))
 
 
 class BadModel(Exception):
@@ -374,11 +380,6 @@ def main(argv: Optional[List[str]] = None,
 class WorkerProgram(forkserver.Program):
     """The worker as a fork server's program (``forkserver.WORKER_PROGRAM``)."""
 
-    # The worker's modules that import TensorFlow or Keras, imported by the server before it forks.
-    MODULES = ("learning.averaging", "learning.batchnorm", "plans.dense_blocks", "learning.distill",
-               "plans.fused_batchnorm", "models.imported", "models.networks", "plans.recompute",
-               "models.suite")
-
     def environment_defaults(self) -> Dict[str, str]:
         """The worker's own (``ENVIRONMENT_DEFAULTS``)."""
         return dict(ENVIRONMENT_DEFAULTS)
@@ -388,8 +389,8 @@ class WorkerProgram(forkserver.Program):
         without_plotting()
         import tensorflow  # noqa: F401  (what the forks save)
 
-        for module in self.MODULES:
-            importlib.import_module("odtd.trainer." + module)
+        for module in WORKER_MODULES:
+            importlib.import_module(module)
 
     def run(self, args: List[str], watch: Callable[[int], None]) -> int:
         """Run the job named by ``args`` as ``main`` does, its clock started at the fork."""
