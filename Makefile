@@ -63,7 +63,7 @@ test-compat: $(COMPAT_STAMP)
 TX2_DAEMON := .venv-tx2-daemon
 TX2_PY36 := .venv-tx2-py36
 TX2_PY37 := .venv-tx2-py37
-ODTD_SOURCES := $(wildcard odtd/*.py odtd/*/*.py odtd/*.yaml)
+ODTD_SOURCES := $(wildcard odtd/*.py odtd/*/*.py odtd/*/*/*.py odtd/*.yaml)
 # The core tests (test-compat's and more) on the daemon's Python 3.8: those of the worker's
 # TensorFlow code with each worker, those of the daemon's side (which start workers too) with the
 # Python 3.6 one. Left out: two scenarios that hold only for the tinycnn that seed 7 draws under
@@ -113,6 +113,8 @@ tx2-tests: $(TX2_DAEMON)/.installed $(TX2_PY36)/.installed
 
 lint: $(STAMP)
 	$(BIN)/ruff check odtd tests scripts
+	# The layering (pyproject.toml's [tool.importlinter] contracts; docs/architecture.md).
+	$(BIN)/lint-imports
 	$(BIN)/vermin -t=3.6- --no-tips --violations --eval-annotations odtd/trainer odtd/atomic.py odtd/errors.py
 	# Annotations are not evaluated on 3.8 (`from __future__ import annotations`), so not checked.
 	$(BIN)/vermin -t=3.8- --no-tips --violations --exclude-regex 'odtd/trainer/.*' odtd

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, List, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -68,9 +68,9 @@ class TrainerConfig(_Strict):
         """Return the argv prefix that runs the worker module (or another of the trainer's).
 
         ``python`` imports the daemon's own odtd package and nothing else of its environment
-        (``odtd.trainer.launch.module_command``): no hand-made path is needed.
+        (``odtd.trainer.protocol.launch.module_command``): no hand-made path is needed.
         """
-        from odtd.trainer.launch import module_command
+        from odtd.trainer.protocol.launch import module_command
 
         return module_command(self.python, module)
 
@@ -149,7 +149,7 @@ class StorageConfig(_Strict):
         default=256.0, ge=0,
         description="free space (MB) odtd keeps on the home's filesystem: below it ingest "
                     "refuses and sessions that would not fit are skipped")
-    prune: list[PruneKind] = Field(
+    prune: List[PruneKind] = Field(  # typing.List: pydantic evaluates it on Python 3.8
         default_factory=lambda: ["runs", "versions"],
         description="what odtd may delete to stay above min_free_mb, applied in the order runs, "
                     "versions, samples (samples: the oldest trained ones the replay buffer "

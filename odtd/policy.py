@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from odtd.config import describe_validation_error, read_yaml_mapping
 from odtd.errors import PolicyError
-from odtd.trainer.job import LR_SCHEDULES, PRECISIONS
+from odtd.trainer.protocol.job import LR_SCHEDULES, PRECISIONS
 
 
 class _Strict(BaseModel):

@@ -25,7 +25,7 @@ import numpy as np
 from PIL import Image
 
 from odtd.daemon.control import request
-from odtd.trainer.launch import read_proc_mb
+from odtd.trainer.protocol.procfs import read_proc_mb
 
 
 def vm(pid: int, key: str) -> float:

@@ -5,7 +5,7 @@ One batch size (64 by default), side by side in one run: plain Keras ``model.fit
 control), then each of odtd's plans in the real trainer worker (profile mode, a subprocess as
 the daemon runs it), alternating A B C ... A B C for ``--rounds`` rounds. Every arm runs in a
 fresh process of its own, so each peak RSS (``VmHWM``) is that arm's alone. The same random
-uint8 images, the same network (built by ``odtd.trainer.networks``), SGD with momentum, no
+uint8 images, the same network (built by ``odtd.trainer.models.networks``), SGD with momentum, no
 augmentation on either side.
 
 Plans are named as admission names them: ``fp32``, ``fp32+recompute``, ``fp32+micro8``,
@@ -51,7 +51,7 @@ from bench_trainer import step_timer
 
 from odtd.profiling.profile import parse_plan as profile_plan
 from odtd.profiling.sweep import cpu_description
-from odtd.trainer.launch import read_proc_mb
+from odtd.trainer.protocol.procfs import read_proc_mb
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NUM_CLASSES = 10
@@ -63,13 +63,13 @@ CONTROL = "keras_fit_fp32"
 
 def fit_child(model_name: str, batch_size: int, steps: int, data: str) -> None:
     """In a fresh process: ``model.fit`` over ``steps`` batches; print spans and peak RSS."""
-    from odtd.trainer.worker import without_plotting
+    from odtd.trainer.worker.process import without_plotting
 
     without_plotting()  # as in odtd's worker: matplotlib's import is not training memory
     import tensorflow as tf
 
-    from odtd.trainer import networks
-    from odtd.trainer.worker import peak_rss_mb
+    from odtd.trainer.models import networks
+    from odtd.trainer.protocol.procfs import peak_rss_mb
 
     arrays = np.load(data)
     tf.keras.utils.set_random_seed(0)
@@ -106,8 +106,8 @@ def run_fit(args, data: Path, env: dict) -> dict:
 
 def run_plan(args, plan: str, data: Path, workdir: Path) -> dict:
     from odtd.config import Config
-    from odtd.trainer.job import make_job
-    from odtd.trainer.launch import run_job
+    from odtd.trainer.protocol.job import make_job
+    from odtd.trainer.protocol.launch import run_job
 
     job = make_job("profile", args.model, [f"class{i}" for i in range(NUM_CLASSES)], INPUT_SHAPE,
                    train_data=str(data), batch_size=args.batch,

@@ -11,7 +11,7 @@ input lost, a finished export whole. Prints JSON: the counts per operation and e
 
     python scripts/bench_power_loss.py [--runs 200] [--operations ingest,session,...] [--json]
 
-A worker server (odtd/trainer/forkserver.py) runs the sessions' workers: TensorFlow is
+A worker server (odtd/trainer/worker/forkserver.py) runs the sessions' workers: TensorFlow is
 imported once, not at each of the hundreds of sessions. Takes about 40 minutes on the
 development machine.
 """
@@ -59,7 +59,7 @@ def worker_server(directory: Path) -> subprocess.Popen:
     """Start odtd's worker server; return it once it listens."""
     sock = directory / "worker.sock"
     log = open(directory / "worker-server.log", "wb")
-    server = subprocess.Popen([sys.executable, "-m", "odtd.trainer.forkserver", str(sock)],
+    server = subprocess.Popen([sys.executable, "-m", "odtd.trainer.worker.forkserver", str(sock)],
                               stderr=log, stdout=subprocess.DEVNULL, cwd=REPO)
     deadline = time.monotonic() + 300
     while not sock.exists() and server.poll() is None and time.monotonic() < deadline:

@@ -38,7 +38,7 @@ from odtd.config import TelemetryConfig  # noqa: E402
 from odtd.profiling.sweep import cpu_description  # noqa: E402
 from odtd.telemetry import Sampler, open_backend  # noqa: E402
 from odtd.telemetry.estimate import read_cpu_ticks  # noqa: E402
-from odtd.trainer.job import make_job  # noqa: E402
+from odtd.trainer.protocol.job import make_job  # noqa: E402
 
 NUM_CLASSES = 10
 INPUT_SHAPE = (32, 32, 3)

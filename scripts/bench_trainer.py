@@ -65,7 +65,7 @@ def throughput_sps(spans: list, batch_size: int) -> float:
 def worker_sps(model: str, batch_size: int, warmup_steps: int, steps: int, workdir: Path,
                precision: str = "fp32") -> tuple:
     """Run the real worker in profile mode; (samples/s over its measured steps, precision run)."""
-    from odtd.trainer.job import make_job
+    from odtd.trainer.protocol.job import make_job
 
     job = make_job("profile", model, [f"class{i}" for i in range(NUM_CLASSES)], INPUT_SHAPE,
                    train_data=str(workdir / "train.npz"), batch_size=batch_size, epochs=1,
@@ -113,7 +113,7 @@ def fit_sps(model_name: str, batch_size: int, warmup_steps: int, steps: int, x, 
     mixed one); samples/s over the same measured steps."""
     import tensorflow as tf
 
-    from odtd.trainer import networks
+    from odtd.trainer.models import networks
 
     tf.keras.mixed_precision.set_global_policy("float32" if precision == "fp32" else precision)
     tf.keras.utils.set_random_seed(0)

@@ -7,7 +7,7 @@ with 2.7.4, and this process's own, .venv's), in one run on one machine:
 - ``import tensorflow``: wall seconds, the median of ``--imports`` fresh interpreters (matplotlib
   kept out, as the worker keeps it out);
 - DenseNet40's training step, fp32, at each ``--batch-sizes``: the real worker in profile mode
-  (``odtd.trainer.launch.run_job``, as ``odtctl profile`` runs it), samples/s at the median step
+  (``odtd.trainer.protocol.launch.run_job``, as ``odtctl profile`` runs it), samples/s at the median step
   after the 3 warm-up steps, and the worker's peak RSS;
 - what precision ``auto`` resolves to there and why, and whether recomputation (``recompute: 1``)
   runs there: a profile job each, at the first batch size;
@@ -38,8 +38,8 @@ import numpy as np
 from odtd.config import TrainerConfig
 from odtd.errors import TrainerFailed
 from odtd.profiling.sweep import cpu_description
-from odtd.trainer.job import make_job
-from odtd.trainer.launch import WARMUP_STEPS, run_job
+from odtd.trainer.protocol.job import make_job
+from odtd.trainer.protocol.launch import WARMUP_STEPS, run_job
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "keras"
@@ -51,8 +51,8 @@ TIME_IMPORT = ("import sys, time; sys.modules['matplotlib'] = None; start = time
                "import tensorflow; print(time.perf_counter() - start)")
 POOL_FIRST = r"""
 import json, numpy as np, tensorflow as tf
-from odtd.trainer import networks
-from odtd.trainer.pool_first import PoolFirst
+from odtd.trainer.models import networks
+from odtd.trainer.plans.pool_first import PoolFirst
 model = networks.build("densenet40", 10, [32, 32, 3])
 swapped = PoolFirst.of(tf, model)
 x = tf.constant(np.random.default_rng(0).random((8, 32, 32, 3), dtype=np.float32))
@@ -141,7 +141,7 @@ def measure(label: str, python: str, args: argparse.Namespace) -> dict:
     print(f"{label}: {python}", file=sys.stderr, flush=True)
     imports = [float(in_stack(python, TIME_IMPORT)) for _ in range(args.imports)]
     versions = json.loads(in_stack(python, (
-        "import json, sys, numpy, tensorflow as tf; from odtd.trainer.imported import "
+        "import json, sys, numpy, tensorflow as tf; from odtd.trainer.models.imported import "
         "keras_version; print(json.dumps({'python': '%d.%d.%d' % sys.version_info[:3], "
         "'tensorflow': tf.__version__, 'keras': keras_version(tf), 'numpy': numpy.__version__}))")))
     stack = dict(label=label, interpreter=python, **versions,

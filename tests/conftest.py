@@ -84,7 +84,7 @@ def pytest_sessionfinish(session):
         cache.set(DURATIONS_KEY, {**cache.get(DURATIONS_KEY, {}), **_DURATIONS})
 
 
-# Servers on odtd/trainer/forkserver.py's machinery, by (kind, Python): "worker" (the worker
+# Servers on odtd/trainer/worker/forkserver.py's machinery, by (kind, Python): "worker" (the worker
 # server) and tests/python_server.py's kinds. The ones every pytest worker shares are started by
 # the process that starts them (pytest-xdist's controller, or pytest itself without it) before
 # they start, so they inherit the sockets' paths; a pytest worker starts another Python's at its
@@ -102,7 +102,7 @@ def pytest_configure(config):
     Keras and the 0.6 s a call spends importing the CLI's libraries.
 
     ``ODTD_WORKER_SERVER`` hands each worker's job to the worker server
-    (odtd/trainer/forkserver.py); ``ODTD_TEST_CLI_SERVER`` and ``ODTD_TEST_KERAS_SERVER`` name
+    (odtd/trainer/worker/forkserver.py); ``ODTD_TEST_CLI_SERVER`` and ``ODTD_TEST_KERAS_SERVER`` name
     tests/python_server.py's ``cli`` and ``keras`` servers (``forked_python``). The two that
     import TensorFlow only where the run has the tests marked `trains` (not `make quick`). A
     test that starts a worker with an environment of its own, or before the server listens,
@@ -141,9 +141,9 @@ def _worker_server(request):
         listening(path)
 
 
-def start_server(directory: Path, env: dict, command: tuple = ("-m", "odtd.trainer.forkserver"),
+def start_server(directory: Path, env: dict, command: tuple = ("-m", "odtd.trainer.worker.forkserver"),
                  python: str = sys.executable) -> subprocess.Popen:
-    """Start ``python -m odtd.trainer.forkserver directory/sock`` (or another ``command`` that
+    """Start ``python -m odtd.trainer.worker.forkserver directory/sock`` (or another ``command`` that
     serves with it), its log in ``directory/server.log`` and its pid in ``directory/pid``; it
     listens once it has imported (``listening``)."""
     with open(directory / "server.log", "wb") as log:
@@ -237,7 +237,7 @@ def native_suffix(suffix: str) -> str:
 
 def bfloat16_refused(report: dict) -> bool:
     """Whether the TensorFlow of a ``tensorflow_report`` could not run bfloat16 here (its
-    ``bfloat16_error``: ``odtd.trainer.precision.bfloat16_error``). Only one before 2.9 may
+    ``bfloat16_error``: ``odtd.trainer.plans.precision.bfloat16_error``). Only one before 2.9 may
     refuse: 2.6 and 2.7 have bfloat16 kernels for a CPU only with oneDNN, off by default there
     (`make test-tx2`'s stacks); from 2.9 on it is on, and a refusal fails the test."""
     error = report.get("bfloat16_error")

@@ -8,7 +8,7 @@ built and counted, a gradient compared with Keras's own layer: 4 to 6 s importin
 ``run`` on the Unix socket SOCKET: each call
 is a fork that runs a Python command line (``-c CODE ARGS``, ``-m MODULE ARGS`` or ``SCRIPT
 ARGS``) as a fresh interpreter would, on odtd's worker server's machinery
-(odtd/trainer/forkserver.py): its own process, arguments, environment, working directory and
+(odtd/trainer/worker/forkserver.py): its own process, arguments, environment, working directory and
 files; non-daemon threads joined and exit handlers run at the end. A call for another Python or
 another TensorFlow environment, or with no server listening, runs in a fresh process.
 
@@ -32,7 +32,7 @@ import traceback
 from pathlib import Path
 from typing import Callable, Optional
 
-from odtd.trainer import forkserver
+from odtd.trainer.worker import forkserver
 
 # What each kind of server imports before it forks, and the environment it and its runs get
 # beside the caller's (runs in another TensorFlow environment are refused).

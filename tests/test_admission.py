@@ -16,7 +16,7 @@ from odtd.session.admission import (
 )
 from odtd.session.oom import learned_oom_limit, oom_retry_batch, record_oom
 from odtd.store.database import Store
-from odtd.trainer.launch import worker_ran_out_of_memory
+from odtd.trainer.protocol.launch import worker_ran_out_of_memory
 
 SIZES = (4, 8, 16, 32)
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import native_suffix, odtctl
 from test_byom import CLASSES, FIXTURES, keras_major, predict_max_diff
 
-from odtd.trainer import arithmetic, model_file
+from odtd.trainer.modelfile import arithmetic, model_file
 
 REWRITTEN = {"Rescaling", "Add", "Subtract", "Multiply"}
 

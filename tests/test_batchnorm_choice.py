@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from conftest import tensorflow_report
 
-from odtd.trainer.batchnorm import AUTO_WEIGHTS, choose_mixture, choose_weight
+from odtd.trainer.learning.batchnorm import AUTO_WEIGHTS, choose_mixture, choose_weight
 
 
 def test_choose_weight_prefers_the_device_within_the_reference_tolerance():
@@ -107,7 +107,7 @@ STATISTICS_SCRIPT = r"""
 import json
 import numpy as np
 import tensorflow as tf
-from odtd.trainer import batchnorm
+from odtd.trainer.learning import batchnorm
 
 L = tf.keras.layers
 inp = tf.keras.Input((8, 8, 3))

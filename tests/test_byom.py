@@ -28,7 +28,7 @@ from PIL import Image
 
 from odtd.errors import ModelError
 from odtd.home.spec import imported_name
-from odtd.trainer import model_config, model_file
+from odtd.trainer.modelfile import model_config, model_file
 
 FIXTURES = REPO / "tests" / "fixtures" / "keras"
 CLASSES = {"cnn_softmax": "cat,dog,owl,fox", "gray_logits": "red,green,blue",
@@ -412,8 +412,8 @@ class _Imported:
     """A model file imported by the real worker into ``tmp_path``, trained by ``train`` jobs."""
 
     def __init__(self, tmp_path: Path, model_file: Path, classes, shape, output: str):
-        from odtd.trainer.job import make_job
-        from odtd.trainer.launch import run_job
+        from odtd.trainer.protocol.job import make_job
+        from odtd.trainer.protocol.launch import run_job
 
         self.tmp, self.classes, self.shape, self.output = tmp_path, classes, shape, output
         self.run = lambda job, folder: run_job(worker_config().trainer.command(), job, tmp_path / folder)
@@ -477,8 +477,8 @@ def test_recomputation_cuts_inside_the_network_of_an_exported_model(tmp_path):
     # recomputation cuts inside the nested network and two steps leave the same weights and
     # BatchNorm statistics as without it (the nested model's output is not a tensor of the
     # outer graph: cutting there failed the session).
-    from odtd.trainer.job import make_job
-    from odtd.trainer.launch import run_job
+    from odtd.trainer.protocol.job import make_job
+    from odtd.trainer.protocol.launch import run_job
 
     command, classes = worker_config().trainer.command(), ["red", "green", "blue"]
     run_job(command, make_job("init", "tinycnn", classes, [32, 32, 3], seed=3,

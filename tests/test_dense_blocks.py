@@ -38,12 +38,13 @@ SCRIPT = r"""
 import json
 import numpy as np
 import tensorflow as tf
-from odtd.trainer import dense_blocks, dense_chunks, networks, recompute
-from odtd.trainer.fused_batchnorm import fuse
-from odtd.trainer.imported import keras_major
-from odtd.trainer.pool_first import pool_first
-from odtd.trainer.precision import bfloat16_error
-from odtd.trainer.worker import seed_everything
+from odtd.trainer.plans import dense_blocks, dense_chunks, recompute
+from odtd.trainer.models import networks
+from odtd.trainer.plans.fused_batchnorm import fuse
+from odtd.trainer.models.imported import keras_major
+from odtd.trainer.plans.pool_first import pool_first
+from odtd.trainer.plans.precision import bfloat16_error
+from odtd.trainer.worker.process import seed_everything
 
 L = tf.keras.layers
 
@@ -261,7 +262,7 @@ def test_dense_blocks_are_found_and_train_with_the_same_gradients_and_statistics
 
 
 def test_chunk_spans_cover_the_parts_in_order_in_about_equal_widths():
-    from odtd.trainer.dense_chunks import chunk_spans
+    from odtd.trainer.plans.dense_chunks import chunk_spans
 
     # DenseNet40's widest layer input: 16 channels, then twelve layers' 12 each (160 in all).
     widths = [16] + [12] * 12

@@ -23,8 +23,7 @@ from pathlib import Path
 import pytest
 
 from odtd.config import Config, load_config
-from odtd.daemon.sdnotify import Notifier, watchdog_interval_s
-from odtd.trainer.launch import NOTIFY_ENV_VARS
+from odtd.daemon.sdnotify import NOTIFY_ENV_VARS, Notifier, child_environment, watchdog_interval_s
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -499,3 +498,6 @@ def test_watchdog_interval_reads_the_environment(monkeypatch):
     monkeypatch.delenv("WATCHDOG_PID", raising=False)
     assert watchdog_interval_s() == 5.0
     assert set(NOTIFY_ENV_VARS) == {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"}
+    # What the daemon's children (and so their workers) get: everything but those.
+    assert child_environment({"NOTIFY_SOCKET": "/run/n", "WATCHDOG_USEC": "1", "WATCHDOG_PID": "2",
+                              "PATH": "/bin"}) == {"PATH": "/bin"}

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO, odtctl
 
 from odtd.config import TrainerConfig
@@ -31,7 +32,7 @@ def test_another_interpreter_imports_the_daemons_own_odtd_package_and_nothing_el
     plain = subprocess.run([str(python), "-c", "import odtd"], capture_output=True, text=True,
                            cwd=tmp_path)
     assert plain.returncode == 1 and "No module named 'odtd'" in plain.stderr
-    command = TrainerConfig(python=str(python)).command("odtd.trainer.stack")
+    command = TrainerConfig(python=str(python)).command("odtd.trainer.worker.stack")
     assert command[:2] == [str(python), "-c"] and len(command) == 3  # the shape of -m MODULE
     assert TrainerConfig().command() == [sys.executable, "-m", "odtd.trainer.worker"]
     proc = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=60)
@@ -61,3 +62,14 @@ def test_doctor_names_what_is_missing_and_the_fix_in_one_line_each(tmp_path):
     assert gone.stderr.splitlines()[-1].startswith(
         "Error: the worker's interpreter does not run odtd: /no/such/python3.6: no such file. "
         f"Set trainer.python in {tmp_path / 'home' / 'odtd.yaml'}")
+
+
+@pytest.mark.trains
+def test_the_worker_stack_imports_every_module_a_worker_server_imports(tmp_path):
+    # Every module a worker needs, by its dotted name (WORKER_MODULES): a path missed in a move
+    # is a worker_error here, on this stack, before a TX2's doctor finds it.
+    command = TrainerConfig().command("odtd.trainer.worker.stack")
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout)
+    assert found["tensorflow"] and found["worker_error"] is None

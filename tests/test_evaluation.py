@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from odtd.session.acceptance import refusal_reason
-from odtd.trainer.evaluation import (
+from odtd.trainer.learning.evaluation import (
     acceptance_group,
     evaluate,
     paired_counts,

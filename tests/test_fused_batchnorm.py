@@ -15,10 +15,10 @@ SCRIPT = r"""
 import json
 import numpy as np
 import tensorflow as tf
-from odtd.trainer import fused_batchnorm
-from odtd.trainer.imported import keras_major
-from odtd.trainer.precision import bfloat16_error
-from odtd.trainer.worker import seed_everything
+from odtd.trainer.plans import fused_batchnorm
+from odtd.trainer.models.imported import keras_major
+from odtd.trainer.plans.precision import bfloat16_error
+from odtd.trainer.worker.process import seed_everything
 
 L = tf.keras.layers
 

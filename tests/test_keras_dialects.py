@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from odtd.trainer import model_file
-from odtd.trainer.keras_dialects import ConversionError, to_keras2, to_keras3
+from odtd.trainer.modelfile import model_file
+from odtd.trainer.modelfile.keras_dialects import ConversionError, to_keras2, to_keras3
 
 FIXTURES = Path(__file__).parent / "fixtures" / "keras"
 

@@ -20,8 +20,8 @@ from odtd.session.acceptance import paired_standard_error, refusal_reason
 from odtd.session.runner import SessionRunner
 from odtd.sim import datasets
 from odtd.sim.simulate import DataSource, SimulationOptions, pretrain_base
-from odtd.trainer.job import make_job
-from odtd.trainer.launch import run_job
+from odtd.trainer.protocol.job import make_job
+from odtd.trainer.protocol.launch import run_job
 
 DAYS = 3
 
@@ -330,7 +330,7 @@ def test_reference_refusal_holds_the_first_models_accuracy_too(origin, refused):
 
 
 def test_the_worker_holds_auto_to_the_higher_of_before_and_origin():
-    from odtd.trainer.training import reference_held
+    from odtd.trainer.learning.training import reference_held
 
     assert reference_held({"0": 0.5, "2": 0.7}, None) == 0.7
     assert reference_held({"0": 0.5, "2": 0.7}, 0.75) == 0.75

@@ -17,8 +17,8 @@ SCRIPT = r"""
 import json
 import numpy as np
 import tensorflow as tf
-from odtd.trainer.pool_first import PoolFirst
-from odtd.trainer.worker import seed_everything
+from odtd.trainer.plans.pool_first import PoolFirst
+from odtd.trainer.worker.process import seed_everything
 
 L = tf.keras.layers
 

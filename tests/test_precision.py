@@ -1,4 +1,4 @@
-"""Precision ``auto`` (odtd.trainer.precision) without TensorFlow: the flags, the kept verdict.
+"""Precision ``auto`` (odtd.trainer.plans.precision) without TensorFlow: the flags, the kept verdict.
 
 The measurement itself runs in a real worker: tests/test_worker.py.
 """
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from odtd.trainer import precision
+from odtd.trainer.plans import precision
 
 BF16_CPU = "processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu sse2 avx512f avx512_bf16\n"
 PLAIN_CPU = "processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu sse2 avx2\n"
@@ -117,7 +117,7 @@ def test_a_probe_that_cannot_run_resolves_to_fp32_says_why_and_is_not_tried_agai
 
 
 def test_only_a_start_event_of_precision_auto_is_said():
-    from odtd.trainer.launch import precision_said
+    from odtd.trainer.protocol.launch import precision_said
 
     start = {"event": "start", "precision": "fp32",
              "precision_reason": "bfloat16 convolutions measured at 0.56x float32's speed"}

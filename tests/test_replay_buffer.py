@@ -4,8 +4,8 @@ from collections import Counter
 
 import pytest
 
+from odtd.home.replay_buffer import choose_replay, update_buffer
 from odtd.policy import ReplayPolicy
-from odtd.session.replay_buffer import choose_replay, update_buffer
 from odtd.store.database import Store
 
 CLASSES = ("cat", "dog", "ship")

@@ -164,8 +164,8 @@ def test_the_train_file_marks_the_device_images_for_batchnorm_adaptation(home, t
 
     from odtd.home.ingest import load_sample_arrays
     from odtd.home.paths import Home
+    from odtd.home.replay_buffer import update_buffer
     from odtd.policy import load_policy
-    from odtd.session.replay_buffer import update_buffer
     from odtd.store.database import Store
 
     _ingest(home, tmp_path)

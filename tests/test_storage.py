@@ -25,9 +25,9 @@ from odtd.errors import StorageError, sqlite_storage_error, storage_error
 from odtd.home.disk import make_room
 from odtd.home.ingest import Ingestor, discover
 from odtd.home.paths import Home
+from odtd.home.replay_buffer import update_buffer
 from odtd.home.versions import ModelRepo
 from odtd.policy import ReplayPolicy
-from odtd.session.replay_buffer import update_buffer
 
 KERAS_FILES = REPO / "tests" / "fixtures" / "keras"
 

@@ -13,7 +13,7 @@ from conftest import odtctl, tensorflow_report, write_images
 from odtd.errors import ConfigError
 from odtd.home.create import builtin_input_shape, init_home, parse_input_size
 from odtd.home.paths import Home
-from odtd.trainer import catalog
+from odtd.trainer.protocol import catalog
 
 SUITE = ("squeezenet", "inceptionv1", "resnet50", "vgg16", "xception", "mobilenetv2",
          "densenet121")
@@ -23,7 +23,10 @@ SUITE = ("squeezenet", "inceptionv1", "resnet50", "vgg16", "xception", "mobilene
 BUILD_SCRIPT = """
 import json
 import tensorflow as tf
-from odtd.trainer import catalog, dense_blocks, graph, networks, recompute
+from odtd.trainer.protocol import catalog
+from odtd.trainer.models import graph
+from odtd.trainer.plans import dense_blocks, recompute
+from odtd.trainer.models import networks
 
 cases = [(name, [info.min_input_size, info.min_input_size + 8, 3], 7)
          for name, info in ((n, catalog.get(n)) for n in {suite!r})]

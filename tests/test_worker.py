@@ -16,7 +16,9 @@ import pytest
 from conftest import WORKER_PYTHON, bfloat16_refused, built_once, tensorflow_report
 
 from odtd.config import TrainerConfig
-from odtd.trainer import catalog, precision, training, worker
+from odtd.trainer.learning import step
+from odtd.trainer.plans import precision
+from odtd.trainer.protocol import catalog, procfs
 
 pytestmark = pytest.mark.trains  # every test here runs the real worker
 
@@ -92,7 +94,7 @@ def data(tmp_path):
 
 def test_catalog_counts_equal_the_built_keras_models():
     script = (
-        "import json; from odtd.trainer import catalog, networks; print(json.dumps({"
+        "import json; from odtd.trainer.models import networks; print(json.dumps({"
         "'densenet40': networks.build('densenet40', 10).count_params(),"
         "'tinycnn': networks.build('tinycnn', 10).count_params(),"
         "'tinycnn_gray_3': networks.build('tinycnn', 3, (16, 16, 1)).count_params()}))"
@@ -409,7 +411,7 @@ def test_auto_precision_is_measured_once_and_kept_in_the_probe_file(tmp_path):
                                                 **job))
     assert code == 0, stderr
     start = by_event(events, "start")[0]
-    _, flags = precision.cpu_identity()
+    _, flags = procfs.cpu_identity()
     if not flags & precision.BFLOAT16_FLAGS:
         assert start["precision"] == "fp32" and not probe.exists()
         assert start["precision_reason"] == "no bfloat16 instructions on this CPU"
@@ -435,7 +437,7 @@ def test_auto_precision_is_measured_once_and_kept_in_the_probe_file(tmp_path):
 def test_peak_rss_reads_vmhwm_in_mib(tmp_path):
     status = tmp_path / "status"
     status.write_text("Name:\tpython\nVmHWM:\t 104857600 kB\nVmRSS:\t 1024 kB\n")
-    assert worker.peak_rss_mb(str(status)) == 102400.0
+    assert procfs.peak_rss_mb(str(status)) == 102400.0
 
 
 def test_release_free_heap_gives_freed_heap_pages_back_to_the_system():
@@ -451,14 +453,14 @@ def test_release_free_heap_gives_freed_heap_pages_back_to_the_system():
     for block in blocks[:-1]:  # the last one keeps the freed ones off the heap's top
         libc.free(block)
     status = Path("/proc/self/status")
-    before = worker.read_proc_mb("RssAnon", status)
-    assert training.release_free_heap()
-    assert before - worker.read_proc_mb("RssAnon", status) > 80
+    before = procfs.read_proc_mb("RssAnon", status)
+    assert step.release_free_heap()
+    assert before - procfs.read_proc_mb("RssAnon", status) > 80
     libc.free(blocks[-1])
 
 
 def test_a_worker_error_of_several_lines_is_said_in_one(tmp_path):
-    from odtd.trainer.launch import failure_reason
+    from odtd.trainer.protocol.launch import failure_reason
 
     # As Keras words a configuration it cannot build (seen from tf.keras 2.15).
     message = ("TypeError: Error when deserializing class 'Resizing' using config={...}.\n\n"
@@ -566,8 +568,8 @@ def test_trained_share_auto_keeps_the_best_share_that_spares_the_reference(tmp_p
     # images forget the reference, so the share kept is one that spares it, by choose_weight's
     # rule on those scored in full; the weights written are that average, as a separate
     # evaluate run confirms.
-    from odtd.trainer.averaging import AUTO_SHARES
-    from odtd.trainer.batchnorm import choose_weight
+    from odtd.trainer.learning.averaging import AUTO_SHARES
+    from odtd.trainer.learning.batchnorm import choose_weight
 
     rng = np.random.default_rng(11)
     dark = rng.integers(0, 60, (40, *SHAPE), dtype=np.uint8)
@@ -648,7 +650,7 @@ def test_auto_batchnorm_mixture_keeps_the_best_weight_that_spares_the_reference(
     # set (group 0: the device's validation images, dark; group 2: the reference, bright) and
     # the rule of choose_weight keeps one; the weights written carry that mixture, as a
     # separate evaluate run of them confirms.
-    from odtd.trainer.batchnorm import AUTO_WEIGHTS, choose_weight
+    from odtd.trainer.learning.batchnorm import AUTO_WEIGHTS, choose_weight
 
     rng = np.random.default_rng(5)
     dark = rng.integers(0, 60, (30, *SHAPE), dtype=np.uint8)
@@ -710,7 +712,7 @@ def test_device_mask_of_the_wrong_length_is_a_bad_job(tmp_path, data):
 
 
 def test_device_split_measures_at_most_1024_rehearsed_images_spread_over_the_draw(tmp_path):
-    from odtd.trainer.data import REHEARSAL_IMAGES, load_device_split
+    from odtd.trainer.worker.data import REHEARSAL_IMAGES, load_device_split
 
     x = np.zeros((3000, 2, 2, 1), dtype=np.uint8)
     x[:, 0, 0, 0] = np.arange(3000) % 10  # the replay draw's round-robin over 10 classes

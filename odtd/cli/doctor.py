@@ -2,7 +2,7 @@
 
 The worker may run under another Python than the daemon's (``trainer.python``: JetPack 4.6's
 Python 3.6 with NVIDIA's TensorFlow beside a Python 3.8 daemon). This starts that interpreter as
-a worker is started (``odtd.trainer.launch.module_command``) with ``odtd.trainer.stack``, and
+a worker is started (``odtd.trainer.protocol.launch.module_command``) with ``odtd.trainer.worker.stack``, and
 prints one line per part (Python, odtd, numpy, TensorFlow, Keras, GPU, the worker's modules),
 with the fix where one is missing.
 """
@@ -33,7 +33,7 @@ def _version(text: Optional[str]) -> tuple[int, ...]:
 
 
 def run_stack(argv: list[str], timeout_s: float = CHECK_TIMEOUT_S) -> tuple[Optional[dict], str]:
-    """Run ``odtd.trainer.stack`` with ``argv`` (its command); (what it printed, or None; why not).
+    """Run ``odtd.trainer.worker.stack`` with ``argv`` (its command); (what it printed, or None; why not).
 
     The second item is empty when the first is not None.
     """
@@ -61,7 +61,7 @@ def check_lines(found: dict[str, Any], daemon_odtd: str) -> tuple[list[tuple[str
     """The doctor's lines, (part, what was found), and the problems that stop a worker.
 
     Args:
-        found: What ``odtd.trainer.stack`` printed.
+        found: What ``odtd.trainer.worker.stack`` printed.
         daemon_odtd: The directory of this process's odtd package.
     """
     python = found["executable"]
@@ -129,7 +129,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         trainer = home.load_config().trainer
         origin = (f"trainer.python in {home.config_path}" if trainer.python else
                   f"the daemon's own; trainer.python is not set in {home.config_path}")
-    argv = trainer.command("odtd.trainer.stack")
+    argv = trainer.command("odtd.trainer.worker.stack")
     progress(f"starting {argv[0]} (imports TensorFlow) ...")
     found, failure = run_stack(argv)
     if found is None:

@@ -12,7 +12,7 @@ from odtd.errors import ConfigError
 @command("models")
 def cmd_models(args: argparse.Namespace) -> int:
     """List the model registry, or a home's versions; roll back; export."""
-    from odtd.trainer import catalog
+    from odtd.trainer.protocol import catalog
 
     action = args.action or "list"
     if action == "list":

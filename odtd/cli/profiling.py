@@ -14,7 +14,7 @@ from odtd.cli.output import command, emit, home_of, progress
 from odtd.errors import ConfigError, PolicyError
 from odtd.policy import Policy, load_policy
 from odtd.session.gates import FORCE_CLOSED_FILE, check_gates
-from odtd.trainer.job import PRECISIONS
+from odtd.trainer.protocol.job import PRECISIONS
 
 DEFAULT_PROFILE_STEPS = 10
 _NO_PENDING_SAMPLES = 64  # DESIGN.md's reference day: 64 new images

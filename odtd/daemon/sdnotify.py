@@ -22,12 +22,23 @@ from typing import Mapping
 
 logger = logging.getLogger(__name__)
 
+# Variables systemd hands to the service only (sd_notify(3)): no child of the daemon (a session,
+# an ingest, and so their trainer workers) may ping systemd in the daemon's name, so every child
+# is started without them (``child_environment``).
+NOTIFY_ENV_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+
 # sd_notify(3) reserves upper-case names; custom ones must start with X_.
 _FIELD_NAME = re.compile(r"^[A-Z][A-Z0-9_]*$")
 
 # A full receive queue on systemd's side must not stall the daemon's main loop
 # or the session runner: drop the datagram (and log) after this long.
 _SEND_TIMEOUT_S = 1.0
+
+
+def child_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``environ`` (default ``os.environ``) without systemd's notification variables."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items() if k not in NOTIFY_ENV_VARS}
 
 
 class Notifier:

@@ -29,12 +29,11 @@ from odtd.daemon.control import ControlServer
 from odtd.daemon.health import DiskHealth
 from odtd.daemon.inbox import InboxWatcher
 from odtd.daemon.scheduler import Scheduler, missed_fire_time
-from odtd.daemon.sdnotify import Notifier
+from odtd.daemon.sdnotify import Notifier, child_environment
 from odtd.errors import ConfigError, OdtdError, PolicyError, SessionBusy, StorageError, StoreError
 from odtd.home.paths import Home
 from odtd.policy import Policy, load_policy
 from odtd.store.liveness import utc_now
-from odtd.trainer.launch import NOTIFY_ENV_VARS
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +85,8 @@ class Daemon:
         return command + list(extra)
 
     def _spawn(self, task: str, *extra: str) -> subprocess.Popen:
-        env = {k: v for k, v in os.environ.items() if k not in NOTIFY_ENV_VARS}
         return subprocess.Popen(self._task_command(task, *extra), stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, env=env, text=True)
+                                stdout=subprocess.PIPE, env=child_environment(), text=True)
 
     def run_task(self, task: str, *extra: str, stdin: str = "") -> Any:
         """Run a task in a child process to its end and return its JSON result.

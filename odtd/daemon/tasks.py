@@ -109,7 +109,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         format="%(levelname)s %(name)s[task " + args.task + "]: %(message)s")
     parent = os.getppid()
     if parent > 1:
-        from odtd.trainer.worker import watch_parent
+        from odtd.trainer.protocol.procfs import watch_parent
 
         watch_parent(parent)  # the daemon died: so does this (and, in turn, its worker)
     home = Home(resolve_home(args.home), Path(args.config) if args.config else None)

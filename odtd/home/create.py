@@ -19,6 +19,7 @@ from odtd.errors import ConfigError, IngestError, ModelError, TrainerFailed
 from odtd.home.images import BadImage, decode_image
 from odtd.home.ingest import Ingestor, discover
 from odtd.home.paths import REFERENCE_EVERY, Home
+from odtd.home.replay_buffer import update_buffer
 from odtd.home.spec import (
     ARCHITECTURE_NAME,
     BUILTIN,
@@ -31,11 +32,10 @@ from odtd.home.spec import (
 )
 from odtd.home.versions import ModelRepo, check_weights_file
 from odtd.policy import Recipe, load_policy, recipe_for
-from odtd.session.replay_buffer import update_buffer
 from odtd.store.database import Store, utc_now
-from odtd.trainer import catalog
-from odtd.trainer.job import make_job
-from odtd.trainer.launch import run_job
+from odtd.trainer.protocol import catalog
+from odtd.trainer.protocol.job import make_job
+from odtd.trainer.protocol.launch import run_job
 
 logger = logging.getLogger(__name__)
 

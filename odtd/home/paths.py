@@ -33,7 +33,7 @@ class Home:
         self.models = self.root / "models"
         self.validation = self.root / "validation"
         self.runs = self.root / "runs"
-        # precision ``auto``'s measured verdict (odtd.trainer.precision); delete to measure again
+        # precision ``auto``'s measured verdict (odtd.trainer.plans.precision); delete to measure again
         self.precision_probe = self.root / "precision.json"
         self.run = self.root / "run"
         self.socket_path = self.run / "odtd.sock"

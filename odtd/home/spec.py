@@ -14,8 +14,8 @@ from typing import Any, Optional
 from odtd.errors import ModelError
 from odtd.home.paths import Home
 from odtd.store.database import Store
-from odtd.trainer import catalog
-from odtd.trainer.job import INPUT_SCALES, OUTPUTS
+from odtd.trainer.protocol import catalog
+from odtd.trainer.protocol.job import INPUT_SCALES, OUTPUTS
 
 BUILTIN, IMPORTED = "builtin", "imported"
 # Built-in networks scale their own input to 0..1 and end in logits (trainer.networks).

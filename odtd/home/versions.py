@@ -23,7 +23,7 @@ from odtd import atomic
 from odtd.errors import ModelError
 from odtd.home.paths import Home
 from odtd.store.database import Store
-from odtd.trainer.evalcache import file_sha256
+from odtd.trainer.protocol.digest import file_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -278,8 +278,8 @@ def export(home: Home, store: Store, version: int, out: Path, as_given: bool = F
         TrainerFailed: the worker could not write the model.
     """
     from odtd.home.spec import ModelSpec, original_file
-    from odtd.trainer.job import make_job
-    from odtd.trainer.launch import run_job
+    from odtd.trainer.protocol.job import make_job
+    from odtd.trainer.protocol.launch import run_job
 
     spec = ModelSpec.from_store(store)
     repo = ModelRepo(home.models, spec.name)

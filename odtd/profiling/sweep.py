@@ -22,16 +22,16 @@ import numpy as np
 
 from odtd.config import Config
 from odtd.errors import TelemetryUnavailable, TrainerFailed
+from odtd.home.lock import SessionLock
 from odtd.home.paths import Home
 from odtd.home.spec import BUILTIN, ModelSpec
 from odtd.policy import TrainingPolicy
 from odtd.profiling.profile import DOES_NOT_FIT, OK, ProfileResult, ProfileRow, plan_name
-from odtd.session.lock import SessionLock
 from odtd.store.database import Store, utc_now
-from odtd.trainer import catalog
-from odtd.trainer.job import make_job
-from odtd.trainer.launch import WARMUP_STEPS, precision_said, run_job
-from odtd.trainer.precision import cpu_identity
+from odtd.trainer.protocol import catalog
+from odtd.trainer.protocol.job import make_job
+from odtd.trainer.protocol.launch import WARMUP_STEPS, precision_said, run_job
+from odtd.trainer.protocol.procfs import cpu_identity
 
 logger = logging.getLogger(__name__)
 

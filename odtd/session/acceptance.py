@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from odtd.trainer.evaluation import acceptance_margin, paired_standard_error
+from odtd.trainer.protocol.paired import acceptance_margin, paired_standard_error
 
 
 def refusal_reason(before: float, after: float, tolerance: float, confidence_z: float,

@@ -23,14 +23,14 @@ import numpy as np
 from odtd.config import Config
 from odtd.home.ingest import load_sample_arrays
 from odtd.home.paths import Home
+from odtd.home.replay_buffer import choose_replay
 from odtd.home.spec import ModelSpec
 from odtd.home.versions import ModelRepo
 from odtd.policy import Policy
 from odtd.session.learning_rate import remember_rate, starting_rate
-from odtd.session.replay_buffer import choose_replay
 from odtd.store.database import Store
-from odtd.trainer.job import make_job
-from odtd.trainer.launch import WorkerRun, diverged, write_job
+from odtd.trainer.protocol.job import make_job
+from odtd.trainer.protocol.launch import WorkerRun, diverged, write_job
 
 DAY_IMAGES = 64  # a day's new images in the reference scenario: what a session trains on
 MIN_STEPS = 16  # enough steps to tell a falling loss from a rising one

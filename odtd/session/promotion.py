@@ -17,13 +17,13 @@ from typing import Any, Callable, Optional
 
 from odtd.errors import OdtdError, failure_reason
 from odtd.home.paths import Home
+from odtd.home.replay_buffer import update_buffer
 from odtd.home.versions import ModelRepo, prune
 from odtd.policy import Policy
 from odtd.session.acceptance import reference_refusal, refusal_reason
-from odtd.session.replay_buffer import update_buffer
 from odtd.store.database import Store
 from odtd.store.records import JUDGED, SessionRecord
-from odtd.trainer.launch import diverged
+from odtd.trainer.protocol.launch import diverged
 
 logger = logging.getLogger(__name__)
 

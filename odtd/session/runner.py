@@ -24,6 +24,7 @@ from odtd.errors import as_odtd_error, failure_reason
 from odtd.home.disk import room_for_session
 from odtd.home.ingest import load_sample_arrays
 from odtd.home.paths import Home
+from odtd.home.replay_buffer import choose_replay
 from odtd.home.spec import ModelSpec
 from odtd.home.versions import ModelRepo
 from odtd.policy import Policy
@@ -39,11 +40,10 @@ from odtd.session.learning_rate import remember_rate, starting_rate
 from odtd.session.lock import SessionLock, recover_stale_sessions
 from odtd.session.oom import oom_retry_batch, record_oom
 from odtd.session.promotion import CANDIDATE_EVAL_CACHE, Promotion
-from odtd.session.replay_buffer import choose_replay
 from odtd.store.database import Store
 from odtd.store.records import SessionRecord
-from odtd.trainer.job import make_job
-from odtd.trainer.launch import WARMUP_STEPS, WorkerEnd, WorkerRun, precision_said, write_job
+from odtd.trainer.protocol.job import make_job
+from odtd.trainer.protocol.launch import WARMUP_STEPS, WorkerEnd, WorkerRun, precision_said, write_job
 
 logger = logging.getLogger(__name__)
 
@@ -370,7 +370,8 @@ class SessionRunner:
         record.peak_memory_mb = round(end.peak_rss_mb, 1)
         record.details.min_mem_available_mb = end.min_available_mb
         if self.energy_meter:
-            energy = self.energy_meter.end(energy_token, end.steps)  # also sets each step's energy_j
+            # Also sets each step's energy_j.
+            energy = self.energy_meter.end(energy_token, end.steps, WARMUP_STEPS)
             record.details.energy = energy.pop("energy_details")
             for key, value in energy.items():
                 setattr(record, key, value)

@@ -42,8 +42,8 @@ from odtd.home.versions import ModelRepo
 from odtd.policy import load_policy
 from odtd.session.runner import SessionRunner
 from odtd.sim import datasets
-from odtd.trainer.job import make_job
-from odtd.trainer.launch import run_job
+from odtd.trainer.protocol.job import make_job
+from odtd.trainer.protocol.launch import WARMUP_STEPS, run_job
 
 ARMS = {
     "odtd": "(a) odtd as configured, on the device's images",
@@ -118,7 +118,7 @@ class Trial:
         """A worker job for this trial's network (``make_job``) at its precision.
 
         Every arm's precision ``auto`` is the same: the first job's measured verdict is kept in
-        ``work`` (``odtd.trainer.precision``).
+        ``work`` (``odtd.trainer.plans.precision``).
         """
         return make_job(mode, self.model, self.classes, self.input_shape,
                         **{"precision": self.precision,
@@ -139,7 +139,7 @@ class Trial:
             with tempfile.TemporaryDirectory(dir=self.work) as tmp:
                 result, steps, _ = run_job(Config().trainer.command(), job, Path(tmp), on_message)
         finally:
-            energy = self.meter.end(token, steps) if token is not None else None
+            energy = self.meter.end(token, steps, WARMUP_STEPS) if token is not None else None
         return result, None if energy is None else energy["energy_j"]
 
 

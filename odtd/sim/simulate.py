@@ -32,8 +32,8 @@ from odtd.sim import datasets
 from odtd.sim.shifts import Shift, get_shift
 from odtd.store.database import Store
 from odtd.telemetry.meter import SessionEnergyMeter, running_sampler
-from odtd.trainer.job import make_job
-from odtd.trainer.launch import precision_said, run_job
+from odtd.trainer.protocol.job import make_job
+from odtd.trainer.protocol.launch import precision_said, run_job
 
 
 @dataclass

@@ -15,7 +15,6 @@ from typing import Any, Iterator, Optional
 
 from odtd.config import TelemetryConfig
 from odtd.telemetry import Sampler, open_backend
-from odtd.trainer.launch import WARMUP_STEPS
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +41,12 @@ class SessionEnergyMeter:
         self.sampler.open_window(key)
         return {"key": key, "baseline_power_w": baseline.mean_power_w if baseline.coverage > 0.5 else None}
 
-    def end(self, token: dict[str, Any], steps: list[dict[str, Any]]) -> dict[str, Any]:
-        """Close the window; set each step's ``energy_j``; return the session's energy fields."""
+    def end(self, token: dict[str, Any], steps: list[dict[str, Any]], warmup_steps: int) -> dict[str, Any]:
+        """Close the window; set each step's ``energy_j``; return the session's energy fields.
+
+        ``warmup_steps``: the first steps, left out of the per-step figures (the worker
+        protocol's ``WARMUP_STEPS``: graph tracing, allocator growth).
+        """
         report = self.sampler.close_window(token["key"])
         if steps:
             # Per-step figures come from the sampler's ring (10 minutes): in a longer session
@@ -55,7 +58,7 @@ class SessionEnergyMeter:
         incremental = None
         if report.energy_j is not None and baseline_w is not None:
             incremental = report.energy_j - baseline_w * report.duration_s * report.coverage
-        measured = [s["energy_j"] for s in steps[WARMUP_STEPS:] if s.get("energy_j") is not None]
+        measured = [s["energy_j"] for s in steps[warmup_steps:] if s.get("energy_j") is not None]
         return {
             "energy_j": _round(report.energy_j),
             "energy_by_rail_j": {rail: round(j, 3) for rail, j in report.energy_by_rail_j.items()}

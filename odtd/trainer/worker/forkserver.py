@@ -2,7 +2,7 @@
 
 Importing TensorFlow and Keras is most of what a short job costs: 4 to 6 s of CPU on the
 development machine, where the test suite starts over 160 workers. ``python -m
-odtd.trainer.forkserver SOCKET`` imports them once, with the worker's environment defaults, and
+odtd.trainer.worker.forkserver SOCKET`` imports them once, with the worker's environment defaults, and
 listens on the Unix socket SOCKET. With ``ODTD_WORKER_SERVER=SOCKET`` in its environment,
 ``python -m odtd.trainer.worker JOB.json`` hands its job to the server (``handed_over``) and
 stays as its stand-in: the server forks, the fork takes over the stand-in's standard input,
@@ -39,14 +39,15 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
+from odtd.trainer.protocol.procfs import parent_of, watch_parent
+
 SERVER_VARIABLE = "ODTD_WORKER_SERVER"
 # Environment variables TensorFlow, Keras, oneDNN, the loader or Python read when they are
 # imported: a fork runs with the server's reading of them, so a worker whose own differ runs itself.
 IMPORT_ENVIRONMENT = ("TF_", "KERAS_", "CUDA_", "XLA_", "OMP_", "MKL", "ONEDNN", "LD_", "PYTHON")
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-# The worker's modules that import TensorFlow or Keras, imported by the server before it forks.
-WORKER_MODULES = ("averaging", "batchnorm", "dense_blocks", "distill", "fused_batchnorm",
-                  "imported", "networks", "recompute", "suite")
+# What a server runs unless told otherwise: the trainer worker (odtd/trainer/worker/process.py).
+WORKER_PROGRAM = "odtd.trainer.worker.process:WorkerProgram"
 _FD_COUNT = 4  # stdin, stdout, stderr, and the read end of the stand-in's liveness pipe
 _MAX_REQUEST = 1 << 20
 
@@ -59,34 +60,31 @@ def import_environment(env: Dict[str, str], defaults: Dict[str, str]) -> Dict[st
 
 
 class Program(object):
-    """What a server imports once, and what each of its forks runs: by default the worker."""
+    """What a server imports once, and what each of its forks runs.
+
+    The server takes its program by name (``load_program``), so this module imports nothing of
+    what it serves: the worker's is ``WORKER_PROGRAM``, in the worker's own module.
+    """
 
     def environment_defaults(self) -> Dict[str, str]:
         """Variables a fresh process sets, where unset, before it imports TensorFlow."""
-        from odtd.trainer.worker import ENVIRONMENT_DEFAULTS
-
-        return dict(ENVIRONMENT_DEFAULTS)
+        return {}
 
     def prepare(self) -> None:
         """Import, in the server, what each fork would otherwise import (no operation run)."""
-        from odtd.trainer import worker
-
-        worker.without_plotting()
-        import tensorflow  # noqa: F401  (what the forks save)
-
-        for module in WORKER_MODULES:
-            importlib.import_module("odtd.trainer." + module)
 
     def run(self, args: List[str], watch: Callable[[int], None]) -> int:
         """Run the job in a fork that took on the client's files, place and environment.
 
-        ``args`` are the worker's command-line arguments; ``watch`` watches a parent pid.
+        ``args`` are the program's command-line arguments; ``watch`` watches a parent pid.
         """
-        from odtd.trainer import worker
+        raise NotImplementedError
 
-        sys.argv = [worker.__file__] + args
-        worker._STARTED_AT = time.monotonic()  # the job's clock starts at the fork
-        return worker.main(args, watch)
+
+def load_program(name: str) -> Program:
+    """The program named ``MODULE:CLASS``, imported and built (no arguments)."""
+    module, _, attribute = name.partition(":")
+    return getattr(importlib.import_module(module), attribute)()
 
 
 # --- the stand-in: the worker process that hands its job over ---
@@ -219,7 +217,7 @@ def serve(path: str, program: Optional[Program] = None) -> None:
 
     Jobs are handed over on the Unix socket ``path``.
     """
-    program = program or Program()
+    program = program or load_program(WORKER_PROGRAM)
     started = time.monotonic()
     defaults = program.environment_defaults()
     for name, value in defaults.items():
@@ -357,9 +355,7 @@ def _become(request: Dict[str, Any], fds: List[int], program: Program) -> None:
         stand_in, alive = int(request["pid"]), fds[3]
 
         def watch(parent_pid: int) -> None:
-            from odtd.trainer import worker
-
-            worker.watch_parent(parent_pid, lambda: _parent_of(stand_in))
+            watch_parent(parent_pid, lambda: parent_of(stand_in))
 
         threading.Thread(target=_exit_when_closed, args=(alive,), name="stand-in-watch",
                          daemon=True).start()
@@ -392,17 +388,7 @@ def _exit_when_closed(fd: int) -> None:
     os._exit(3)
 
 
-def _parent_of(pid: int) -> Optional[int]:
-    """The parent of process ``pid`` (from ``/proc``), None if it is gone."""
-    try:
-        with open("/proc/{}/stat".format(pid), "rb") as handle:
-            stat = handle.read()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(b")") + 2:].split()[1])
-
-
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m odtd.trainer.forkserver SOCKET")
-    serve(sys.argv[1])
+    if len(sys.argv) not in (2, 3):
+        sys.exit("usage: python -m odtd.trainer.worker.forkserver SOCKET [MODULE:PROGRAM]")
+    serve(sys.argv[1], load_program(sys.argv[2]) if len(sys.argv) == 3 else None)

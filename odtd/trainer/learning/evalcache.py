@@ -10,23 +10,13 @@ Standard library and numpy only; Python 3.6-compatible (the worker imports it).
 """
 
 import hashlib
-import os
-from typing import Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import numpy as np
 
 from odtd import atomic
 
 KEY_BYTES = 16
-
-
-def file_sha256(path: Union[str, os.PathLike]) -> str:
-    """The hex sha256 of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def sample_keys(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -19,12 +19,12 @@ Keras 3 alike.
 """
 
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
-from odtd.trainer.evaluation import acceptance_group, score_group, score_rest
-from odtd.trainer.imported import leaf_layers
+from odtd.trainer.learning.evaluation import acceptance_group, score_group, score_rest
+from odtd.trainer.models.imported import batchnorm_layers
 
 Moments = List[Tuple[np.ndarray, np.ndarray]]
 # The compiled statistics passes of this process, by ``_statistics_key``: a session measures
@@ -32,12 +32,6 @@ Moments = List[Tuple[np.ndarray, np.ndarray]]
 # and the rehearsed images, then recalibration), and tracing a large model's forward pass takes
 # seconds each time (MobileNetV2 at 64x64: about 5 s on the development CPU).
 _COMPILED = {}  # type: Dict[Tuple[Any, ...], Tuple[Any, Callable[[Any], Any]]]
-
-
-def batchnorm_layers(tf: Any, model: Any) -> List[Any]:
-    """The model's BatchNormalization layers, in nested models too (freeze_bn, recalibrate_bn)."""
-    return [layer for _, layer in leaf_layers(model)
-            if isinstance(layer, tf.keras.layers.BatchNormalization)]
 
 
 def batch_moments(tf: Any, model: Any, job: Any, layers: List[Any], x: np.ndarray,
@@ -82,8 +76,8 @@ def _statistics_pass(tf: Any, model: Any, job: Any, layers: List[Any]) -> Callab
     one normalises by its moving statistics), and its momentum (``batch_moments`` sets 0 before
     every call).
     """
-    from odtd.trainer import networks
-    from odtd.trainer.pool_first import pooling_first
+    from odtd.trainer.models import networks
+    from odtd.trainer.plans.pool_first import pooling_first
 
     key = (id(model), tuple(id(layer) for layer in layers),
            tuple(bool(layer.trainable) for layer in batchnorm_layers(tf, model)),
@@ -189,7 +183,13 @@ def domain_moments(tf: Any, model: Any, job: Any, device_x: np.ndarray,
 
 REFERENCE_GROUP = "2"  # the evaluation set's groups: docs/worker-protocol.md, validation_data
 
-Adapted = Tuple[float, Optional[float], Optional[Dict[str, Any]], Dict[float, Dict[str, float]]]
+class Adapted(NamedTuple):
+    """What ``adapt_batchnorm`` did."""
+
+    seconds: float
+    weight: Optional[float]  # the device's share assigned; None: nothing to adapt
+    scores: Optional[Dict[str, Any]]  # the kept weight's evaluation (``AUTO`` only)
+    tried: Dict[float, Dict[str, float]]  # {weight: accuracy by group} (``AUTO`` only)
 
 
 def adapt_batchnorm(tf: Any, model: Any, job: Any, device_x: np.ndarray,
@@ -223,7 +223,7 @@ def adapt_batchnorm(tf: Any, model: Any, job: Any, device_x: np.ndarray,
         (statistics unchanged).
     """
     if not batchnorm_layers(tf, model) or len(device_x) == 0:
-        return 0.0, None, None, {}
+        return Adapted(0.0, None, None, {})
     started = time.monotonic()
     measured = domain_moments(tf, model, job, device_x, rehearsal_x, batch_size, should_stop,
                               weight)
@@ -243,10 +243,15 @@ def adapt_batchnorm(tf: Any, model: Any, job: Any, device_x: np.ndarray,
             return None
         weight, kept_evaluation, tried = chosen
     assign_moments(layers, mix_moments(device, rehearsal, weight))
-    return time.monotonic() - started, weight, kept_evaluation, tried
+    return Adapted(time.monotonic() - started, weight, kept_evaluation, tried)
 
 
-Chosen = Tuple[float, Dict[str, Any], Dict[float, Dict[str, float]]]
+class Chosen(NamedTuple):
+    """The candidate ``choose_mixture`` kept."""
+
+    value: float  # the weight or share kept
+    scores: Dict[str, Any]  # its evaluation
+    tried: Dict[float, Dict[str, float]]  # {candidate: accuracy by group}
 
 
 def choose_mixture(assign: Callable[[float], None], candidates: Sequence[float],
@@ -293,11 +298,11 @@ def choose_mixture(assign: Callable[[float], None], candidates: Sequence[float],
             return None
         full[candidate], tried[candidate] = evaluation, evaluation["by_group"]
         if spares_reference(tried[candidate], reference_before, reference_tolerance):
-            return candidate, evaluation, tried
+            return Chosen(candidate, evaluation, tried)
     # None spares the reference: of those scored in full, the least loss there.
     scored = {w: tried[w] for w in full} or tried
     kept = choose_weight(scored, reference_before, reference_tolerance, group, REFERENCE_GROUP)
-    return kept, full.get(kept, first[kept]), tried
+    return Chosen(kept, full.get(kept, first[kept]), tried)
 
 
 def spares_reference(by_group: Dict[str, float], reference_before: float,

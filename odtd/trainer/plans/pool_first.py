@@ -20,7 +20,7 @@ TensorFlow is passed in. Python 3.6-compatible; tf.keras 2 and Keras 3 alike.
 
 from typing import Any, Callable, List, Optional, Sequence
 
-from odtd.trainer.graph import consumers, inputs_of, nested_chain, part_runner, sub_model, valid_cuts
+from odtd.trainer.models.graph import consumers, inputs_of, nested_chain, part_runner, sub_model, valid_cuts
 
 
 def swaps(conv: Any, pool: Any) -> bool:

@@ -29,7 +29,7 @@ TensorFlow is passed in. Python 3.6-compatible; tf.keras 2 and Keras 3 alike.
 
 from typing import Any, List, NamedTuple, Optional, Sequence
 
-from odtd.trainer.fused_batchnorm import MIN_EPSILON, train_normalise
+from odtd.trainer.plans.fused_batchnorm import MIN_EPSILON, train_normalise
 
 CHUNKS = 4  # chunks per layer: one chunk's tensors are about a quarter of the layer's input
 # Activations that act on each value alone (not softmax: it mixes the channels).

@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any, Dict
 
-from odtd.trainer import catalog
+from odtd.trainer.protocol import catalog
 
 PROTOCOL_VERSION = 1
 PRECISIONS = ("fp32", "mixed_float16", "mixed_bfloat16", "auto")

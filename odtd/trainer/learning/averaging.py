@@ -16,16 +16,21 @@ TensorFlow is not used here: the model's ``get_weights`` / ``set_weights``. Pyth
 3.6-compatible; tf.keras 2 and Keras 3 alike.
 """
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import numpy as np
 
-from odtd.trainer.batchnorm import AUTO, choose_mixture
+from odtd.trainer.learning.batchnorm import AUTO, choose_mixture
 
 AUTO_SHARES = (0.25, 0.5, 0.75, 1.0)  # what ``trained_share: auto`` tries
 UNSCORED_SHARE = 0.5  # ``auto`` without an evaluation set: nothing to choose by
 
-Averaged = Tuple[float, Optional[Dict[str, Any]], Dict[float, Dict[str, float]]]
+class Averaged(NamedTuple):
+    """What ``average_with_served`` did."""
+
+    share: float  # the trained weights' share kept
+    scores: Optional[Dict[str, Any]]  # its evaluation (``AUTO`` with a score only)
+    tried: Dict[float, Dict[str, float]]  # {share: accuracy by group} (``AUTO`` only)
 
 
 def averaged(trained: List[np.ndarray], served: List[np.ndarray], share: float
@@ -63,7 +68,7 @@ def average_with_served(model: Any, served: List[np.ndarray], share: Any,
     if share != AUTO:
         if share < 1.0:
             model.set_weights(averaged(trained, served, share))
-        return share, None, {}
+        return Averaged(share, None, {})
 
     def assign(candidate: float) -> None:
         model.set_weights(trained if candidate >= 1.0 else averaged(trained, served, candidate))
@@ -73,5 +78,5 @@ def average_with_served(model: Any, served: List[np.ndarray], share: Any,
     if chosen is None:
         model.set_weights(trained)
         return None
-    assign(chosen[0])
-    return chosen
+    assign(chosen.value)
+    return Averaged(*chosen)

@@ -4,15 +4,21 @@
 checkpointed with the job's ``recompute``, else pooling first where the model allows), loss
 (with distillation's term when the job distils), gradients (summed over micro-batches with
 ``micro_batch_size``, their global norm clipped to ``clip_norm``), one update.
-``training.train_steps`` runs the steps ``iterate_batches`` gives it.
+``train_steps`` runs the steps ``iterate_batches`` gives it, and again at a lower rate after a
+divergence (``diverging``); ``release_free_heap`` gives malloc's free heap back after the first.
 
 TensorFlow is passed in (``tf``), never imported here. Python 3.6-compatible; tf.keras 2 and
 Keras 3 alike.
 """
 
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+import ctypes
+import math
+import time
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import numpy as np
+
+Emit = Callable[..., None]  # prints one worker event (``worker.process.emit``)
 
 
 def iterate_batches(num_samples: int, batch_size: int, epochs: Optional[int],
@@ -100,10 +106,10 @@ def make_forward(tf: Any, model: Any, job: Dict[str, Any]) -> Any:
     nothing swaps.
     """
     if job["recompute"]:
-        from odtd.trainer.recompute import Checkpointed
+        from odtd.trainer.plans.recompute import Checkpointed
 
         return Checkpointed(tf, model, share=job["recompute"])
-    from odtd.trainer.pool_first import pooling_first
+    from odtd.trainer.plans.pool_first import pooling_first
 
     return pooling_first(tf, model)
 
@@ -123,8 +129,8 @@ def make_train_step(tf: Any, model: Any, forward_model: Any, optimizer: Any,
     memory of a micro-batch (a BatchNorm that trains normalises each micro-batch by its own
     statistics).
     """
-    from odtd.trainer import networks
-    from odtd.trainer.distill import distillation_loss
+    from odtd.trainer.learning.distill import distillation_loss
+    from odtd.trainer.models import networks
 
     variables = model.trainable_variables
     # tf.keras 2 and Keras 3 spell loss scaling differently; Keras 3 unscales in apply_gradients.
@@ -204,3 +210,117 @@ def make_train_step(tf: Any, model: Any, forward_model: Any, optimizer: Any,
         return loss
 
     return micro_batches
+
+
+def release_free_heap() -> bool:
+    """Give the free pages inside malloc's heap back to the system (glibc's ``malloc_trim``).
+
+    The first train step traces its graph and optimises it; what that leaves freed in the heap
+    (about 40 MB for DenseNet40) would stay resident under every later step's tensors, and the
+    step's graph, once freed after the last step, under the passes after training. Returns
+    False where the C library has no ``malloc_trim`` or nothing was returned.
+    """
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    return bool(trim(0))
+
+
+BLOWN_UP = 100.0  # a loss this many times the attempt's first (or chance's) has diverged
+
+
+def diverging(loss: float, first_loss: float, num_classes: int, model: Any) -> bool:
+    """Whether a step's loss says training diverged.
+
+    A loss that is not finite, with weights no longer finite (a float16 step that overflowed
+    and was skipped by loss scaling leaves the weights finite: training goes on), or a finite
+    loss ``BLOWN_UP`` times the attempt's first step's, or chance's (log of the classes), if
+    that is higher: a probability of e**-160 for the right class among five, where an
+    exponential overflowed (seen: 458 -> 3e30 -> 15 on a model that then served nonsense).
+    """
+    if not np.isfinite(loss):
+        return not all(np.isfinite(array).all() for array in model.get_weights())
+    return loss > BLOWN_UP * max(first_loss if np.isfinite(first_loss) else 0.0,
+                                 math.log(max(num_classes, 2)))
+
+
+class Trained(NamedTuple):
+    """What ``train_steps`` did: its steps (every attempt's), and each attempt that diverged."""
+
+    steps: int
+    samples: int
+    seconds: float
+    learning_rate: float  # the last attempt's peak rate
+    diverged: List[Dict[str, Any]]  # {"learning_rate", "diverged_at_step"} per attempt
+    diverged_at_step: Optional[int]  # the last attempt's step, None where it trained
+    pool_first: List[str]
+    heap_released: Optional[bool]
+
+
+def train_steps(tf: Any, job: Dict[str, Any], model: Any, precision: str, inputs: Tuple[Any, ...],
+                batches: List[Tuple[int, np.ndarray]], should_stop: Callable[[], bool],
+                emit: Emit) -> Trained:
+    """Run the job's steps over ``batches``; after a divergence, again at a lower rate.
+
+    A train job's step that ``diverging`` finds ends the attempt. While ``diverged_retries``
+    allows, the model is set back to its weights before the first step (its BatchNorm
+    statistics too), a new optimizer takes ``diverged_lr_factor`` times the rate and the steps
+    run again from the first batch. A profile job never retries.
+
+    Args:
+        tf: TensorFlow.
+        job: the job (``learning_rate``, ``clip_norm``, ``diverged_retries``, ...).
+        model: the model, as the steps start from it.
+        precision: the resolved precision (the optimizer's loss scaling).
+        inputs: the training images, labels, distillation targets and their weights (tensors).
+        batches: ``(epoch, indices)`` per step, from ``step.iterate_batches``.
+        should_stop: true once a stop was asked for (at the next step boundary).
+        emit: prints a worker event (``step``, ``retry``).
+    """
+    profiling = job["mode"] == "profile"
+    retries = 0 if profiling else job["diverged_retries"]
+    start_weights = model.get_weights() if retries else None
+    images, labels, soft, soft_weights = inputs
+    rate_peak, diverged = job["learning_rate"], []  # type: float, List[Dict[str, Any]]
+    steps = samples = 0
+    pool_first, heap_released = [], None  # type: List[str], Optional[bool]
+    started = time.monotonic()
+    while True:
+        rate = make_rate(tf, job, None if profiling else len(batches), rate_peak)
+        forward = make_forward(tf, model, job)
+        pool_first = list(getattr(forward, "swapped", []))
+        train_step = make_train_step(tf, model, forward, make_optimizer(tf, job, precision, rate),
+                                     job)
+        diverged_at, first_loss = None, float("nan")
+        for index, (epoch, indices) in enumerate(batches):
+            if should_stop():
+                break
+            start = time.monotonic()
+            batch = tf.constant(indices)
+            loss = float(train_step(tf.gather(images, batch), tf.gather(labels, batch),
+                                    tf.gather(soft, batch), tf.gather(soft_weights, batch)))
+            end = time.monotonic()
+            emit("step", index=steps, epoch=epoch, batch_size=len(indices), loss=loss,
+                 lr=float(rate(index)) if callable(rate) else rate, start=start, end=end,
+                 attempt=len(diverged))
+            steps += 1
+            samples += len(indices)
+            if steps == 1:
+                heap_released = release_free_heap()
+            first_loss = loss if index == 0 else first_loss
+            if not profiling and diverging(loss, first_loss, len(job["classes"]), model):
+                diverged_at = index
+                break
+        del train_step, forward
+        if diverged_at is None or len(diverged) >= retries or should_stop():
+            break
+        diverged.append({"learning_rate": rate_peak, "diverged_at_step": diverged_at})
+        emit("retry", reason="diverged", learning_rate=rate_peak, diverged_at_step=diverged_at,
+             next_learning_rate=rate_peak * job["diverged_lr_factor"])
+        model.set_weights(start_weights)
+        rate_peak *= job["diverged_lr_factor"]
+    if diverged_at is not None:
+        diverged.append({"learning_rate": rate_peak, "diverged_at_step": diverged_at})
+    return Trained(steps, samples, time.monotonic() - started, rate_peak, diverged, diverged_at,
+                   pool_first, heap_released)

@@ -18,12 +18,9 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from odtd.errors import TrainerFailed
+from odtd.trainer.protocol.procfs import read_oom_kills, read_proc_mb
 
 logger = logging.getLogger(__name__)
-
-# Variables systemd hands to the service only (sd_notify(3)): the worker must never ping
-# systemd in the daemon's name, so its environment goes without them.
-NOTIFY_ENV_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 
 # The framework's warm-up steps (graph tracing, allocator growth), skipped in every per-step
 # statistic: throughput, per-step energy, profiles.
@@ -101,11 +98,11 @@ class WorkerRun:
         self._stderr = open(str(stderr_path), "wb")
         # A new session keeps a terminal's Ctrl-C away from the worker: the caller decides how
         # it stops (step boundary first), so a foreground session ends `interrupted`, not torn.
-        env = {k: v for k, v in os.environ.items() if k not in NOTIFY_ENV_VARS}
+        # (systemd's variables never reach it: the daemon's children go without them, sdnotify.)
         self.started = time.monotonic()
         self.process = subprocess.Popen(
             list(command) + [str(job_path)], stdout=subprocess.PIPE, stderr=self._stderr,
-            stdin=subprocess.DEVNULL, start_new_session=True, env=env,
+            stdin=subprocess.DEVNULL, start_new_session=True,
         )
         self.lines = queue.Queue()  # type: queue.Queue  # of Optional[Dict[str, Any]]
         self.peak_rss_mb = 0.0
@@ -252,7 +249,7 @@ def run_job(
 
     Args:
         command: argv prefix for the worker module.
-        job: the job (``odtd.trainer.job.make_job``), written to ``job_dir/job.json``.
+        job: the job (``odtd.trainer.protocol.job.make_job``), written to ``job_dir/job.json``.
         job_dir: a directory for the job file and the worker's stderr.
         on_message: called with every JSON line (progress output).
         timeout_s: stop the worker after this long (and fail).
@@ -304,33 +301,6 @@ def diverged(result: Optional[Dict[str, Any]]) -> Optional[str]:
         fix += " or training.clip_norm (now {:g})".format(result["clip_norm"])
     return "training diverged {} (at step {} the loss was not finite, or 100 times the first " \
            "step's); {} in the policy".format(tried, result.get("diverged_at_step"), fix)
-
-
-def read_proc_mb(key: str, path: Path = Path("/proc/meminfo")) -> Optional[float]:
-    """A ``key: N kB`` field of a /proc file in MB, or None (no such field, or no such file).
-
-    ``/proc/meminfo`` (``MemAvailable``, ``MemTotal``) or a process's ``/proc/PID/status``
-    (``VmHWM``, ``RssAnon``; None once the process is gone).
-    """
-    try:
-        with open(str(path), encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) / 1024.0
-    except (OSError, ValueError):
-        logger.debug("no %s in %s", key, path)
-    return None
-
-
-def read_oom_kills(vmstat: Path = Path("/proc/vmstat")) -> Optional[int]:
-    """The kernel's count of OOM kills (``oom_kill`` in /proc/vmstat, Linux >= 4.13), or None."""
-    try:
-        for line in vmstat.read_text(encoding="ascii").splitlines():
-            if line.startswith("oom_kill "):
-                return int(line.split()[1])
-    except (OSError, ValueError):
-        logger.debug("no oom_kill counter in %s", vmstat)
-    return None
 
 
 def worker_ran_out_of_memory(error: Optional[Dict[str, Any]], returncode: Optional[int],

@@ -38,8 +38,7 @@ TensorFlow is passed in. Python 3.6-compatible; tf.keras 2 and Keras 3 alike.
 
 from typing import Any, Callable
 
-from odtd.trainer.batchnorm import batchnorm_layers
-from odtd.trainer.imported import keras_major
+from odtd.trainer.models.imported import batchnorm_layers, keras_major
 
 MIN_EPSILON = 1.001e-5  # below it the fused kernel would normalise by another epsilon
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16")  # the kernel computes in float32: not float64

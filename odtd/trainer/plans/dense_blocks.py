@@ -37,10 +37,10 @@ TensorFlow is passed in. Python 3.6-compatible; tf.keras 2 and Keras 3 alike.
 
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
-from odtd.trainer.dense_chunks import accumulate, chunk_gradient, kept_after, split_head
-from odtd.trainer.graph import consumers as graph_consumers
-from odtd.trainer.graph import inputs_of, producer
-from odtd.trainer.pool_first import pool_first
+from odtd.trainer.models.graph import consumers as graph_consumers
+from odtd.trainer.models.graph import inputs_of, producer
+from odtd.trainer.plans.dense_chunks import accumulate, chunk_gradient, kept_after, split_head
+from odtd.trainer.plans.pool_first import pool_first
 
 # Layers that draw random numbers in training: a recomputation would not reproduce them.
 RANDOM_LAYERS = ("Dropout", "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D",

@@ -3,9 +3,10 @@
 The daemon and ``odtctl`` use this module to validate model names and input sizes and to know a
 model's size before any worker runs. Parameter counts equal Keras's ``model.count_params()``:
 every weight, including BatchNorm moving statistics. They are computed analytically from the
-architectures that ``odtd.trainer.networks`` and ``odtd.trainer.suite`` build (the shape constants
-below are shared with them); for the keras.applications networks, from the weights of the base
-network at three input channels, recorded here and checked against Keras by tests/test_suite.py.
+architectures that ``odtd.trainer.models.networks`` and ``odtd.trainer.models.suite`` build
+(the shape constants below are shared with them); for the keras.applications networks, from
+the weights of the base network at three input channels, recorded here and checked against
+Keras by tests/test_suite.py.
 """
 
 from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple

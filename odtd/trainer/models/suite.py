@@ -1,6 +1,6 @@
 """The rest of the paper's CNN suite: five keras.applications networks and two written here.
 
-Imports TensorFlow: only the worker, through ``odtd.trainer.networks`` (which registers these
+Imports TensorFlow: only the worker, through ``odtd.trainer.models.networks`` (which registers these
 builders in ``BUILDERS``), and the benchmarks import this module.
 
 ResNet50, VGG16, Xception, MobileNetV2 (width 1.0) and DenseNet121 come from keras.applications
@@ -13,9 +13,9 @@ does not apply and they take ``0-1`` pixels like the other built-in networks. VG
 global average pooling and one Dense layer.
 
 SqueezeNet 1.1 and GoogLeNet (Inception v1) are written with plain Keras layers from the shape
-constants in ``odtd.trainer.catalog``, which counts their weights without TensorFlow.
+constants in ``odtd.trainer.protocol.catalog``, which counts their weights without TensorFlow.
 
-All follow the built-in conventions of ``odtd.trainer.networks``: ``0-1`` input, float32 logits
+All follow the built-in conventions of ``odtd.trainer.models.networks``: ``0-1`` input, float32 logits
 from a Dense layer named ``logits`` (even under mixed precision), explicit layer names where
 this module names them. None has dropout: gradient checkpointing recomputes a segment's forward
 pass, and a dropout layer there would draw a different mask the second time.
@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from odtd.trainer import catalog
+from odtd.trainer.protocol import catalog
 
 layers = tf.keras.layers
 

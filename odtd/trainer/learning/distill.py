@@ -15,16 +15,23 @@ TensorFlow is passed in (``tf``), never imported here. Python 3.6-compatible; tf
 Keras 3 alike.
 """
 
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import numpy as np
 
 TEMPERATURE = 2.0
 
 
+class Teacher(NamedTuple):
+    """Distillation's targets for every training image."""
+
+    logits: np.ndarray  # float32 (N, classes): the served model's, zeros where not rehearsed
+    weights: np.ndarray  # float32 (N,): ``job["distill"]`` where rehearsed, else 0
+
+
 def teacher_targets(tf: Any, model: Any, job: Dict[str, Any], x: np.ndarray,
                     rehearsed: np.ndarray, batch_size: int,
-                    should_stop: Callable[[], bool]) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+                    should_stop: Callable[[], bool]) -> Optional[Teacher]:
     """The served model's logits and each image's distillation weight, for every training image.
 
     Args:
@@ -41,8 +48,8 @@ def teacher_targets(tf: Any, model: Any, job: Dict[str, Any], x: np.ndarray,
         ``(logits, weights)``: float32 ``(N, classes)`` (zeros where not rehearsed) and float32
         ``(N,)`` (``job["distill"]`` where rehearsed, else 0); None if a stop was requested.
     """
-    from odtd.trainer import networks
-    from odtd.trainer.pool_first import pooling_first
+    from odtd.trainer.models import networks
+    from odtd.trainer.plans.pool_first import pooling_first
 
     num_classes = len(job["classes"])
     forward_model = pooling_first(tf, model)
@@ -60,7 +67,7 @@ def teacher_targets(tf: Any, model: Any, job: Dict[str, Any], x: np.ndarray,
         part = chosen[begin:begin + batch_size]
         logits[part] = logits_of(tf.constant(x[part])).numpy()
     weights = np.where(rehearsed, np.float32(job["distill"]), np.float32(0.0)).astype(np.float32)
-    return logits, weights
+    return Teacher(logits, weights)
 
 
 def distillation_loss(tf: Any, logits: Any, teacher: Any, weights: Any) -> Any:

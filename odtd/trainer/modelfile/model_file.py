@@ -25,8 +25,8 @@ import json
 import os
 import zipfile
 
-from odtd.trainer import arithmetic, keras_dialects
-from odtd.trainer.model_config import (
+from odtd.trainer.modelfile import arithmetic, keras_dialects
+from odtd.trainer.modelfile.model_config import (
     AUGMENTATION_LAYERS,
     MODEL_CLASSES,
     fix_input_size,

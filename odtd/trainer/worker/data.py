@@ -8,7 +8,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from odtd.trainer.job import BadJob
+from odtd.trainer.protocol.job import BadJob
 
 REHEARSAL_IMAGES = 1024  # the most rehearsed images BatchNorm adaptation measures
 

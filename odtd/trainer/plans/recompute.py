@@ -31,9 +31,9 @@ TensorFlow is passed in. Python 3.6-compatible; tf.keras 2 and Keras 3 alike.
 import math
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from odtd.trainer.dense_blocks import Block, dense_block, find_blocks, input_sizes
-from odtd.trainer.graph import nested_chain, part_runner, sub_model, valid_cuts
-from odtd.trainer.imported import leaf_layers
+from odtd.trainer.models.graph import nested_chain, part_runner, sub_model, valid_cuts
+from odtd.trainer.models.imported import leaf_layers
+from odtd.trainer.plans.dense_blocks import Block, dense_block, find_blocks, input_sizes
 
 # Dense layers whose input is at least this share of the model's largest dense-layer input take
 # their gradient a chunk of channels at a time (``dense_chunks``). The smaller ones peak below

@@ -8,11 +8,13 @@ Keras 3 alike.
 """
 
 import time
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from odtd.trainer import evalcache
+from odtd.trainer.learning import evalcache
+from odtd.trainer.protocol.digest import file_sha256
+from odtd.trainer.protocol.paired import acceptance_margin
 
 
 def make_eval_step(tf: Any, model: Any, job: Dict[str, Any]) -> Callable[[Any, Any], Any]:
@@ -20,8 +22,8 @@ def make_eval_step(tf: Any, model: Any, job: Dict[str, Any]) -> Callable[[Any, A
 
     The model runs pooling first where it can (``pool_first.pooling_first``).
     """
-    from odtd.trainer import networks
-    from odtd.trainer.pool_first import pooling_first
+    from odtd.trainer.models import networks
+    from odtd.trainer.plans.pool_first import pooling_first
 
     input_scale, output = job["input_scale"], job["output"]
     forward_model = pooling_first(tf, model)
@@ -178,35 +180,24 @@ def refusal_check(correct_before: np.ndarray, groups: np.ndarray, tolerance: flo
     return refused
 
 
-def paired_standard_error(gained: int, lost: int, samples: int) -> float:
-    """Standard error of the accuracy difference of two models scored on the same samples."""
-    mean = (gained - lost) / samples
-    variance = ((gained + lost) / samples - mean * mean) / samples
-    return max(variance, 0.0) ** 0.5
+class OpenCache(NamedTuple):
+    """The evaluation cache of the model to beat, as ``open_eval_cache`` found it."""
 
-
-def acceptance_margin(gain: float, paired: Optional[Dict[str, int]], confidence_z: float) -> float:
-    """A candidate's validation gain less ``confidence_z`` standard errors of the difference.
-
-    Fractions; the acceptance test refuses a candidate below ``-tolerance``. The gain alone with
-    ``confidence_z`` <= 0 or no paired counts (``paired_counts``' entry of the group).
-    """
-    if confidence_z <= 0 or not paired or not paired.get("samples"):
-        return gain
-    return gain - confidence_z * paired_standard_error(paired["gained"], paired["lost"],
-                                                        paired["samples"])
+    weights_sha256: str  # what the cache is keyed by
+    keys: np.ndarray  # each validation sample's key (``evalcache.sample_keys``)
+    cached: Any  # ``evalcache.lookup``'s result for those keys
 
 
 def open_eval_cache(job: Dict[str, Any], precision: str,
-                     validation: Tuple[np.ndarray, np.ndarray]
-                     ) -> Optional[Tuple[str, np.ndarray, Any]]:
-    """``(weights sha256, sample keys, evalcache.lookup result)`` for the "before" evaluation.
+                    validation: Tuple[np.ndarray, np.ndarray]) -> Optional[OpenCache]:
+    """The weights' sha256, the sample keys and the cached results, for the "before" evaluation.
 
     None without ``eval_cache`` or without a weights file to key it by (a fresh init).
     """
     source = job["baseline_weights"] or job["weights_in"]
     if job["eval_cache"] is None or source is None:
         return None
-    weights_sha256 = evalcache.file_sha256(source)
+    weights_sha256 = file_sha256(source)
     keys = evalcache.sample_keys(validation[0], validation[1])
-    return weights_sha256, keys, evalcache.lookup(job["eval_cache"], weights_sha256, precision, keys)
+    return OpenCache(weights_sha256, keys,
+                     evalcache.lookup(job["eval_cache"], weights_sha256, precision, keys))

@@ -21,6 +21,7 @@ import time
 from typing import Any, Dict, Optional, Tuple
 
 from odtd import atomic
+from odtd.trainer.protocol.procfs import cpu_identity
 
 BFLOAT16_FLAGS = frozenset(("avx512_bf16", "amx_bf16"))
 MIN_SPEEDUP = 1.15
@@ -31,26 +32,6 @@ PROBE_SHAPES = ((16, 32, 32, 64), (16, 16, 16, 128))
 """(batch, height, width, channels) of the probe's 3x3 convolutions: a small CNN's layers."""
 PROBE_ROUNDS = 3
 PROBE_REPS = 4
-
-
-def cpu_identity(cpuinfo_path: str = "/proc/cpuinfo") -> Tuple[str, frozenset]:
-    """The CPU's model name and its cpuinfo flags (``""`` and none when the file is unreadable).
-
-    Also what ``odtctl profile`` names a machine by (``odtd.profiling.sweep.cpu_description``).
-    """
-    name, flags = "", set()
-    try:
-        with open(cpuinfo_path) as cpuinfo:
-            for line in cpuinfo:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("flags", "Features"):
-                    flags.update(value.split())
-                elif key == "model name" and not name:
-                    name = value.strip()
-    except OSError:
-        pass  # no flags: precision auto is fp32, and says why
-    return name, frozenset(flags)
 
 
 def measure_bfloat16_speedup(tf: Any, shapes: Any = PROBE_SHAPES, rounds: int = PROBE_ROUNDS,
@@ -101,7 +82,7 @@ def bfloat16_error(tf: Any) -> Optional[str]:
 
 
 def _conv_step(tf: Any, dtype: Any) -> Any:
-    from odtd.trainer.networks import compiled  # imports TensorFlow
+    from odtd.trainer.models.networks import compiled  # imports TensorFlow
 
     @compiled()
     def step(images: Any, kernel: Any) -> Any:

@@ -19,7 +19,8 @@ from typing import Any, Dict, Iterator, List, Tuple
 import numpy as np
 
 from odtd import atomic
-from odtd.trainer import graph, keras_dialects, model_config, model_file
+from odtd.trainer.modelfile import keras_dialects, model_config, model_file
+from odtd.trainer.models import graph
 
 
 def keras_version(tf: Any) -> str:
@@ -83,6 +84,12 @@ def leaf_layers(model: Any, prefix: Tuple[str, ...] = ()) -> Iterator[Tuple[Tupl
                 yield item
         else:
             yield prefix + (layer.name,), layer
+
+
+def batchnorm_layers(tf: Any, model: Any) -> List[Any]:
+    """The model's BatchNormalization layers, in nested models too (freeze_bn, recalibrate_bn)."""
+    return [layer for _, layer in leaf_layers(model)
+            if isinstance(layer, tf.keras.layers.BatchNormalization)]
 
 
 def _leaf_keys(model: Any) -> Dict[Tuple[str, str], Tuple[Tuple[str, ...], Any]]:

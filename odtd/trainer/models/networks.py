@@ -10,7 +10,7 @@ and the output becomes float32 logits (a softmax model's probabilities become th
 the same cross-entropy then reads exactly).
 
 The built-in networks (``BUILDERS``: DenseNet-40 and tinycnn here, the rest of the paper's CNN
-suite in ``odtd.trainer.suite``) take ``0-1`` input and end in logits:
+suite in ``odtd.trainer.models.suite``) take ``0-1`` input and end in logits:
 
 - Output: logits (no softmax in the model). The last Dense layer is float32 even under a mixed
   precision policy, so the loss is computed in float32.
@@ -19,7 +19,7 @@ suite in ``odtd.trainer.suite``) take ``0-1`` input and end in logits:
   processes and TensorFlow versions.
 
 Only ``tf.keras`` APIs common to tf.keras 2 (TF <= 2.15) and Keras 3 are used. The architectures'
-shape constants live in ``odtd.trainer.catalog``, which computes parameter counts without
+shape constants live in ``odtd.trainer.protocol.catalog``, which computes parameter counts without
 TensorFlow.
 """
 
@@ -28,7 +28,8 @@ from typing import Optional, Sequence
 
 import tensorflow as tf
 
-from odtd.trainer import catalog, suite
+from odtd.trainer.models import suite
+from odtd.trainer.protocol import catalog
 
 layers = tf.keras.layers
 
@@ -169,7 +170,7 @@ def build_model(job: dict) -> tf.keras.Model:
     initialised from the job's seed.
     """
     if job["architecture"] is not None:
-        from odtd.trainer import imported
+        from odtd.trainer.models import imported
 
         with open(job["architecture"]) as handle:
             config = json.load(handle)["config"]
@@ -185,7 +186,7 @@ def build(
     Set the mixed precision policy and the random seed before calling this.
 
     Args:
-        name: Registry name (see ``odtd.trainer.catalog.MODELS``).
+        name: Registry name (see ``odtd.trainer.protocol.catalog.MODELS``).
         num_classes: Output size.
         input_shape: (height, width, channels); None means the catalog's default.
 

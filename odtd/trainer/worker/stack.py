@@ -1,4 +1,4 @@
-"""What the worker's interpreter has: ``python -m odtd.trainer.stack`` prints it as one JSON line.
+"""What the worker's interpreter has: ``python -m odtd.trainer.worker.stack`` prints it as one JSON line.
 
 ``odtctl doctor`` runs this module under ``trainer.python`` exactly as a worker is started
 (``launch.module_command``), so it sees what a worker would: the Python, the odtd package it
@@ -16,11 +16,6 @@ import os
 import sys
 from typing import Any, Dict
 
-# The worker's modules: the job loop and every module a forked worker server imports.
-WORKER_MODULES = ("odtd.trainer.worker",) + tuple(
-    "odtd.trainer." + name for name in ("averaging", "batchnorm", "dense_blocks", "distill",
-                                        "fused_batchnorm", "imported", "networks", "recompute",
-                                        "suite"))
 JETSON_RELEASE = "/etc/nv_tegra_release"
 
 
@@ -50,7 +45,7 @@ def describe() -> Dict[str, Any]:
     except ImportError as error:
         info["numpy_error"] = _one_line(error)
         return info  # the worker, and TensorFlow, cannot import without it
-    from odtd.trainer.worker import ENVIRONMENT_DEFAULTS, without_plotting
+    from odtd.trainer.worker.process import ENVIRONMENT_DEFAULTS, WORKER_MODULES, without_plotting
 
     for name, value in ENVIRONMENT_DEFAULTS.items():
         os.environ.setdefault(name, value)  # TensorFlow imported as a worker imports it
@@ -60,12 +55,12 @@ def describe() -> Dict[str, Any]:
     except ImportError as error:
         info["tensorflow_error"] = _one_line(error)
         return info
-    from odtd.trainer.imported import keras_version
+    from odtd.trainer.models.imported import keras_version
 
     info.update(tensorflow=tf.__version__, keras=keras_version(tf),
                 gpus=[device.name for device in tf.config.list_physical_devices("GPU")],
                 cuda_build=bool(tf.test.is_built_with_cuda()))
-    for module in WORKER_MODULES:
+    for module in WORKER_MODULES:  # every module a forked worker server imports
         try:
             importlib.import_module(module)
         except Exception as error:  # whatever a module of odtd's does not survive here, said

@@ -1,4 +1,6 @@
-"""The trainer worker: ``python -m odtd.trainer.worker JOB.json`` (see docs/worker-protocol.md).
+"""The trainer worker's job loop: ``python -m odtd.trainer.worker JOB.json`` runs ``main``.
+
+See docs/worker-protocol.md; ``__main__`` hands the job to a worker server first, if one is set.
 
 The only process that imports TensorFlow. It reads one job file, prints protocol events as JSON
 lines on stdout and exits: 0 done (``ok`` or ``interrupted``), 2 error (an ``error`` event was
@@ -12,43 +14,31 @@ Units: memory figures are MB of 1024 * 1024 bytes; times are seconds on ``time.m
 (CLOCK_MONOTONIC, shared by every process on the machine).
 """
 
+import importlib
 import json
 import os
-import resource
 import shutil
 import signal
 import sys
 import threading
 import time
 import traceback
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
-
-from odtd.trainer import forkserver
-
-if __name__ == "__main__":
-    # With ODTD_WORKER_SERVER set, a fork of a process that imported TensorFlow once runs the
-    # job, and this process only stands in for it: it hands the job over before importing numpy
-    # and the trainer's modules (0.2 s of CPU it would not use). Without the variable, or if
-    # that server cannot take the job, this process runs it (the end of this file).
-    _HANDED_OVER = forkserver.handed_over(sys.argv[1:])
-    if _HANDED_OVER is not None:
-        sys.exit(_HANDED_OVER)
 
 import numpy as np
 
 from odtd import atomic
-from odtd.trainer import evalcache
-from odtd.trainer.data import load_dataset, load_device_mask, load_device_split, load_groups
-from odtd.trainer.evaluation import evaluate, make_eval_step
-from odtd.trainer.job import BadJob, load_job
-from odtd.trainer.launch import read_proc_mb
-from odtd.trainer.precision import resolve_precision
-from odtd.trainer.training import train_and_evaluate
+from odtd.trainer.learning import evalcache
+from odtd.trainer.learning.evaluation import evaluate, make_eval_step
+from odtd.trainer.learning.training import train_and_evaluate
+from odtd.trainer.plans.precision import resolve_precision
+from odtd.trainer.protocol.digest import file_sha256
+from odtd.trainer.protocol.job import BadJob, load_job
+from odtd.trainer.protocol.procfs import peak_rss_mb, watch_parent
+from odtd.trainer.worker import forkserver
+from odtd.trainer.worker.data import load_dataset, load_device_mask, load_device_split, load_groups
 
 EXIT_ERROR = 2
-EXIT_PARENT_GONE = 3
-PARENT_POLL_INTERVAL_S = 0.5
 _STARTED_AT = time.monotonic()
 # Set before TensorFlow is imported, unless the environment already has them: TensorFlow's log
 # kept to warnings, and its own best-fit allocator for CPU tensors rather than malloc, so freed
@@ -56,6 +46,12 @@ _STARTED_AT = time.monotonic()
 # (One operation at a time, TF_NUM_INTEROP_THREADS=1, lowered DenseNet40's recomputed peak by
 # 50 MB but spread VGG16's at 128x128 from 2.0 to 3.1 GB: not a default; docs/memory.md.)
 ENVIRONMENT_DEFAULTS = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_CPU_ALLOCATOR_USE_BFC": "true"}
+# The worker's modules that import TensorFlow or Keras: a worker server imports them before it
+# forks (``WorkerProgram``), ``odtctl doctor`` checks they import (``stack``).
+WORKER_MODULES = tuple("odtd.trainer." + name for name in (
+    "learning.averaging", "learning.batchnorm", "learning.distill", "models.imported",
+    "models.networks", "models.suite", "plans.dense_blocks", "plans.fused_batchnorm",
+    "plans.recompute"))
 
 
 class BadModel(Exception):
@@ -79,58 +75,6 @@ def _finite(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_finite(item) for item in value]
     return value
-
-
-def watch_parent(parent_pid: int, current_parent: Optional[Callable[[], Optional[int]]] = None
-                 ) -> None:
-    """Exit with status 3 when the parent process is no longer ``parent_pid``.
-
-    Checks once now, then from a daemon thread every ``PARENT_POLL_INTERVAL_S``. On Linux it also
-    asks the kernel for SIGKILL on parent death (``PR_SET_PDEATHSIG``), whichever comes first.
-    That "parent" is the thread that spawned us (prctl(2)), so the spawning thread must live as
-    long as the worker.
-
-    Args:
-        parent_pid: The process that must stay the parent.
-        current_parent: Who the parent is now; default ``os.getppid``. A worker forked by the
-            fork server (``forkserver``) passes its client's parent instead, and no
-            ``PR_SET_PDEATHSIG`` is asked (its parent is the server).
-    """
-    if current_parent is None and sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            pr_set_pdeathsig = 1
-            if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
-                print("odtd worker: prctl(PR_SET_PDEATHSIG) failed, errno {}; polling only".format(
-                    ctypes.get_errno()), file=sys.stderr)
-        except (OSError, AttributeError) as error:
-            print("odtd worker: no prctl ({}); polling only".format(error), file=sys.stderr)
-
-    def parent_gone() -> bool:
-        if (os.getppid() if current_parent is None else current_parent()) == parent_pid:
-            return False
-        print("odtd worker: parent {} is gone, exiting".format(parent_pid), file=sys.stderr)
-        return True
-
-    def poll() -> None:
-        while not parent_gone():
-            time.sleep(PARENT_POLL_INTERVAL_S)
-        os._exit(EXIT_PARENT_GONE)
-
-    if parent_gone():
-        sys.exit(EXIT_PARENT_GONE)
-    threading.Thread(target=poll, name="parent-watch", daemon=True).start()
-
-
-def peak_rss_mb(status_path: str = "/proc/self/status") -> float:
-    """Return this process's peak resident set size in MB (1024 * 1024 bytes).
-
-    The larger of ``getrusage`` ``ru_maxrss`` (KiB on Linux) and ``VmHWM`` from ``status_path``.
-    """
-    rusage_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    return max(rusage_mb, read_proc_mb("VmHWM", Path(status_path)) or 0.0)
 
 
 def write_weights(weights: List[np.ndarray], path: str) -> None:
@@ -220,7 +164,7 @@ def run(job: Dict[str, Any], data: Dict[str, Tuple[np.ndarray, np.ndarray]],
     without_plotting()
     import tensorflow as tf
 
-    from odtd.trainer import imported, networks
+    from odtd.trainer.models import imported, networks
 
     gpu_visible = configure_gpus(tf, job["gpu_memory_limit_mb"])
     precision, precision_reason = resolve_precision(job["precision"], gpu_visible, tf,
@@ -266,7 +210,7 @@ def run(job: Dict[str, Any], data: Dict[str, Tuple[np.ndarray, np.ndarray]],
         if job["eval_cache_out"] is not None and scored_after:
             # Keyed by the file just written: if the session promotes it, the next session
             # finds the new current model's results already there.
-            evalcache.save(job["eval_cache_out"], evalcache.file_sha256(job["weights_out"]),
+            evalcache.save(job["eval_cache_out"], file_sha256(job["weights_out"]),
                            precision, **scored_after)
     result["peak_rss_mb"] = peak_rss_mb()
     result["tf_peak_memory_mb"] = (
@@ -281,7 +225,7 @@ def _evaluate_only(tf: Any, job: Dict[str, Any], model: Any,
                    ) -> Dict[str, Any]:
     """Score the loaded weights once on ``validation_data`` (reported as the "after" figures)."""
     x, y = data["validation_data"]
-    groups = load_groups(job["validation_data"], len(y))
+    groups = data["validation_groups"]
     scores = evaluate(make_eval_step(tf, model, job), x, y, len(job["classes"]),
                       job["eval_batch_size"] or job["batch_size"], should_stop, groups)
     if scores is None:
@@ -312,7 +256,8 @@ def import_model(tf: Any, job: Dict[str, Any]) -> Tuple[Any, Dict[str, Any]]:
     Raises:
         BadModel: the file is refused; the message names the file, the layer and why.
     """
-    from odtd.trainer import imported, keras_dialects, model_file
+    from odtd.trainer.modelfile import keras_dialects, model_file
+    from odtd.trainer.models import imported
 
     path = job["model_file"]
     try:
@@ -346,7 +291,8 @@ def export_model(tf: Any, job: Dict[str, Any], model: Any) -> Dict[str, Any]:
     classifier any Keras image pipeline can call: 0..255 pixels in (a Rescaling layer in front),
     softmax probabilities out.
     """
-    from odtd.trainer import imported, model_file
+    from odtd.trainer.modelfile import model_file
+    from odtd.trainer.models import imported
 
     out = job["export_to"]
     suffix = ".h5" if out.endswith(".h5") else ".keras"
@@ -396,6 +342,9 @@ def main(argv: Optional[List[str]] = None,
                 if job[key] is not None:
                     data[key] = load_dataset(key, job[key], job["input_shape"],
                                              len(job["classes"]))
+            if "validation_data" in data:  # each image's group (acceptance, reference), if any
+                data["validation_groups"] = load_groups(job["validation_data"],
+                                                        len(data["validation_data"][1]))
             mask = None  # which training images the device saw (BatchNorm, distillation)
             if (job["bn_device_weight"] is not None or job["distill"]) and job["train_data"]:
                 mask = load_device_mask(job["train_data"], len(data["train_data"][1]))
@@ -427,5 +376,25 @@ def main(argv: Optional[List[str]] = None,
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())  # no worker server took the job (the top of this file)
+
+class WorkerProgram(forkserver.Program):
+    """The worker as a fork server's program (``forkserver.WORKER_PROGRAM``)."""
+
+    def environment_defaults(self) -> Dict[str, str]:
+        """The worker's own (``ENVIRONMENT_DEFAULTS``)."""
+        return dict(ENVIRONMENT_DEFAULTS)
+
+    def prepare(self) -> None:
+        """Import TensorFlow and the worker's modules (no operation run)."""
+        without_plotting()
+        import tensorflow  # noqa: F401  (what the forks save)
+
+        for module in WORKER_MODULES:
+            importlib.import_module(module)
+
+    def run(self, args: List[str], watch: Callable[[int], None]) -> int:
+        """Run the job named by ``args`` as ``main`` does, its clock started at the fork."""
+        global _STARTED_AT
+        sys.argv = [__file__] + args
+        _STARTED_AT = time.monotonic()  # the job's clock starts at the fork
+        return main(args, watch)

@@ -1,0 +1,374 @@
+"""Training in the worker: one job's order of work around the steps, and its trainable scope.
+
+``train_and_evaluate`` is one ``train`` or ``profile`` job's work, as named steps with typed
+results: score the model the candidate must beat, train, recalibrate or adapt BatchNorm, average
+with the served model, score the candidate.
+Every model is called through ``networks.forward``, so built-in and imported models are trained
+alike.
+
+TensorFlow is passed in (``tf``), never imported here. Python 3.6-compatible; tf.keras 2 and
+Keras 3 alike.
+"""
+
+import contextlib
+import gc
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from odtd.trainer.learning import evalcache
+from odtd.trainer.learning.averaging import average_with_served
+from odtd.trainer.learning.batchnorm import (
+    AUTO,
+    AUTO_WEIGHT_BEFORE,
+    REFERENCE_GROUP,
+    adapt_batchnorm,
+    batchnorm_layers,
+    recalibrate_batchnorm,
+)
+from odtd.trainer.learning.distill import Teacher, teacher_targets
+from odtd.trainer.learning.evaluation import (
+    OpenCache,
+    evaluate,
+    make_eval_step,
+    open_eval_cache,
+    paired_counts,
+    refusal_check,
+    score_candidate,
+)
+from odtd.trainer.learning.step import Emit, Trained, iterate_batches, release_free_heap, train_steps
+from odtd.trainer.models.imported import leaf_layers
+from odtd.trainer.plans.fused_batchnorm import fuse, keep_relu_apart
+
+
+@contextlib.contextmanager
+def serving(model: Any, baseline: Optional[List[np.ndarray]]) -> Iterator[None]:
+    """Within, the model holds ``baseline``'s weights (the served model's), if given."""
+    if baseline is None:
+        yield
+        return
+    start_weights = model.get_weights()
+    model.set_weights(baseline)
+    try:
+        yield
+    finally:
+        model.set_weights(start_weights)
+
+
+class Stopped(Exception):
+    """A stop was requested during one of a job's steps: the job ends ``interrupted``."""
+
+
+def _unless_stopped(value: Any) -> Any:
+    """``value``; ``Stopped`` where a step said None (a stop was requested meanwhile)."""
+    if value is None:
+        raise Stopped()
+    return value
+
+
+class Validation(NamedTuple):
+    """The validation set as one job scores it."""
+
+    x: np.ndarray
+    y: np.ndarray
+    groups: Optional[np.ndarray]  # each image's group (acceptance, reference), if any
+    score: Callable[..., Optional[Dict[str, Any]]]  # ``evaluate(cached)`` over it; None: stopped
+    cache: Optional[OpenCache]  # the model to beat's cached results, with ``eval_cache``
+
+
+class Before(NamedTuple):
+    """The model to beat, scored."""
+
+    correct: np.ndarray  # each validation image's correctness
+    refused: Optional[Callable[[Dict[str, Any]], bool]]  # the acceptance test's early refusal
+
+
+def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
+                       data: Dict[str, Any], should_stop: Callable[[], bool], emit: Emit,
+                       baseline: Optional[List[np.ndarray]] = None,
+                       scored_after: Optional[Dict[str, np.ndarray]] = None) -> Dict[str, Any]:
+    """Evaluate before, train, evaluate after; return the result fields this produces.
+
+    The steps, in order: ``prepare_model``, ``score_before``, ``distillation_targets``,
+    ``adapt_before``, ``train``, ``settle_batchnorm``, ``average``, ``score_after``. A stop
+    requested during any of them ends the job ``interrupted`` with the fields so far.
+
+    With ``baseline`` (the ``baseline_weights`` arrays) the "before" figures are that model's
+    (the one the candidate must beat), and so is distillation's teacher; training then starts
+    from the weights as loaded.
+    ``scored_after``, if given, receives the trained model's per-sample validation results
+    (``keys``, ``correct``, ``losses``: ``evalcache.save``'s arguments).
+    """
+    fields = {"status": "interrupted"}  # type: Dict[str, Any]
+    try:
+        served = prepare_model(tf, job, model, baseline, fields)
+        validation = None if job["mode"] == "profile" else validation_set(
+            tf, job, model, precision, data, should_stop)
+        before = None
+        if validation is not None:
+            before = score_before(job, model, precision, validation, baseline, emit, fields)
+        teacher = distillation_targets(tf, job, model, data, baseline, should_stop, fields)
+        device_split = data.get("device_split") if job["bn_device_weight"] is not None else None
+        if device_split is not None:  # the steps see the device's statistics
+            fields["adapt_seconds"] = adapt_before(tf, job, model, device_split, should_stop)
+        trained = train(tf, job, model, precision, data["train_data"][0], data["train_data"][1],
+                        teacher, should_stop, emit, fields)
+        if trained.diverged_at_step is not None or should_stop():
+            return fields  # no candidate: nothing more to score
+        after = settle_batchnorm(tf, job, model, data, device_split, validation, before,
+                                 should_stop, fields)
+        if served is not None:  # the candidate: the trained weights averaged with the served
+            after = average(job, model, served, validation, before, fields)
+        if validation is not None:
+            score_after(job, validation, before, after, emit, fields, scored_after)
+        fields["status"] = "ok"
+    except Stopped:
+        pass
+    return fields
+
+
+def prepare_model(tf: Any, job: Dict[str, Any], model: Any,
+                  baseline: Optional[List[np.ndarray]], fields: Dict[str, Any]
+                  ) -> Optional[List[np.ndarray]]:
+    """Set the trainable scope and BatchNorm's kernel; the weights to average with, if any."""
+    fields["trainable_layers"] = set_trainable_scope(tf, model, job["trainable"])
+    served = None  # the weights the trained ones are averaged with (trained_share)
+    if job["trained_share"] != 1.0 and job["mode"] == "train":
+        served = baseline if baseline is not None else model.get_weights()
+    if job["freeze_bn"]:
+        # A non-trainable BatchNormalization runs in inference mode in tf.keras 2 and Keras 3:
+        # moving statistics, gamma and beta all stay as loaded.
+        for layer in batchnorm_layers(tf, model):
+            layer.trainable = False
+    # Keras 3's BatchNormalization trains with the fused kernel, as tf.keras 2's always does
+    # (docs/memory.md, "Fused BatchNorm under Keras 3"); before the train step is traced.
+    fields["fused_batchnorm"] = fuse(tf, model)
+    fields["batchnorm_relu_apart"] = keep_relu_apart(tf, model)
+    return served
+
+
+def validation_set(tf: Any, job: Dict[str, Any], model: Any, precision: str,
+                   data: Dict[str, Any], should_stop: Callable[[], bool]
+                   ) -> Optional[Validation]:
+    """The job's validation set and how to score it, None without one."""
+    if data.get("validation_data") is None:
+        return None
+    x, y = data["validation_data"]
+    groups = data.get("validation_groups")
+    eval_step = make_eval_step(tf, model, job)
+    # Evaluating at the training batch size (the default) keeps the session's memory within
+    # what the profile measured for that size.
+    eval_batch_size = job["eval_batch_size"] or job["batch_size"]
+
+    def score(cached: Any = None) -> Optional[Dict[str, Any]]:
+        return evaluate(eval_step, x, y, len(job["classes"]), eval_batch_size, should_stop,
+                        groups, cached)
+
+    return Validation(x, y, groups, score, open_eval_cache(job, precision, (x, y)))
+
+
+def score_before(job: Dict[str, Any], model: Any, precision: str, validation: Validation,
+                 baseline: Optional[List[np.ndarray]], emit: Emit, fields: Dict[str, Any]
+                 ) -> Before:
+    """Score the model to beat (kept in the eval cache); its figures go to ``fields``."""
+    cache = validation.cache
+    with serving(model, baseline):
+        before = _unless_stopped(validation.score(cache and cache.cached))
+    correct, losses = before.pop("correct"), before.pop("losses")
+    if cache is not None:
+        evalcache.save(job["eval_cache"], cache.weights_sha256, precision, cache.keys, correct,
+                       losses)
+    emit("eval", phase="before", **before)
+    fields["accuracy_before"] = before["accuracy"]
+    fields["per_class_before"] = before["per_class"]
+    fields["by_group_before"] = before["by_group"]
+    refused = None
+    if job["acceptance_tolerance"] is not None and validation.groups is not None:
+        # A candidate refused on the acceptance group is not scored on the rest.
+        refused = refusal_check(correct, validation.groups, job["acceptance_tolerance"],
+                                job["confidence_z"])
+    return Before(correct, refused)
+
+
+def distillation_targets(tf: Any, job: Dict[str, Any], model: Any, data: Dict[str, Any],
+                         baseline: Optional[List[np.ndarray]], should_stop: Callable[[], bool],
+                         fields: Dict[str, Any]) -> Teacher:
+    """The served model's targets on the rehearsed images; all weight 0 with nothing to distil."""
+    x_train, y_train = data["train_data"]
+    if job["distill"] and data.get("rehearsed") is not None and job["mode"] != "profile":
+        with serving(model, baseline):  # before any adaptation
+            teacher = _unless_stopped(teacher_targets(tf, model, job, x_train, data["rehearsed"],
+                                                      _forward_batch(job), should_stop))
+        fields["distill_images"] = int(np.count_nonzero(teacher.weights))
+        return teacher
+    return Teacher(np.zeros((len(y_train), len(job["classes"])), np.float32),
+                   np.zeros(len(y_train), np.float32))
+
+
+def _forward_batch(job: Dict[str, Any]) -> int:
+    """Images per forward pass outside a step: no more memory than a step's."""
+    return job["micro_batch_size"] or job["batch_size"]
+
+
+def adapt_before(tf: Any, job: Dict[str, Any], model: Any,
+                 device_split: Tuple[np.ndarray, np.ndarray], should_stop: Callable[[], bool]
+                 ) -> float:
+    """BatchNorm's statistics set to the device's mixture before training; the seconds taken."""
+    weight = job["bn_device_weight"]
+    adapted = _unless_stopped(adapt_batchnorm(
+        tf, model, job, device_split[0], device_split[1], _forward_batch(job), should_stop,
+        AUTO_WEIGHT_BEFORE if weight == AUTO else weight))
+    return adapted.seconds
+
+
+def train(tf: Any, job: Dict[str, Any], model: Any, precision: str, x_train: np.ndarray,
+          y_train: np.ndarray, teacher: Teacher, should_stop: Callable[[], bool], emit: Emit,
+          fields: Dict[str, Any]) -> Trained:
+    """Run the job's steps (``train_steps``); then free the step's graph and heap."""
+    profiling = job["mode"] == "profile"
+    inputs = (tf.constant(x_train), tf.constant(y_train), tf.constant(teacher.logits),
+              tf.constant(teacher.weights))
+    # Finite either way (profile mode requires max_steps); the count sizes the schedule.
+    batches = list(iterate_batches(len(y_train), job["batch_size"],
+                                   None if profiling else job["epochs"], job["max_steps"],
+                                   np.random.RandomState(job["seed"])))
+    trained = train_steps(tf, job, model, precision, inputs, batches, should_stop, emit)
+    fields.update(steps=trained.steps, samples=trained.samples, train_seconds=trained.seconds,
+                  pool_first=trained.pool_first, heap_released=trained.heap_released,
+                  learning_rate=trained.learning_rate, clip_norm=job["clip_norm"])
+    if trained.diverged:
+        fields["lr_attempts"] = trained.diverged
+    if trained.diverged_at_step is not None:
+        # No candidate, nothing more to score. (A float16 step that overflowed and was
+        # skipped by loss scaling leaves the weights finite: training goes on.)
+        fields.update(status="diverged", diverged_at_step=trained.diverged_at_step)
+    # The step's graph is not run again: freed, and the heap it held given back, before the
+    # passes after training trace theirs (a session's peak could otherwise come after its steps).
+    gc.collect()
+    release_free_heap()
+    return trained
+
+
+def _reference_bar(job: Dict[str, Any], fields: Dict[str, Any]) -> Optional[float]:
+    # What a try the choosers (``auto``) keep must not lose more than the tolerance against on
+    # the reference group: the before model's accuracy there, or the first model's where that
+    # is higher. As measured; the session's guard allows the before model's a margin of
+    # standard errors (acceptance.reference_refusal), so a try that clears this bar passes there.
+    return reference_held(fields.get("by_group_before"), job["reference_origin"])
+
+
+def settle_batchnorm(tf: Any, job: Dict[str, Any], model: Any, data: Dict[str, Any],
+                     device_split: Optional[Tuple[np.ndarray, np.ndarray]],
+                     validation: Optional[Validation], before: Optional[Before],
+                     should_stop: Callable[[], bool], fields: Dict[str, Any]
+                     ) -> Optional[Dict[str, Any]]:
+    """BatchNorm's statistics under the trained weights: adapted, or recalibrated.
+
+    Returns:
+        The candidate's evaluation where ``auto`` chose the mixture by scoring it, else None.
+    """
+    if device_split is not None:  # again, under the trained weights; it replaces recalibration
+        weight = job["bn_device_weight"]
+        if validation is None and weight == AUTO:
+            weight = AUTO_WEIGHT_BEFORE  # nothing to choose by
+        adapted = _unless_stopped(adapt_batchnorm(
+            tf, model, job, device_split[0], device_split[1], _forward_batch(job), should_stop,
+            weight, validation and validation.score, _reference_bar(job, fields),
+            validation and validation.groups, before and before.refused))
+        fields["adapt_seconds"] += adapted.seconds
+        if adapted.tried:  # auto: the mixture kept, already scored
+            fields["bn_device_weight"], fields["bn_weights_tried"] = adapted.weight, adapted.tried
+            return adapted.scores
+    elif job["recalibrate_bn"] and not job["freeze_bn"]:  # in profile mode too: its memory counts
+        fields["recalibrate_seconds"] = _unless_stopped(recalibrate_batchnorm(
+            tf, model, job, data["train_data"][0], _forward_batch(job), should_stop))
+    return None
+
+
+def average(job: Dict[str, Any], model: Any, served: List[np.ndarray],
+            validation: Optional[Validation], before: Optional[Before], fields: Dict[str, Any]
+            ) -> Optional[Dict[str, Any]]:
+    """The candidate as the trained weights averaged with the served ones.
+
+    Returns:
+        The candidate's evaluation where ``auto`` chose the share by scoring it, else None (a
+        mixture's earlier score is stale now).
+    """
+    averaged = _unless_stopped(average_with_served(
+        model, served, job["trained_share"], validation and validation.score,
+        validation and validation.groups, _reference_bar(job, fields), job["reference_tolerance"],
+        before and before.refused))
+    fields["trained_share"] = averaged.share
+    if averaged.tried:
+        fields["trained_shares_tried"] = averaged.tried
+    return averaged.scores
+
+
+def score_after(job: Dict[str, Any], validation: Validation, before: Before,
+                after: Optional[Dict[str, Any]], emit: Emit, fields: Dict[str, Any],
+                scored_after: Optional[Dict[str, np.ndarray]]) -> None:
+    """Score the candidate (unless a chooser did); its figures and paired counts to ``fields``."""
+    groups = validation.groups
+    if after is None:
+        after = _unless_stopped(score_candidate(validation.score, groups, before.refused))
+    correct_after, losses_after = after.pop("correct"), after.pop("losses")
+    # A refused candidate's evaluation may hold the acceptance group alone.
+    fields["paired_by_group"] = {
+        name: counts for name, counts in paired_counts(before.correct, correct_after, groups).items()
+        if groups is None or name in after["by_group"]}
+    complete = groups is None or len(after["by_group"]) == len(np.unique(groups))
+    if scored_after is not None and complete:
+        keys = validation.cache.keys if validation.cache is not None else evalcache.sample_keys(
+            validation.x, validation.y)
+        scored_after.update(keys=keys, correct=correct_after, losses=losses_after)
+    emit("eval", phase="after", **after)
+    fields["accuracy_after"] = after["accuracy"]
+    fields["per_class_after"] = after["per_class"]
+    fields["by_group_after"] = after["by_group"]
+
+
+def reference_held(by_group_before: Optional[Dict[str, float]], origin: Optional[float]
+                   ) -> Optional[float]:
+    """The reference accuracy a candidate is held to (less the tolerance), or None.
+
+    The before model's, or ``origin`` (the job's ``reference_origin``) where that is higher;
+    None without a reference group.
+    """
+    before = (by_group_before or {}).get(REFERENCE_GROUP)
+    if before is None or origin is None:
+        return before
+    return max(before, origin)
+
+
+def set_trainable_scope(tf: Any, model: Any, scope: Any) -> int:
+    """Train only part of the model; every other leaf layer is frozen.
+
+    ``scope`` is ``all``, ``head`` (the last layer that holds weights), ``batchnorm`` (the
+    BatchNormalization layers' scale and offset alone: every convolution and dense layer stays
+    as loaded) or N (the last N layers that hold weights).
+
+    A frozen BatchNormalization runs in inference mode (tf.keras 2 and Keras 3): its moving
+    statistics stay as loaded, so recalibration leaves them alone too. Layers a model file was
+    saved frozen with (``trainable = False``, a transfer-learning base) train like the rest:
+    the scope is the policy's alone.
+
+    Returns:
+        How many weight-holding layers train.
+    """
+    model.trainable = True  # the policy decides, not the flags a model file was saved with
+    layers = [layer for _, layer in leaf_layers(model) if layer.weights]
+    if scope == "all":
+        return len(layers)
+    if scope == "batchnorm":
+        kept = set(id(layer) for layer in batchnorm_layers(tf, model))
+        if not kept:
+            raise ValueError("nothing to train: training.trainable is batchnorm and the model "
+                             "has no BatchNormalization layer")
+        for layer in layers:
+            if id(layer) not in kept:
+                layer.trainable = False
+        return len(kept)
+    keep = 1 if scope == "head" else int(scope)
+    for layer in layers[:max(0, len(layers) - keep)]:
+        layer.trainable = False
+    return min(keep, len(layers))

@@ -1,0 +1,27 @@
+"""The paired statistics of two models scored on the same samples, which both sides use.
+
+The worker's refusal check (``learning.evaluation``) and the session's acceptance test
+(``session.acceptance``) judge a candidate by the same margin: its gain less ``confidence_z``
+standard errors of the paired difference. Standard library only; Python 3.6-compatible.
+"""
+
+from typing import Dict, Optional
+
+
+def paired_standard_error(gained: int, lost: int, samples: int) -> float:
+    """Standard error of the accuracy difference of two models scored on the same samples."""
+    mean = (gained - lost) / samples
+    variance = ((gained + lost) / samples - mean * mean) / samples
+    return max(variance, 0.0) ** 0.5
+
+
+def acceptance_margin(gain: float, paired: Optional[Dict[str, int]], confidence_z: float) -> float:
+    """A candidate's validation gain less ``confidence_z`` standard errors of the difference.
+
+    Fractions; the acceptance test refuses a candidate below ``-tolerance``. The gain alone with
+    ``confidence_z`` <= 0 or no paired counts (``paired_counts``' entry of the group).
+    """
+    if confidence_z <= 0 or not paired or not paired.get("samples"):
+        return gain
+    return gain - confidence_z * paired_standard_error(paired["gained"], paired["lost"],
+                                                        paired["samples"])
