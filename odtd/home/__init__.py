@@ -8,6 +8,6 @@ manifests under ``models/<name>/``, the atomic ``current`` pointer, rollback, ex
 lock, the ingest lock), ``repair`` (what a crash left, cleared before each session).
 
 May import: ``errors``, ``config``, ``policy``, ``store`` (the rows that go with the files) and
-``trainer.launch``/``trainer.catalog`` (``init`` runs a worker to build version 0). Never
+``trainer.protocol`` (``launch``, ``catalog``) (``init`` runs a worker to build version 0). Never
 TensorFlow.
 """

@@ -18,7 +18,7 @@ from odtd.trainer.protocol import catalog
 from odtd.trainer.protocol.job import INPUT_SCALES, OUTPUTS
 
 BUILTIN, IMPORTED = "builtin", "imported"
-# Built-in networks scale their own input to 0..1 and end in logits (trainer.networks).
+# Built-in networks scale their own input to 0..1 and end in logits (trainer.models.networks).
 BUILTIN_INPUT_SCALE, BUILTIN_OUTPUT = "0-1", "logits"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 

@@ -1,6 +1,6 @@
 """What a home remembers of sessions that ran out of memory, and what to try after one.
 
-A session whose worker ran out of memory (``trainer.launch.worker_ran_out_of_memory``) records
+A session whose worker ran out of memory (``trainer.protocol.launch.worker_ran_out_of_memory``) records
 its batch size; later sessions of that model start below it (``admission.admit_session``), and
 the failing session retries at the size ``batch.on_oom`` says.
 """
