@@ -60,13 +60,12 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     home = home_of(args)
     store = home.open_store()
     try:
-        text = prometheus_text(home, store)
+        if args.out:
+            write_textfile(Path(args.out), home, store)
+        else:
+            print(prometheus_text(home, store), end="")
     finally:
         store.close()
-    if args.out:
-        write_textfile(Path(args.out), text)
-    else:
-        print(text, end="")
     return 0
 
 
