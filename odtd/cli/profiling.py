@@ -164,7 +164,7 @@ def _profile_context(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
 
 def _validate(args: argparse.Namespace) -> int:
     from odtd.profiling.memory_fit import allowed_mb
-    from odtd.session.admission import memory_problem, predict
+    from odtd.session.prediction import memory_problem, predict
 
     path = Path(args.file)
     policy = load_policy(path, missing_ok=False)
@@ -245,7 +245,8 @@ def _session_samples(policy: Policy, counts: Dict[str, int], override: Optional[
 
 def _explain(args: argparse.Namespace) -> int:
     from odtd.profiling.sweep import board_description
-    from odtd.session.admission import Plan, admit, memory_problem, predict
+    from odtd.session.admission import admit
+    from odtd.session.prediction import Plan, memory_problem, predict
 
     context = _profile_context(args)
     home = context["home"] if context else home_of(args)
