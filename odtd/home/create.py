@@ -244,18 +244,19 @@ def lay_out(home: Home, request: InitRequest, config: Config, recipe: Recipe,
         wipe_home(home)
     for directory in home.directories():
         directory.mkdir(parents=True, exist_ok=True)
+    # Written in place, not staged: a failed init removes what it made by inode
+    # (`atomic.undone_on_failure`), and a file a person wrote keeps its inode this way.
     if not home.config_path.exists():
-        atomic.write_text(home.config_path, default_config_text())
+        home.config_path.write_text(default_config_text(), encoding="utf-8")
     policy_path = home.policy_path(config)
     if request.policy is not None or not policy_path.exists():
-        atomic.write_text(policy_path, recipe.text)
+        policy_path.write_text(recipe.text, encoding="utf-8")
     else:
         recipe = Recipe(str(policy_path), "", "the home's policy file, kept")
-    for arrays, path in ((images.validation, home.validation_file()),
-                         (images.reference, home.reference_file())):
-        if arrays is not None:
-            with atomic.staged(path) as temporary:
-                np.savez(temporary, x=arrays[0], y=arrays[1])
+    if images.validation is not None:
+        np.savez(home.validation_file(), x=images.validation[0], y=images.validation[1])
+    if images.reference is not None:
+        np.savez(home.reference_file(), x=images.reference[0], y=images.reference[1])
     return policy_path, recipe
 
 
