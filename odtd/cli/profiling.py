@@ -292,7 +292,7 @@ def _explain(args: argparse.Namespace) -> int:
                          _num(p.time_s, ".1f"), _num(p.energy_j, ".1f"), _num(p.peak_mb, ".0f"),
                          f"{problem or 'fits'}{past}"))
         lines += table(rows, ("", "batch", "basis", "time s", "energy J", "peak MB", "memory"),
-                       align="<><>>>", gap=" ")
+                       align="<><>>>")
     a = admission
     plan = Plan(a.precision, a.recompute, a.micro_batch_size).name
     lines.append(f"admission: {a.decision} at batch {a.batch_size} ({plan}), {a.epochs} epochs; "

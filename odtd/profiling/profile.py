@@ -227,7 +227,7 @@ def profile_table(profile: ProfileResult) -> List[str]:
                      "  ".join(part for part in (r.reason, _runs(r.peak_memory_runs_mb).strip())
                                if part)))
     return table(rows, ("batch", "precision", "status", "samples/s", "step s", "J/sample",
-                        "peak MB"), align="><<>>>>", gap=" ")
+                        "peak MB"), align="><<>>>>")
 
 
 def _runs(peaks: Optional[List[float]]) -> str:
