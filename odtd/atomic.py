@@ -1,7 +1,7 @@
 """Staged writes: a file is either its old content or its new one, never half of either.
 
 Every file odtd replaces (model weights, the ``current`` pointer, manifests, exports, policies,
-caches, metrics) is written under a hidden temporary name in the directory it goes to, flushed,
+caches) is written under a hidden temporary name in the directory it goes to, flushed,
 renamed over its target, and the directory flushed: a crash or a power cut leaves the old file
 or the new one, and a full disk or a read-only filesystem fails the write before anything is
 replaced, the temporary file removed. The temporary name sits beside the target because a
@@ -22,7 +22,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Iterator, Union
+from typing import Dict, Iterator, Union
 
 PathLike = Union[str, "os.PathLike[str]"]
 _TEMPORARY = re.compile(r"^\..+\.(\d+)\.tmp(\.[^.]*)?$")
@@ -148,6 +148,32 @@ def move(source: PathLike, path: PathLike, durable: bool = True) -> None:
 
 
 @contextlib.contextmanager
+def staged_directory(path: PathLike) -> Iterator[str]:
+    """Yield a hidden directory to assemble the new directory ``path`` in; rename it there at the end.
+
+    A directory appears whole or not at all (a model version: its weights and manifest). On a
+    clean exit every file in it and the directory itself are flushed, it is renamed to ``path``
+    (which must not exist, or be an empty directory) and the parent flushed; on an exception it
+    is removed and ``path`` is as it was. Named as `temporary_name` names a file, so the
+    clean-up after a crash (`is_abandoned`) finds a killed writer's.
+    """
+    path = os.fspath(path)
+    temporary = temporary_name(path)
+    os.mkdir(temporary)
+    try:
+        yield temporary
+        for entry in os.scandir(temporary):
+            if entry.is_file(follow_symlinks=False):
+                fsync(entry.path)
+        fsync(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        remove_quietly(temporary)
+        raise
+    fsync(os.path.dirname(os.path.abspath(path)))
+
+
+@contextlib.contextmanager
 def staging_dir(parent: PathLike, prefix: str) -> Iterator[str]:
     """A hidden directory under ``parent`` (created if missing), removed with its content at the end.
 
@@ -159,3 +185,33 @@ def staging_dir(parent: PathLike, prefix: str) -> Iterator[str]:
         yield directory
     finally:
         remove_quietly(directory)
+
+
+@contextlib.contextmanager
+def undone_on_failure(directory: PathLike) -> Iterator[None]:
+    """Remove, when the block fails, every entry it created or replaced in ``directory``.
+
+    An entry that was there before (the same inode) stays, and so does ``directory`` if it
+    existed; one the block created is removed with its content, and ``directory`` too if the
+    block created it. For work that makes many files (a new home) and must leave none half-made.
+    """
+    directory = os.fspath(directory)
+    existed = os.path.exists(directory)
+    before = _inodes(directory)
+    try:
+        yield
+    except BaseException:
+        for name, inode in _inodes(directory).items():
+            if before.get(name) != inode:
+                remove_quietly(os.path.join(directory, name))
+        if not existed:
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)
+        raise
+
+
+def _inodes(directory: str) -> Dict[str, int]:
+    try:
+        return {entry.name: entry.inode() for entry in os.scandir(directory)}
+    except OSError:  # missing, or unreadable: nothing in it is the block's to remove
+        return {}

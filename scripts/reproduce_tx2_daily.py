@@ -44,7 +44,7 @@ from reproduce_tx2_report import PUBLISHED, table
 
 from odtd.config import TelemetryConfig
 from odtd.errors import OdtdError
-from odtd.home.create import init_home
+from odtd.home.create import InitRequest, init_home
 from odtd.home.paths import Home
 from odtd.home.spec import ModelSpec
 from odtd.home.versions import ModelRepo
@@ -169,11 +169,13 @@ def make_template(args, trial: Trial, ds, seed_names: list, validation, base_wei
         model_file = trial.work / "base.keras"
         trial.run(trial.job("export", weights_in=str(base_weights), export_to=str(model_file)))
         log(f"base model exported to {model_file}, imported by init --model-file")
-        init_home(home, None, list(datasets.CLASSES), model_file=model_file, force=True,
-                  validation_arrays=validation, replay=seed_dir if seed_names else None)
+        init_home(home, InitRequest(None, list(datasets.CLASSES), model_file=model_file, force=True,
+                                    validation_arrays=validation,
+                                    replay=seed_dir if seed_names else None))
     else:
-        init_home(home, trial.model, list(datasets.CLASSES), weights=base_weights, force=True,
-                  validation_arrays=validation, replay=seed_dir if seed_names else None)
+        init_home(home, InitRequest(trial.model, list(datasets.CLASSES), weights=base_weights,
+                                    force=True, validation_arrays=validation,
+                                    replay=seed_dir if seed_names else None))
     shutil.rmtree(seed_dir)
     return home.root
 

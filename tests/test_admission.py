@@ -12,9 +12,9 @@ from odtd.session.admission import (
     SKIP,
     admit,
     admit_session,
-    predict,
 )
 from odtd.session.oom import learned_oom_limit, oom_retry_batch, record_oom
+from odtd.session.prediction import predict
 from odtd.store.database import Store
 from odtd.trainer.protocol.launch import worker_ran_out_of_memory
 

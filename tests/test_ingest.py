@@ -7,7 +7,8 @@ from conftest import CLASSES, odtctl, write_images
 from PIL import Image
 
 from odtd.errors import IngestError
-from odtd.home.create import load_validation_dir, seed_replay
+from odtd.home.create import seed_replay
+from odtd.home.image_sets import load_validation_dir
 from odtd.home.ingest import BadImage, Ingestor, decode_image, discover
 from odtd.home.paths import Home
 from odtd.policy import load_policy

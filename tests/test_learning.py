@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import REPO, built_once, odtctl, odtctl_json, worker_config, worker_home, write_images
 
-from odtd.home.create import init_home
+from odtd.home.create import InitRequest, init_home
 from odtd.home.ingest import Ingestor, discover
 from odtd.home.paths import Home
 from odtd.home.versions import ModelRepo, file_sha256, rollback
@@ -32,8 +32,8 @@ def pretrained(tmp_path_factory):
     def build(root: Path) -> None:
         home = Home(worker_home(root / "home"))
         options = SimulationOptions(model="tinycnn", pretrain_samples=1500, pretrain_epochs=6)
-        init_home(home, "tinycnn", list(datasets.CLASSES),
-                  validation_arrays=datasets.synthetic(400, "server", seed=77))
+        init_home(home, InitRequest("tinycnn", list(datasets.CLASSES),
+                                    validation_arrays=datasets.synthetic(400, "server", seed=77)))
         pretrain_base(home, DataSource(options), options, lambda message: None)
         shutil.copyfile(REPO / "policies" / "tinycnn-test.yaml", home.root / "policy.yaml")
 

@@ -93,6 +93,40 @@ def test_a_move_across_filesystems_copies_and_removes_the_source(tmp_path):
         assert sorted(p.name for p in second.iterdir()) == ["x.npz"]
 
 
+def test_a_staged_directory_appears_whole_or_not_at_all(tmp_path):
+    with tmpfs(tmp_path / "disk", 1) as disk:
+        with atomic.staged_directory(disk / "v3") as staging:
+            (Path(staging) / "weights.npz").write_bytes(b"weights")
+            (Path(staging) / "manifest.json").write_text("{}")
+            assert not (disk / "v3").exists()  # not visible until whole
+        assert sorted(p.name for p in (disk / "v3").iterdir()) == ["manifest.json", "weights.npz"]
+        with pytest.raises(OSError) as failure:
+            with atomic.staged_directory(disk / "v4") as staging:
+                (Path(staging) / "weights.npz").write_bytes(b"\1" * (2 * MB))
+        assert failure.value.errno == errno.ENOSPC
+        assert sorted(p.name for p in disk.iterdir()) == ["v3"]
+
+
+def test_a_failed_block_removes_what_it_made_and_keeps_what_was_there(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "odtd.yaml").write_text("kept: yes\n")
+    (home / "policy.yaml").write_text("old\n")
+    with pytest.raises(RuntimeError):
+        with atomic.undone_on_failure(home):
+            (home / "samples").mkdir()
+            (home / "samples" / "a.png").write_bytes(b"png")
+            atomic.write_text(home / "policy.yaml", "new\n")  # replaced: a new inode
+            raise RuntimeError("the worker refused the model")
+    assert sorted(p.name for p in home.iterdir()) == ["odtd.yaml"]
+    assert (home / "odtd.yaml").read_text() == "kept: yes\n"
+    with pytest.raises(RuntimeError):
+        with atomic.undone_on_failure(tmp_path / "new-home"):
+            (tmp_path / "new-home").mkdir()
+            raise RuntimeError("refused")
+    assert not (tmp_path / "new-home").exists()
+
+
 # -- init ------------------------------------------------------------------------------------
 
 

@@ -11,8 +11,9 @@ import pytest
 from conftest import odtctl, tensorflow_report, write_images
 
 from odtd.errors import ConfigError
-from odtd.home.create import builtin_input_shape, init_home, parse_input_size
+from odtd.home.create import InitRequest, init_home
 from odtd.home.paths import Home
+from odtd.home.spec import builtin_input_shape, parse_input_size
 from odtd.trainer.protocol import catalog
 
 SUITE = ("squeezenet", "inceptionv1", "resnet50", "vgg16", "xception", "mobilenetv2",
@@ -122,7 +123,7 @@ def test_input_size_parses_and_refuses_sizes_below_the_network_minimum(tmp_path)
     # Refused before any worker runs: nothing is written.
     home = Home(tmp_path / "home")
     with pytest.raises(ConfigError, match="squeezenet takes inputs of at least 32x32, got 16x16"):
-        init_home(home, "squeezenet", ["a", "b"], input_size=(16, 16))
+        init_home(home, InitRequest("squeezenet", ["a", "b"], input_size=(16, 16)))
     assert not home.is_initialised()
     # With --model-file it sizes a model whose input has none (tests/test_byom.py).
 

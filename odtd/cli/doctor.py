@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from odtd.cli.output import command, emit, home_of, progress
 from odtd.errors import ConfigError
+from odtd.table import table
 
 # The oldest of each the worker is tested on (`make test-tx2`): Python 3.6 with TensorFlow 2.6.
 MIN_PYTHON = (3, 6)
@@ -139,8 +140,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                           f"trainer.python in {home.config_path} to a Python >= 3.6 with "
                           "TensorFlow, or check it with `odtctl doctor --python PATH`")
     lines, problems = check_lines(found, str(Path(odtd.__file__).resolve().parent))
-    text = "\n".join([f"{'interpreter':<11} {argv[0]} ({origin})"]
-                     + [f"{part:<11} {value}" for part, value in lines])
+    text = "\n".join(table([("interpreter", f"{argv[0]} ({origin})"), *lines], gap=" "))
     emit(args, {**found, "interpreter": argv[0], "origin": origin, "ok": not problems,
                 "problems": problems}, text)
     if problems:

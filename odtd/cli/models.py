@@ -7,6 +7,7 @@ from pathlib import Path
 
 from odtd.cli.output import command, emit, home_of, progress
 from odtd.errors import ConfigError
+from odtd.table import table
 
 
 @command("models")
@@ -20,8 +21,9 @@ def cmd_models(args: argparse.Namespace) -> int:
                  "input_shape": list(info.input_shape),
                  "param_count": catalog.param_count(name, 10)}
                 for name, info in catalog.MODELS.items()]
-        text = "\n".join(f"{r['name']:<12} {r['param_count']:>10,} parameters (10 classes)  "
-                         f"{r['description']}" for r in rows)
+        text = "\n".join(table(((r["name"], f"{r['param_count']:,}", r["description"])
+                                for r in rows), ("model", "parameters (10 classes)", "description"),
+                               align="<>"))
         emit(args, rows, text)
         return 0
     from odtd.home import versions
@@ -33,10 +35,11 @@ def cmd_models(args: argparse.Namespace) -> int:
             rows = versions.list_versions(home, store)
             from odtd.report.status import pct
 
-            text = "\n".join(
-                f"{'*' if r['current'] else ' '} v{r['version']:<4} parent {r['parent']!s:<5} "
-                f"session {r['session_id']!s:<5} accuracy {pct(r['accuracy']):<6} "
-                f"{r['state']:<7} {r['sha256'][:12]}  {r['created_at']}" for r in rows)
+            text = "\n".join(table(
+                (("*" if r["current"] else "", f"v{r['version']}", r["parent"], r["session_id"],
+                  pct(r["accuracy"]), r["state"], r["sha256"][:12], r["created_at"]) for r in rows),
+                ("", "version", "parent", "session", "accuracy", "state", "sha256", "created"),
+                align="<>>>>"))
             emit(args, rows, text)
         elif action == "rollback":
             result = versions.rollback(home, store, _version_arg(args))

@@ -14,6 +14,7 @@ from odtd.cli.output import command, emit, home_of, progress
 from odtd.errors import ConfigError, PolicyError
 from odtd.policy import Policy, load_policy
 from odtd.session.gates import FORCE_CLOSED_FILE, check_gates
+from odtd.table import table
 from odtd.trainer.protocol.job import PRECISIONS
 
 DEFAULT_PROFILE_STEPS = 10
@@ -163,7 +164,7 @@ def _profile_context(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
 
 def _validate(args: argparse.Namespace) -> int:
     from odtd.profiling.memory_fit import allowed_mb
-    from odtd.session.admission import memory_problem, predict
+    from odtd.session.prediction import memory_problem, predict
 
     path = Path(args.file)
     policy = load_policy(path, missing_ok=False)
@@ -244,7 +245,8 @@ def _session_samples(policy: Policy, counts: Dict[str, int], override: Optional[
 
 def _explain(args: argparse.Namespace) -> int:
     from odtd.profiling.sweep import board_description
-    from odtd.session.admission import Plan, admit, memory_problem, predict
+    from odtd.session.admission import admit
+    from odtd.session.prediction import Plan, memory_problem, predict
 
     context = _profile_context(args)
     home = context["home"] if context else home_of(args)
@@ -275,9 +277,8 @@ def _explain(args: argparse.Namespace) -> int:
         lines += [f"profile {profile.profile_id} of {profile.model} on {profile.board} "
                   f"(telemetry {profile.backend}{merged}); memory fit: {fit.describe()}",
                   f"tonight: {samples['new']} new + {samples['replay']} replay = "
-                  f"{samples['total']} samples x {epochs} epochs ({samples['basis']})",
-                  f" {'batch':>5}  {'basis':<17} {'time s':>7} {'energy J':>9} {'peak MB':>8}"
-                  "  memory"]
+                  f"{samples['total']} samples x {epochs} epochs ({samples['basis']})"]
+        rows = []
         sizes = sorted(set(policy.batch.candidates) | {policy.batch.size}
                        | {r.batch_size for r in profile.rows if r.precision == precision})
         for size in sizes:
@@ -285,22 +286,23 @@ def _explain(args: argparse.Namespace) -> int:
             problem = memory_problem(p, policy.batch)
             row = {**vars(p), "fits_memory": problem is None, "memory_problem": problem}
             data["predictions"].append(row)
-            mark = "*" if size == policy.batch.size else " "
             beyond = p.memory_extrapolated_past
             past = f" (extrapolated past batch {beyond})" if beyond is not None else ""
-            lines.append(f"{mark}{size:>5}  {p.basis:<17} {_num(p.time_s, '>7.1f')} "
-                         f"{_num(p.energy_j, '>9.1f')} {_num(p.peak_mb, '>8.0f')}  "
-                         f"{problem or 'fits'}{past}")
+            rows.append(("*" if size == policy.batch.size else "", size, p.basis,
+                         _num(p.time_s, ".1f"), _num(p.energy_j, ".1f"), _num(p.peak_mb, ".0f"),
+                         f"{problem or 'fits'}{past}"))
+        lines += table(rows, ("", "batch", "basis", "time s", "energy J", "peak MB", "memory"),
+                       align="<><>>>")
     a = admission
     plan = Plan(a.precision, a.recompute, a.micro_batch_size).name
     lines.append(f"admission: {a.decision} at batch {a.batch_size} ({plan}), {a.epochs} epochs; "
                  f"{a.reason}")
     if a.rejected:
         lines.append("plans not chosen:")
-        lines += [f"  batch {r['batch_size']:>4}  {r['plan']:<26} {r['reason']}"
-                  for r in a.rejected]
+        lines += table(((f"batch {r['batch_size']}", r["plan"], r["reason"]) for r in a.rejected),
+                       indent="  ")
     lines.append("gates now:" if gates else "gates: none configured")
-    lines += [f"  {g.name:<12} {'open' if g.passed else 'CLOSED':<7} {g.reason}" for g in gates]
+    lines += table(((g.name, "open" if g.passed else "CLOSED", g.reason) for g in gates), indent="  ")
     emit(args, data, "\n".join(lines))
     return 0
 
@@ -319,10 +321,7 @@ def _learning_rate(context: Optional[Dict[str, Any]], policy: Policy) -> Any:
 
 
 def _num(value: Optional[float], fmt: str) -> str:
-    if value is None:
-        width = "".join(ch for ch in fmt.split(".")[0] if ch.isdigit())
-        return "-".rjust(int(width or 0))
-    return format(value, fmt)
+    return "-" if value is None else format(value, fmt)
 
 
 # -- parsers ---------------------------------------------------------------------------------

@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 @command("init")
 def cmd_init(args: argparse.Namespace) -> int:
     """Create an ODTD_HOME."""
-    from odtd.home.create import builtin_input_shape, init_home, parse_classes, parse_input_size
-    from odtd.home.spec import check_model_name
+    from odtd.home.create import InitRequest, init_home
+    from odtd.home.spec import builtin_input_shape, check_model_name, parse_classes, parse_input_size
 
     home = home_of(args)
     if (args.model is None) == (args.model_file is None):
@@ -31,15 +31,15 @@ def cmd_init(args: argparse.Namespace) -> int:
         check_model_name(args.model)
         builtin_input_shape(args.model, input_size)  # a refused size before any progress line
     progress(f"initialising {home.root} with {args.model or args.model_file} ...")
-    summary = init_home(
-        home, args.model, parse_classes(args.classes),
+    summary = init_home(home, InitRequest(
+        args.model, parse_classes(args.classes),
         weights=Path(args.weights) if args.weights else None,
         validation=Path(args.validation) if args.validation else None, force=args.force,
         replay=Path(args.replay) if args.replay else None, reference_every=args.reference_every,
         model_file=Path(args.model_file) if args.model_file else None, name=args.name,
-        input_scale=args.input_scale, output=args.output, progress=progress,
+        input_scale=args.input_scale, output=args.output,
         input_size=input_size, policy=Path(args.policy) if args.policy else None,
-    )
+    ), progress=progress)
     for note in summary["notes"]:
         progress(f"note: {note}")
     policy = summary["policy"]

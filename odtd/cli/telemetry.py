@@ -7,6 +7,7 @@ from pathlib import Path
 
 from odtd.cli.output import command, emit, home_of, progress
 from odtd.errors import ConfigError
+from odtd.table import table
 
 
 @command("telemetry")
@@ -17,11 +18,10 @@ def cmd_telemetry(args: argparse.Namespace) -> int:
     if args.action == "backends":
         rows = telemetry.describe_backends()
         order = list(telemetry.BACKENDS)
-        lines = []
-        for row in rows:
-            rank = f"{order.index(row['name']) + 1}." if row["name"] in order else "-"
-            state = "available" if row["available"] else f"unavailable: {row['reason']}"
-            lines.append(f"{rank:<3} {row['name']:<11} {state}")
+        lines = table(([f"{order.index(row['name']) + 1}." if row["name"] in order else "-",
+                        row["name"],
+                        "available" if row["available"] else f"unavailable: {row['reason']}"]
+                       for row in rows), gap=" ")
         lines.append("auto picks the first available in this order; replay is chosen by name")
         emit(args, rows, "\n".join(lines))
         return 0
@@ -60,13 +60,12 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     home = home_of(args)
     store = home.open_store()
     try:
-        text = prometheus_text(home, store)
+        if args.out:
+            write_textfile(Path(args.out), home, store)
+        else:
+            print(prometheus_text(home, store), end="")
     finally:
         store.close()
-    if args.out:
-        write_textfile(Path(args.out), text)
-    else:
-        print(text, end="")
     return 0
 
 

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 def _session(home: Home, args: argparse.Namespace) -> dict[str, Any]:
-    from odtd.report.metrics import prometheus_text, write_textfile
+    from odtd.report.metrics import write_textfile
     from odtd.session.process import run_session_here
 
     try:
@@ -48,7 +48,7 @@ def _session(home: Home, args: argparse.Namespace) -> dict[str, Any]:
         if textfile:
             store = home.open_store()
             try:
-                write_textfile(Path(textfile), prometheus_text(home, store))
+                write_textfile(Path(textfile), home, store)
             except OSError as exc:
                 logger.error("cannot write metrics to %s: %s", textfile, exc)
             finally:

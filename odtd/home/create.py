@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
-import os
-import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -16,7 +13,7 @@ import numpy as np
 from odtd import atomic
 from odtd.config import Config, default_config_text
 from odtd.errors import ConfigError, IngestError, ModelError, TrainerFailed
-from odtd.home.images import BadImage, decode_image
+from odtd.home.image_sets import decode_labelled, load_validation_dir
 from odtd.home.ingest import Ingestor, discover
 from odtd.home.paths import REFERENCE_EVERY, Home
 from odtd.home.replay_buffer import update_buffer
@@ -26,6 +23,7 @@ from odtd.home.spec import (
     IMPORTED,
     ORIGINAL_STEM,
     ModelSpec,
+    builtin_input_shape,
     check_conventions,
     check_model_name,
     imported_name,
@@ -40,103 +38,11 @@ from odtd.trainer.protocol.launch import run_job
 logger = logging.getLogger(__name__)
 
 
-def parse_classes(text: Optional[str]) -> list[str]:
-    """Parse ``--classes a,b,c`` (default: the ten CIFAR-10 classes)."""
-    if not text:
-        return list(catalog.DEFAULT_CLASSES)
-    classes = [name.strip() for name in text.split(",") if name.strip()]
-    if len(classes) < 2 or len(set(classes)) != len(classes):
-        raise ConfigError(f"--classes {text!r}: give at least two distinct names, comma-separated")
-    return classes
+@dataclass(frozen=True)
+class InitRequest:
+    """What a new home is made of: ``odtctl init``'s options, one field each.
 
-
-def parse_input_size(text: Optional[str]) -> Optional[tuple[int, int]]:
-    """Parse ``--input-size HxW`` (height by width) or ``--input-size N`` (N by N), in pixels."""
-    if text is None:
-        return None
-    match = re.fullmatch(r"\s*(\d+)\s*(?:[xX]\s*(\d+)\s*)?", text)
-    if not match or int(match[1]) < 1 or int(match[2] or 1) < 1:
-        raise ConfigError(f"--input-size {text!r}: give HEIGHTxWIDTH or one size N for NxN, in "
-                          "pixels, e.g. 64x48 or 64")
-    return int(match[1]), int(match[2] or match[1])
-
-
-def builtin_input_shape(model: str, input_size: Optional[tuple[int, int]]) -> list[int]:
-    """A built-in network's input shape: its default, or ``input_size`` (height, width).
-
-    Raises:
-        ConfigError: the size is below the network's minimum (``catalog.sized_input_shape``).
-    """
-    if input_size is None:
-        return list(catalog.get(model).input_shape)
-    try:
-        return list(catalog.sized_input_shape(model, *input_size))
-    except ValueError as exc:
-        least = catalog.get(model).min_input_size
-        raise ConfigError(f"--input-size: {exc}; give at least {least}x{least}, or leave "
-                          "--input-size out for the default") from None
-
-
-def _leaves_nothing_on_failure(init: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
-    """Remove, when ``init`` fails, whatever it created in the home: no half-made home stays.
-
-    What was there before (the same file, by inode) stays: a config or policy a person wrote,
-    the home's directory itself if it existed. ``--force`` had asked for the rest to go.
-    """
-
-    @functools.wraps(init)
-    def wrapper(home: Home, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        existed = home.root.exists()
-        before = _inodes(home.root)
-        try:
-            return init(home, *args, **kwargs)
-        except BaseException:
-            for name, inode in _inodes(home.root).items():
-                if before.get(name) != inode:
-                    atomic.remove_quietly(home.root / name)
-            if not existed:
-                with contextlib.suppress(OSError):
-                    home.root.rmdir()
-            raise
-
-    return wrapper
-
-
-def _inodes(directory: Path) -> dict[str, int]:
-    try:
-        return {entry.name: entry.inode() for entry in os.scandir(directory)}
-    except OSError:  # missing, or unreadable: nothing of it is init's to remove
-        return {}
-
-
-@_leaves_nothing_on_failure
-def init_home(
-    home: Home,
-    model: Optional[str],
-    classes: list[str],
-    weights: Optional[Path] = None,
-    validation: Optional[Path] = None,
-    force: bool = False,
-    seed: int = 0,
-    validation_arrays: Optional[tuple[np.ndarray, np.ndarray]] = None,
-    replay: Optional[Path] = None,
-    reference_every: int = REFERENCE_EVERY,
-    model_file: Optional[Path] = None,
-    name: Optional[str] = None,
-    input_scale: Optional[str] = None,
-    output: Optional[str] = None,
-    progress: Optional[Callable[[str], None]] = None,
-    input_size: Optional[tuple[int, int]] = None,
-    policy: Optional[Path] = None,
-) -> dict[str, Any]:
-    """Create an ODTD_HOME and return a summary.
-
-    Version 0 is made first, by a worker, in a hidden staging directory of the home (on its
-    filesystem, wherever that is mounted): a refused model file, unreadable weights, a bad
-    validation directory or a full disk leave no half-made home.
-
-    Args:
-        home: the state directory.
+    Attributes:
         model: a built-in network's name (None with ``model_file``).
         classes: class names, in the order of the model's outputs.
         weights: starting weights of a built-in network (``.npz``); None = a fresh, seeded
@@ -154,177 +60,312 @@ def init_home(
         name: the imported model's name in the home (default: the file's stem).
         input_scale: the pixels an imported model takes (default ``0-255``).
         output: ``logits`` or ``softmax``, overriding what is read from the model's last layer.
-        progress: called with one-line progress messages.
         input_size: a built-in network's (height, width) in pixels, at least its
             ``min_input_size``; None = the catalogue's default. Samples are fitted to it. With
             ``model_file``: the size of a model whose input has no height and width (refused
             for one that has them, unless the same).
         policy: a policy file to install (validated first); None = the recipe for the model
             (``policy.recipe_for``), unless the home already has a policy file.
+    """
+
+    model: Optional[str]
+    classes: list[str]
+    weights: Optional[Path] = None
+    validation: Optional[Path] = None
+    force: bool = False
+    seed: int = 0
+    validation_arrays: Optional[tuple[np.ndarray, np.ndarray]] = None
+    replay: Optional[Path] = None
+    reference_every: int = REFERENCE_EVERY
+    model_file: Optional[Path] = None
+    name: Optional[str] = None
+    input_scale: Optional[str] = None
+    output: Optional[str] = None
+    input_size: Optional[tuple[int, int]] = None
+    policy: Optional[Path] = None
+
+    @property
+    def source(self) -> str:
+        """Where version 0 comes from, as the ``init`` event and the summary say it."""
+        return str(self.model_file or self.weights or "fresh")
+
+
+@dataclass(frozen=True)
+class ReplayFiles:
+    """``--replay``'s images, split: those that seed the buffer, those held out as reference."""
+
+    seed: Optional[list[tuple[Path, Optional[str]]]]  # None: no --replay
+    reference: list[tuple[Path, Optional[str]]]
+
+
+@dataclass(frozen=True)
+class HomeImages:
+    """The fixed image sets a home keeps beside its samples, each (x uint8 NHWC, y) or None."""
+
+    validation: Optional[tuple[np.ndarray, np.ndarray]]
+    reference: Optional[tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class Version0:
+    """What version 0 was stored as, with its worker's result."""
+
+    spec: ModelSpec
+    version: int
+    manifest: dict[str, Any]
+    result: dict[str, Any]
+
+
+def init_home(home: Home, request: InitRequest,
+              progress: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+    """Create an ODTD_HOME and return a summary.
+
+    Version 0 is made first, by a worker, in a hidden staging directory of the home (on its
+    filesystem, wherever that is mounted): a refused model file, unreadable weights, a bad
+    validation directory or a full disk leave no half-made home.
+
+    Args:
+        home: the state directory.
+        request: what to make it of (``odtctl init``'s options).
+        progress: called with one-line progress messages.
 
     Raises:
         ConfigError: the home exists and ``force`` is not set, or an argument is invalid.
         ModelError: an unknown network, a missing or refused model file, unusable weights.
     """
     say = progress or (lambda message: None)
-    check_conventions(input_scale, output)
+    # A failure removes whatever init created in the home: no half-made home stays. What was
+    # there before stays (a config or policy a person wrote); --force had asked for the rest.
+    with atomic.undone_on_failure(home.root):
+        name, input_shape = check_request(home, request)
+        replay = split_replay(request)
+        recipe = _recipe(request)
+        config = home.load_config()
+        # Staged in the home itself: the files rename into place on the same filesystem.
+        with atomic.staging_dir(home.root, "init-") as staging:
+            stage = Path(staging)
+            spec, result = stage_version0(config, stage, name, request, say, input_shape)
+            # Read the images before touching the home, so a bad path loses nothing.
+            images = read_images(request, replay, spec, config, say)
+            policy_path, recipe = lay_out(home, request, config, recipe, images)
+            version0 = install_version0(home, stage, spec, result)
+        ModelRepo(home.models, spec.name).set_current(version0.version)
+        replay_size = record(home, request, version0, replay, policy_path, config)
+        return _summary(home, request, version0, images, replay_size, policy_path, recipe)
+
+
+def check_request(home: Home, request: InitRequest) -> tuple[str, Optional[list[int]]]:
+    """Refuse a bad request before anything is made.
+
+    Returns:
+        The model's name in the home, and a built-in network's input shape (None for a model
+        file: its own is read from it).
+    """
+    check_conventions(request.input_scale, request.output)
     shape = None
-    if model_file is not None:
-        if not model_file.is_file():
-            raise ModelError(f"--model-file {model_file}: no such file")
-        name = imported_name(name, model_file.stem)
+    if request.model_file is not None:
+        if not request.model_file.is_file():
+            raise ModelError(f"--model-file {request.model_file}: no such file")
+        name = imported_name(request.name, request.model_file.stem)
     else:
-        check_model_name(model)
-        if input_scale is not None or output is not None:
+        check_model_name(request.model)
+        if request.input_scale is not None or request.output is not None:
             raise ConfigError("--input-scale and --output describe a model given with "
                               "--model-file; a built-in network has its own")
-        name = model
-        shape = builtin_input_shape(model, input_size)
-    if weights is not None:
-        check_weights_file(weights)
-    if home.is_initialised() and not force:
+        name = request.model
+        shape = builtin_input_shape(request.model, request.input_size)
+    if request.weights is not None:
+        check_weights_file(request.weights)
+    if home.is_initialised() and not request.force:
         raise ConfigError(
             f"{home.root} is already an odtd home; pass --force to replace it "
             "(its samples, sessions and models are deleted)"
         )
-    if reference_every < 0:
-        raise ConfigError(f"--reference-every {reference_every}: give 0 (no reference set) or "
-                          "a positive N")
-    replay_files, reference_files = None, []
-    if replay is not None:
-        if not replay.is_dir():
-            raise IngestError(f"--replay {replay}: not a directory of <label>/<image> files")
-        replay_files = list(discover(replay, None))
-        if reference_every:
-            reference_files = replay_files[reference_every - 1::reference_every]
-            replay_files = [f for i, f in enumerate(replay_files) if (i + 1) % reference_every]
-    if policy is not None:
-        load_policy(policy, missing_ok=False)  # a bad file is refused before anything is made
-        recipe = Recipe(str(policy), policy.read_text(encoding="utf-8"), "given with --policy")
+    if request.reference_every < 0:
+        raise ConfigError(f"--reference-every {request.reference_every}: give 0 (no reference "
+                          "set) or a positive N")
+    return name, shape
+
+
+def split_replay(request: InitRequest) -> ReplayFiles:
+    """``--replay``'s files: every ``reference_every``-th held out as the reference set."""
+    if request.replay is None:
+        return ReplayFiles(None, [])
+    if not request.replay.is_dir():
+        raise IngestError(f"--replay {request.replay}: not a directory of <label>/<image> files")
+    files = list(discover(request.replay, None))
+    every = request.reference_every
+    if not every:
+        return ReplayFiles(files, [])
+    return ReplayFiles([f for i, f in enumerate(files) if (i + 1) % every],
+                       files[every - 1::every])
+
+
+def _recipe(request: InitRequest) -> Recipe:
+    if request.policy is None:
+        return recipe_for(request.model, imported=request.model_file is not None)
+    load_policy(request.policy, missing_ok=False)  # a bad file is refused before anything is made
+    return Recipe(str(request.policy), request.policy.read_text(encoding="utf-8"),
+                  "given with --policy")
+
+
+def read_images(request: InitRequest, replay: ReplayFiles, spec: ModelSpec, config: Config,
+                say: Callable[[str], None]) -> HomeImages:
+    """Decode the validation set and the reference set at the model's input shape.
+
+    An unreadable reference set is said and left out (the buffer's seed is read later, with
+    rejected images quarantined); a bad validation directory is an error.
+    """
+    resize, antialias = config.images.resize, config.images.antialias
+    validation = request.validation_arrays
+    if request.validation is not None:
+        validation = load_validation_dir(request.validation, request.classes, spec.input_shape,
+                                         resize=resize, antialias=antialias)
+    reference = None
+    # Labels outside the classes are quarantined by the replay seed; here they are left out.
+    files = [(f, label) for f, label in replay.reference if label in request.classes]
+    if files:
+        try:
+            reference = decode_labelled(files, request.classes, spec.input_shape,
+                                        f"--replay {request.replay}", resize, antialias)
+        except IngestError as exc:
+            say(f"no reference set: {exc}")
+    return HomeImages(validation, reference)
+
+
+def lay_out(home: Home, request: InitRequest, config: Config, recipe: Recipe,
+            images: HomeImages) -> tuple[Path, Recipe]:
+    """Make the home's directories and files (wiping an old home with ``force``).
+
+    Returns the policy file and the recipe it holds (the home's own file, kept, when one was
+    there and no ``--policy`` was given).
+    """
+    if request.force:
+        wipe_home(home)
+    for directory in home.directories():
+        directory.mkdir(parents=True, exist_ok=True)
+    # Written in place, not staged: a failed init removes what it made by inode
+    # (`atomic.undone_on_failure`), and a file a person wrote keeps its inode this way.
+    if not home.config_path.exists():
+        home.config_path.write_text(default_config_text(), encoding="utf-8")
+    policy_path = home.policy_path(config)
+    if request.policy is not None or not policy_path.exists():
+        policy_path.write_text(recipe.text, encoding="utf-8")
     else:
-        recipe = recipe_for(model, imported=model_file is not None)
-    config = home.load_config()
-    # Staged in the home itself: the files rename into place on the same filesystem.
-    with atomic.staging_dir(home.root, "init-") as staging:
-        stage = Path(staging)
-        spec, result = stage_version0(config, stage, name, classes, model_file, weights, seed,
-                                      input_scale, output, say, input_shape=shape,
-                                      input_size=input_size if model_file is not None else None)
-        # Read the validation images before touching the home, so a bad path loses nothing.
-        val = validation_arrays
-        if validation is not None:
-            val = load_validation_dir(validation, classes, spec.input_shape,
-                                      resize=config.images.resize,
-                                      antialias=config.images.antialias)
-        reference = None
-        # Labels outside the classes are quarantined by the replay seed; here they are left out.
-        reference_files = [(f, label) for f, label in reference_files if label in classes]
-        if reference_files:
-            try:
-                reference = decode_labelled(reference_files, classes, spec.input_shape,
-                                            f"--replay {replay}", config.images.resize,
-                                            config.images.antialias)
-            except IngestError as exc:
-                say(f"no reference set: {exc}")
-        if force:
-            wipe_home(home)
-        for directory in home.directories():
-            directory.mkdir(parents=True, exist_ok=True)
-        if not home.config_path.exists():
-            home.config_path.write_text(default_config_text(), encoding="utf-8")
-        policy_path = home.policy_path(config)
-        if policy is not None or not policy_path.exists():
-            policy_path.write_text(recipe.text, encoding="utf-8")
-        else:
-            recipe = Recipe(str(policy_path), "", "the home's policy file, kept")
-        if val is not None:
-            np.savez(home.validation_file(), x=val[0], y=val[1])
-        if reference is not None:
-            np.savez(home.reference_file(), x=reference[0], y=reference[1])
-        repo = ModelRepo(home.models, name)
-        repo.dir.mkdir(parents=True, exist_ok=True)
-        for staged in stage.glob(ORIGINAL_STEM + ".*"):
-            atomic.move(staged, repo.dir / staged.name)
-        if (stage / ARCHITECTURE_NAME).exists():
-            atomic.move(stage / ARCHITECTURE_NAME, repo.dir / ARCHITECTURE_NAME)
-        version, manifest = repo.add_version(
-            stage / "weights.npz", classes=classes, input_shape=spec.input_shape,
-            param_count=result.get("param_count"), parent=None,
-            weight_names=result.get("weight_names"), move=False)
-    repo.set_current(version)
+        recipe = Recipe(str(policy_path), "", "the home's policy file, kept")
+    if images.validation is not None:
+        np.savez(home.validation_file(), x=images.validation[0], y=images.validation[1])
+    if images.reference is not None:
+        np.savez(home.reference_file(), x=images.reference[0], y=images.reference[1])
+    return policy_path, recipe
+
+
+def install_version0(home: Home, stage: Path, spec: ModelSpec, result: dict[str, Any]) -> Version0:
+    """Move what the worker staged into the model's directory as version 0 (not yet current)."""
+    repo = ModelRepo(home.models, spec.name)
+    repo.dir.mkdir(parents=True, exist_ok=True)
+    for staged in stage.glob(ORIGINAL_STEM + ".*"):
+        atomic.move(staged, repo.dir / staged.name)
+    if (stage / ARCHITECTURE_NAME).exists():
+        atomic.move(stage / ARCHITECTURE_NAME, repo.dir / ARCHITECTURE_NAME)
+    version, manifest = repo.add_version(
+        stage / "weights.npz", classes=spec.classes, input_shape=spec.input_shape,
+        param_count=result.get("param_count"), parent=None,
+        weight_names=result.get("weight_names"), move=False)
+    return Version0(spec, version, manifest, result)
+
+
+def record(home: Home, request: InitRequest, version0: Version0, replay: ReplayFiles,
+           policy_path: Path, config: Config) -> int:
+    """Write the new home's database: the model, version 0, the ``init`` event, the replay seed.
+
+    Returns the replay buffer's size (0 without ``--replay``).
+    """
+    spec, manifest = version0.spec, version0.manifest
     store = Store(home.db_path)
     try:
         spec.save(store)
         store.set_meta(created_at=utc_now())
         store.add_model_version({
-            "model": name, "version": version, "parent": None, "session_id": None,
+            "model": spec.name, "version": version0.version, "parent": None, "session_id": None,
             "sha256": manifest["sha256"], "param_count": manifest["param_count"], "accuracy": None,
         })
-        source = str(model_file) if model_file else (str(weights) if weights else "fresh")
-        store.log_event("init", f"initialised with {name} v{version}", weights=source)
-        seeded = {"size": 0}
-        if replay_files is not None:
-            seeded = seed_replay(home, store, replay_files, classes, spec.input_shape,
-                                 load_policy(policy_path), resize=config.images.resize,
-                                 antialias=config.images.antialias)
+        store.log_event("init", f"initialised with {spec.name} v{version0.version}",
+                        weights=request.source)
+        if replay.seed is None:
+            return 0
+        return seed_replay(home, store, replay.seed, spec.classes, spec.input_shape,
+                           load_policy(policy_path), resize=config.images.resize,
+                           antialias=config.images.antialias)["size"]
     finally:
         store.close()
-    summary = {
-        "home": str(home.root), "model": name, "source": spec.source, "version": version,
-        "classes": classes, "input_shape": spec.input_shape, "input_scale": spec.input_scale,
-        "output": spec.output, "param_count": manifest["param_count"], "weights": source,
-        "validation_samples": int(len(val[1])) if val is not None else 0,
-        "replay_samples": seeded["size"],
-        "reference_samples": int(len(reference[1])) if reference is not None else 0,
+
+
+def _summary(home: Home, request: InitRequest, version0: Version0, images: HomeImages,
+             replay_size: int, policy_path: Path, recipe: Recipe) -> dict[str, Any]:
+    spec, manifest = version0.spec, version0.manifest
+    return {
+        "home": str(home.root), "model": spec.name, "source": spec.source,
+        "version": version0.version, "classes": spec.classes, "input_shape": spec.input_shape,
+        "input_scale": spec.input_scale, "output": spec.output,
+        "param_count": manifest["param_count"], "weights": request.source,
+        "validation_samples": 0 if images.validation is None else int(len(images.validation[1])),
+        "replay_samples": replay_size,
+        "reference_samples": 0 if images.reference is None else int(len(images.reference[1])),
         "policy": {"file": str(policy_path), "recipe": recipe.name, "why": recipe.why},
-        "notes": [],
+        "notes": import_notes(spec, request.input_scale, version0.result),
     }
+
+
+def import_notes(spec: ModelSpec, input_scale: Optional[str], result: dict[str, Any]) -> list[str]:
+    """What a person should know about how an imported model was read (none for a built-in)."""
+    notes = []
     if spec.imported and input_scale is None and not result.get("rescales_input"):
-        summary["notes"].append(
+        notes.append(
             "the model does not start with a Rescaling or Normalization layer; it is fed pixels "
             "in 0..255: if it was trained on 0..1 or -1..1 pixels, init again with --input-scale")
     if result.get("arithmetic_layers"):
-        summary["notes"].append(
+        notes.append(
             f"{result['arithmetic_layers']} tensor operations of the model (such as x + 3.0 or "
             f"x * y) are built as the Keras layers that compute the same (Rescaling, Add, "
             f"Subtract, Multiply); an export holds those layers")
     if spec.imported and input_scale not in (None, "0-255") and result.get("rescales_input"):
-        summary["notes"].append(
+        notes.append(
             f"the model starts with a Rescaling or Normalization layer of its own and "
             f"--input-scale {input_scale} scales the pixels before it as well: unless it was "
             f"trained on pixels scaled twice, init again without --input-scale")
-    return summary
+    return notes
 
 
-def stage_version0(config: Config, stage: Path, name: str, classes: list[str],
-                   model_file: Optional[Path], weights: Optional[Path], seed: int,
-                   input_scale: Optional[str], output: Optional[str],
+def stage_version0(config: Config, stage: Path, name: str, request: InitRequest,
                    say: Callable[[str], None], input_shape: Optional[list[int]] = None,
-                   input_size: Optional[tuple[int, int]] = None,
                    ) -> tuple[ModelSpec, dict[str, Any]]:
     """Have a worker write version 0 into ``stage``; return the model's spec and the result.
 
     ``weights.npz`` always; an imported model adds ``architecture.json`` and its original file.
 
     A built-in network is built at ``input_shape`` (default: the catalogue's) and initialised
-    from ``seed`` or loaded with ``weights`` (which proves they fit it). A model file is
-    screened, built from its configuration and given its own weights; its input shape and
-    output are read from it (``input_size`` fixes the height and width of one that has none).
+    from ``request.seed`` or loaded with ``request.weights`` (which proves they fit it). A model
+    file is screened, built from its configuration and given its own weights; its input shape
+    and output are read from it (``request.input_size`` fixes the height and width of one that
+    has none).
 
     Raises:
         ModelError: the worker refused the file or the weights (the worker's one-line reason).
     """
+    model_file, weights, classes = request.model_file, request.weights, request.classes
     if model_file is not None:
         suffix = ".h5" if model_file.suffix.lower() == ".h5" else ".keras"
+        size = request.input_size
         job = make_job("import", name, classes, None, model_file=str(model_file.resolve()),
                        weights_out=str(stage / "weights.npz"),
                        architecture_out=str(stage / ARCHITECTURE_NAME),
                        original_out=str(stage / (ORIGINAL_STEM + suffix)),
-                       input_size=None if input_size is None else list(input_size))
+                       input_size=None if size is None else list(size))
         say(f"reading {model_file} (screened: no code in it is run) ...")
     else:
         shape = input_shape or list(catalog.get(name).input_shape)
-        job = make_job("init", name, classes, shape, seed=seed,
+        job = make_job("init", name, classes, shape, seed=request.seed,
                        weights_out=str(stage / "weights.npz"),
                        weights_in=str(weights.resolve()) if weights else None)
     try:
@@ -337,10 +378,10 @@ def stage_version0(config: Config, stage: Path, name: str, classes: list[str],
     if model_file is None:
         return ModelSpec(name, BUILTIN, classes, shape), result
     detected = result["output"]
-    if output is not None and output != detected:
-        say(f"output: the last layer gives {detected}; treated as {output} (--output)")
-    return ModelSpec(name, IMPORTED, classes, result["input_shape"], input_scale or "0-255",
-                     output or detected), result
+    if request.output is not None and request.output != detected:
+        say(f"output: the last layer gives {detected}; treated as {request.output} (--output)")
+    return ModelSpec(name, IMPORTED, classes, result["input_shape"],
+                     request.input_scale or "0-255", request.output or detected), result
 
 
 def seed_replay(home: Home, store: Store, files: list[tuple[Path, Optional[str]]],
@@ -392,56 +433,3 @@ def wipe_home(home: Home) -> None:
             shutil.rmtree(directory)
     for name in ("odtd.db", "odtd.db-wal", "odtd.db-shm"):
         (home.root / name).unlink(missing_ok=True)
-
-
-def load_validation_dir(
-    path: Path, classes: list[str], input_shape: tuple[int, ...], resize: str = "stretch",
-    antialias: bool = False,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Decode a ``<label>/<file>`` directory into the fixed validation arrays.
-
-    Images are prepared as ingest prepares samples (``odtd.home.images``); one that cannot be
-    decoded is skipped with a warning.
-
-    Args:
-        path: the directory.
-        classes: the model's classes, in output order.
-        input_shape: the model's (height, width, channels).
-        resize: ``odtd.yaml``'s ``images.resize``.
-        antialias: ``odtd.yaml``'s ``images.antialias``.
-
-    Returns:
-        x uint8 (n, height, width, channels) and y int64 class indices.
-
-    Raises:
-        IngestError: the path is unusable, holds a label outside ``classes``, or no images.
-    """
-    if not path.is_dir():
-        raise IngestError(f"--validation {path}: not a directory of <label>/<image> files")
-    return decode_labelled(list(discover(path, None)), classes, input_shape,
-                           f"--validation {path}", resize, antialias)
-
-
-def decode_labelled(files: list[tuple[Path, Optional[str]]], classes: list[str],
-                    input_shape: tuple[int, ...], what: str, resize: str = "stretch",
-                    antialias: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Decode labelled image files (from ``discover``) into x uint8 NHWC and y class indices.
-
-    An image that cannot be decoded is skipped with a warning; a label outside ``classes`` or
-    no readable image at all is an error naming ``what`` (the option and its directory).
-    """
-    option = what.split()[0]
-    index = {name: i for i, name in enumerate(classes)}
-    xs, ys = [], []
-    for file, label in files:
-        if label not in index:
-            raise IngestError(f"{option} {file}: label {label!r} is not one of the classes {classes}")
-        try:
-            xs.append(decode_image(file.read_bytes(), input_shape, resize, antialias))
-        except (BadImage, OSError) as exc:
-            logger.warning("%s image %s skipped: %s", option.lstrip("-"), file, exc)
-            continue
-        ys.append(index[label])
-    if not xs:
-        raise IngestError(f"{what}: no readable images under <label>/ folders")
-    return np.stack(xs), np.array(ys, dtype=np.int64)

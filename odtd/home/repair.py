@@ -11,7 +11,7 @@ the session lock, before each session (``session.lock.recover_stale_sessions``):
   pending: the pointer goes back to the version's parent (which the session started from)
   and the version is removed, or the next session would train the same samples again.
 - version directories without a database row (a crash between the version's rename and the
-  commit), half-removed ones (``.vN.removing``), staging ones (``.vN.tmp``); rows of pruned
+  commit), half-removed ones (``.vN.removing``), staging ones (``.vN.PID.tmp``); rows of pruned
   versions whose state the crash did not record.
 - a finished session's job data and candidate in ``runs/`` (killed before its clean-up).
 - sample files without a row: an ingest killed between the files and the commit, or a pruning

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from odtd.errors import ModelError
+from odtd.errors import ConfigError, ModelError
 from odtd.home.paths import Home
 from odtd.store.database import Store
 from odtd.trainer.protocol import catalog
@@ -117,3 +117,40 @@ def check_conventions(input_scale: Optional[str], output: Optional[str]) -> None
         raise ModelError(f"--input-scale {input_scale!r}: choose {', '.join(INPUT_SCALES)}")
     if output is not None and output not in OUTPUTS:
         raise ModelError(f"--output {output!r}: choose {', '.join(OUTPUTS)}")
+
+
+def parse_classes(text: Optional[str]) -> list[str]:
+    """Parse ``--classes a,b,c`` (default: the ten CIFAR-10 classes)."""
+    if not text:
+        return list(catalog.DEFAULT_CLASSES)
+    classes = [name.strip() for name in text.split(",") if name.strip()]
+    if len(classes) < 2 or len(set(classes)) != len(classes):
+        raise ConfigError(f"--classes {text!r}: give at least two distinct names, comma-separated")
+    return classes
+
+
+def parse_input_size(text: Optional[str]) -> Optional[tuple[int, int]]:
+    """Parse ``--input-size HxW`` (height by width) or ``--input-size N`` (N by N), in pixels."""
+    if text is None:
+        return None
+    match = re.fullmatch(r"\s*(\d+)\s*(?:[xX]\s*(\d+)\s*)?", text)
+    if not match or int(match[1]) < 1 or int(match[2] or 1) < 1:
+        raise ConfigError(f"--input-size {text!r}: give HEIGHTxWIDTH or one size N for NxN, in "
+                          "pixels, e.g. 64x48 or 64")
+    return int(match[1]), int(match[2] or match[1])
+
+
+def builtin_input_shape(model: str, input_size: Optional[tuple[int, int]]) -> list[int]:
+    """A built-in network's input shape: its default, or ``input_size`` (height, width).
+
+    Raises:
+        ConfigError: the size is below the network's minimum (``catalog.sized_input_shape``).
+    """
+    if input_size is None:
+        return list(catalog.get(model).input_shape)
+    try:
+        return list(catalog.sized_input_shape(model, *input_size))
+    except ValueError as exc:
+        least = catalog.get(model).min_input_size
+        raise ConfigError(f"--input-size: {exc}; give at least {least}x{least}, or leave "
+                          "--input-size out for the default") from None

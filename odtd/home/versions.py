@@ -167,35 +167,28 @@ class ModelRepo:
         check_weights_file(weights)
         existing = self.versions()
         version = existing[-1] + 1 if existing else 0
-        final = self.version_dir(version)
-        staging = self.dir / f".v{version}.tmp"
-        if staging.exists():
-            shutil.rmtree(staging)
-        staging.mkdir(parents=True)
-        target = staging / WEIGHTS_NAME
-        if move:
-            atomic.move(weights, target, durable=False)  # flushed below, with the manifest
-        else:
-            shutil.copyfile(weights, target)
-        atomic.fsync(target)
-        manifest = {
-            "model": self.name,
-            "version": version,
-            "classes": list(classes),
-            "input_shape": list(input_shape),
-            "param_count": param_count,
-            "sha256": file_sha256(target),
-            "parent": parent,
-            "session_id": session_id,
-            "metrics": metrics or {},
-            "weight_names": weight_names or [],
-        }
-        with open(staging / MANIFEST_NAME, "w", encoding="utf-8") as handle:
-            json.dump(manifest, handle, indent=2, sort_keys=True)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(staging, final)
-        atomic.fsync(self.dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with atomic.staged_directory(self.version_dir(version)) as directory:
+            staging = Path(directory)
+            target = staging / WEIGHTS_NAME
+            if move:
+                atomic.move(weights, target, durable=False)  # flushed with the directory
+            else:
+                shutil.copyfile(weights, target)
+            manifest = {
+                "model": self.name,
+                "version": version,
+                "classes": list(classes),
+                "input_shape": list(input_shape),
+                "param_count": param_count,
+                "sha256": file_sha256(target),
+                "parent": parent,
+                "session_id": session_id,
+                "metrics": metrics or {},
+                "weight_names": weight_names or [],
+            }
+            (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True),
+                                                 encoding="utf-8")
         logger.info("stored %s v%d (parent %s)", self.name, version, parent)
         return version, manifest
 

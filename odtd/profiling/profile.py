@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from odtd.profiling.memory_fit import MemoryFit, fit_memory
 from odtd.store.database import Store
+from odtd.table import table
 
 logger = logging.getLogger(__name__)
 
@@ -213,21 +214,20 @@ def parse_plan(name: str) -> Tuple[str, float, Optional[int]]:
 
 def profile_table(profile: ProfileResult) -> List[str]:
     """The profile as text lines (``odtctl profile`` and a written policy's comments)."""
-    lines = [f"{'batch':>5} {'precision':<22} {'status':<12} {'samples/s':>9} {'step s':>8} "
-             f"{'J/sample':>9} {'peak MB':>8}"]
+    def num(value: Optional[float], fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    rows = []
     for r in sorted(profile.rows, key=lambda r: (r.precision, r.recompute, r.batch_size)):
         shown = r.precision if r.precision_resolved in (None, r.precision) \
             else f"{r.precision}->{r.precision_resolved}"
-        shown = plan_name(shown, r.recompute)
-
-        def num(value: Optional[float], fmt: str) -> str:
-            return "-" if value is None else format(value, fmt)
-
-        lines.append(f"{r.batch_size:>5} {shown:<22} {r.status:<12} "
-                     f"{num(r.samples_per_s, '>9.2f')} {num(r.step_s, '>8.3f')} "
-                     f"{num(r.energy_per_sample_j, '>9.4f')} {num(r.peak_memory_mb, '>8.0f')}"
-                     + (f"  {r.reason}" if r.reason else "") + _runs(r.peak_memory_runs_mb))
-    return lines
+        rows.append((r.batch_size, plan_name(shown, r.recompute), r.status,
+                     num(r.samples_per_s, ".2f"), num(r.step_s, ".3f"),
+                     num(r.energy_per_sample_j, ".4f"), num(r.peak_memory_mb, ".0f"),
+                     "  ".join(part for part in (r.reason, _runs(r.peak_memory_runs_mb).strip())
+                               if part)))
+    return table(rows, ("batch", "precision", "status", "samples/s", "step s", "J/sample",
+                        "peak MB"), align="><<>>>>")
 
 
 def _runs(peaks: Optional[List[float]]) -> str:

@@ -13,6 +13,7 @@ from odtd.home.versions import ModelRepo
 from odtd.report.efficiency import cumulative_efficiency
 from odtd.store.database import Store
 from odtd.store.records import JUDGED, kept
+from odtd.table import table
 
 HEARTBEAT_STALE_S = 30.0
 _SPARKS = "▁▂▃▄▅▆▇█"
@@ -205,7 +206,7 @@ def sessions_table(sessions: list[dict[str, Any]]) -> list[str]:
     """
     header = ("id", "day", "outcome", "batch", "new", "replay", "acc before", "acc after",
               "holdout", "reference", "forgetting", "energy", "J/pt", "source", "peak MB", "time s")
-    rows = [header]
+    rows = []
     for s in sessions:
         details = s.get("details") or {}
         rows.append((
@@ -218,8 +219,7 @@ def sessions_table(sessions: list[dict[str, Any]]) -> list[str]:
             s.get("energy_source") or "-", _num(s["peak_memory_mb"]),
             _num(s["duration_s"], "{:.1f}"),
         ))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    return table(rows, header)
 
 
 def _reference(details: dict[str, Any]) -> str:

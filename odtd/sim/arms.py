@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from odtd import atomic
 from odtd.config import Config
 from odtd.errors import ConfigError
 from odtd.home.ingest import DEFAULT_HOLDOUT_EVERY, Ingestor, discover
@@ -300,7 +301,7 @@ class PlainArm:
                 "train", weights_in=str(self.weights), weights_out=str(out), train_data=str(data),
                 batch_size=16, epochs=3, optimizer="sgd", learning_rate=0.005, momentum=0.9,
                 augment=False, freeze_bn=False, seed=self.seed + day.number), metered=True)
-            shutil.move(str(out), self.weights)
+            atomic.move(out, self.weights, durable=False)  # a trial's scratch: no power cut to outlive
         return {"weights": self.weights, "energy_j": energy_j}
 
 

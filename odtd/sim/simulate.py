@@ -20,7 +20,7 @@ import numpy as np
 from odtd import atomic
 from odtd.config import Config
 from odtd.errors import ConfigError
-from odtd.home.create import init_home
+from odtd.home.create import InitRequest, init_home
 from odtd.home.ingest import Ingestor, discover
 from odtd.home.paths import Home
 from odtd.home.spec import ModelSpec
@@ -153,8 +153,8 @@ def simulate(home: Home, options: SimulationOptions,
         progress(f"creating {home.root} with {options.model}"
                  + (f", the device's camera shifted ({options.shift})" if options.shift else "")
                  + " ...")
-        init_home(home, options.model, source.classes, force=options.fresh, seed=options.seed,
-                  validation_arrays=source.validation())
+        init_home(home, InitRequest(options.model, source.classes, force=options.fresh,
+                                    seed=options.seed, validation_arrays=source.validation()))
         if options.policy:
             install_policy(home, Path(options.policy))
         if options.pretrain_samples > 0:
