@@ -2,15 +2,51 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Literal, Optional, Union
+from typing import Any, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from odtd.config import describe_validation_error, read_yaml_mapping
 from odtd.errors import PolicyError
 from odtd.trainer.protocol.job import LR_SCHEDULES, PRECISIONS
+
+logger = logging.getLogger(__name__)
+
+# Policy keys renamed, old -> new (section, key): old files keep loading, with one warning line.
+RENAMED_KEYS = {("training", "bn_device_weight"): "bn_device_share"}
+
+
+def _renamed(section: str, data: Any, info: ValidationInfo) -> Any:
+    """Map ``section``'s old spellings in ``data`` to their new keys, logging one line for each.
+
+    Raises:
+        ValueError: a file gives both the old key and the new one.
+    """
+    if not isinstance(data, dict):
+        return data
+    where = (info.context or {}).get("path", "the policy")
+    for (owner, old), new in RENAMED_KEYS.items():
+        if owner != section or old not in data:
+            continue
+        if new in data:
+            raise ValueError(f"{section}.{old} and {section}.{new} are the same setting: keep "
+                             f"{section}.{new} alone")
+        logger.warning("%s: %s.%s is deprecated: rename it %s.%s (same value)", where,
+                       section, old, section, new)
+        data = {(new if key == old else key): value for key, value in data.items()}
+    return data
 
 
 class _Strict(BaseModel):
@@ -110,7 +146,7 @@ class TrainingPolicy(_Strict):
     recalibrate_bn: bool = Field(
         default=False, description="after training, recompute BatchNorm's moving statistics over the "
         "session's images under the trained weights (ignored with freeze_bn)")
-    bn_device_weight: Optional[Union[Literal["auto"], float]] = Field(
+    bn_device_share: Optional[Union[Literal["auto"], float]] = Field(
         default="auto", description="adapt BatchNorm's statistics to the device's "
         "camera, label-free: before and after training, every BatchNorm layer (frozen ones "
         "too) takes the statistics of a mixture, this share from the device's images (the "
@@ -156,7 +192,12 @@ class TrainingPolicy(_Strict):
         "sum their gradients: the same update at a micro-batch's memory; auto = admission "
         "splits a batch that fits no other way into the largest candidate size that fits "
         "(only with freeze_bn: a BatchNorm that trains would normalise each micro-batch alone)")
-    @field_validator("bn_device_weight", mode="before")
+    @model_validator(mode="before")
+    @classmethod
+    def _old_keys(cls, data: Any, info: ValidationInfo) -> Any:
+        return _renamed("training", data, info)
+
+    @field_validator("bn_device_share", mode="before")
     @classmethod
     def _share_or_auto(cls, value: object) -> object:
         if value is None or value == "auto":
@@ -287,7 +328,7 @@ def load_policy(path: Path, missing_ok: bool = True) -> Policy:
         return Policy()
     data = read_yaml_mapping(path, PolicyError)
     try:
-        policy = Policy.model_validate(data)
+        policy = Policy.model_validate(data, context={"path": str(path)})
     except ValidationError as exc:
         raise PolicyError(describe_validation_error(path, exc)) from None
     if policy.schedule.cron:

@@ -318,12 +318,12 @@ def room_for_session(home: Home, store: Store, storage: StorageConfig, policy: A
         store: its database.
         storage: ``odtd.yaml``'s ``storage``.
         policy: the active policy (``models.keep_versions``; whether the train file carries
-            the device's earlier images, ``training.bn_device_weight`` and ``distill``).
+            the device's earlier images, ``training.bn_device_share`` and ``distill``).
         rows: the sample rows it trains on (new and rehearsed).
         weights: the current version's weights file.
     """
     training = policy.training
-    device_images = KEPT_DEVICE_SAMPLES if training.bn_device_weight is not None or \
+    device_images = KEPT_DEVICE_SAMPLES if training.bn_device_share is not None or \
         training.distill else 0
     need = session_need(home, store, len(rows), weights, device_images)
     return room_for(home, store, storage, need, "this session",

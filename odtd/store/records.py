@@ -59,7 +59,7 @@ class SessionDetails:
         reference_accuracy_after: The candidate on it.
         reference_paired: ``{gained, lost, samples}`` on the reference set.
         bn_device_weight: The device's share of the candidate's BatchNorm statistics that
-            ``training.bn_device_weight: auto`` chose (None otherwise).
+            ``training.bn_device_share: auto`` chose (None otherwise).
         bn_weights_tried: ``auto``'s candidates: weight (a string) -> accuracy by evaluation
             group (``"0"`` validation, ``"1"`` held-out, ``"2"`` reference); a candidate
             never scored in full (worse on validation than the one kept) has no ``"2"``.
@@ -116,7 +116,7 @@ class SessionDetails:
 
         ``attempts``, ``kept_for_resume``, the reference figures and ``auto``'s BatchNorm choice
         appear only when a session has them (a retry, a kept candidate, a home with a reference
-        set, ``bn_device_weight: auto``), as every release wrote them: ``history --json`` of an
+        set, ``bn_device_share: auto``), as every release wrote them: ``history --json`` of an
         old session reads the same after an upgrade.
         """
         data = asdict(self)

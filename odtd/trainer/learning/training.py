@@ -108,7 +108,7 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         if validation is not None:
             before = score_before(job, model, precision, validation, baseline, emit, fields)
         teacher = distillation_targets(tf, job, model, data, baseline, should_stop, fields)
-        device_split = data.get("device_split") if job["bn_device_weight"] is not None else None
+        device_split = data.get("device_split") if job["bn_device_share"] is not None else None
         if device_split is not None:  # the steps see the device's statistics
             fields["adapt_seconds"] = adapt_before(tf, job, model, device_split, should_stop)
         trained = train(tf, job, model, precision, data["train_data"][0], data["train_data"][1],
@@ -214,7 +214,7 @@ def adapt_before(tf: Any, job: Dict[str, Any], model: Any,
                  device_split: Tuple[np.ndarray, np.ndarray], should_stop: Callable[[], bool]
                  ) -> float:
     """BatchNorm's statistics set to the device's mixture before training; the seconds taken."""
-    weight = job["bn_device_weight"]
+    weight = job["bn_device_share"]
     adapted = _unless_stopped(adapt_batchnorm(
         tf, model, job, device_split[0], device_split[1], _forward_batch(job), should_stop,
         AUTO_WEIGHT_BEFORE if weight == AUTO else weight))
@@ -268,7 +268,7 @@ def settle_batchnorm(tf: Any, job: Dict[str, Any], model: Any, data: Dict[str, A
         The candidate's evaluation where ``auto`` chose the mixture by scoring it, else None.
     """
     if device_split is not None:  # again, under the trained weights; it replaces recalibration
-        weight = job["bn_device_weight"]
+        weight = job["bn_device_share"]
         if validation is None and weight == AUTO:
             weight = AUTO_WEIGHT_BEFORE  # nothing to choose by
         adapted = _unless_stopped(adapt_batchnorm(
@@ -277,7 +277,7 @@ def settle_batchnorm(tf: Any, job: Dict[str, Any], model: Any, data: Dict[str, A
             validation and validation.groups, before and before.refused))
         fields["adapt_seconds"] += adapted.seconds
         if adapted.tried:  # auto: the mixture kept, already scored
-            fields["bn_device_weight"], fields["bn_weights_tried"] = adapted.weight, adapted.tried
+            fields["bn_device_share"], fields["bn_shares_tried"] = adapted.weight, adapted.tried
             return adapted.scores
     elif job["recalibrate_bn"] and not job["freeze_bn"]:  # in profile mode too: its memory counts
         fields["recalibrate_seconds"] = _unless_stopped(recalibrate_batchnorm(

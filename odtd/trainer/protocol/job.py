@@ -48,7 +48,7 @@ JOB_KEYS = {
     "augment": ("bool", False),
     "freeze_bn": ("bool", False),
     "recalibrate_bn": ("bool", False),
-    "bn_device_weight": ("share_or_auto", None),
+    "bn_device_share": ("share_or_auto", None),
     "distill": ("float", 0.0),
     "trained_share": ("share_or_auto", 1.0),
     "reference_tolerance": ("share", None),

@@ -346,9 +346,9 @@ def main(argv: Optional[List[str]] = None,
                 data["validation_groups"] = load_groups(job["validation_data"],
                                                         len(data["validation_data"][1]))
             mask = None  # which training images the device saw (BatchNorm, distillation)
-            if (job["bn_device_weight"] is not None or job["distill"]) and job["train_data"]:
+            if (job["bn_device_share"] is not None or job["distill"]) and job["train_data"]:
                 mask = load_device_mask(job["train_data"], len(data["train_data"][1]))
-            if mask is not None and job["bn_device_weight"] is not None:
+            if mask is not None and job["bn_device_share"] is not None:
                 data["device_split"] = load_device_split(job["train_data"],
                                                          data["train_data"][0], mask)
             if mask is not None and job["distill"]:
