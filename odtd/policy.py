@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Literal, Optional, Union
@@ -18,35 +17,12 @@ from pydantic import (
     model_validator,
 )
 
-from odtd.config import describe_validation_error, read_yaml_mapping
+from odtd.config import describe_validation_error, read_yaml_mapping, renamed_keys
 from odtd.errors import PolicyError
 from odtd.trainer.protocol.job import LR_SCHEDULES, PRECISIONS
 
-logger = logging.getLogger(__name__)
-
-# Policy keys renamed, old -> new (section, key): old files keep loading, with one warning line.
-RENAMED_KEYS = {("training", "bn_device_weight"): "bn_device_share"}
-
-
-def _renamed(section: str, data: Any, info: ValidationInfo) -> Any:
-    """Map ``section``'s old spellings in ``data`` to their new keys, logging one line for each.
-
-    Raises:
-        ValueError: a file gives both the old key and the new one.
-    """
-    if not isinstance(data, dict):
-        return data
-    where = (info.context or {}).get("path", "the policy")
-    for (owner, old), new in RENAMED_KEYS.items():
-        if owner != section or old not in data:
-            continue
-        if new in data:
-            raise ValueError(f"{section}.{old} and {section}.{new} are the same setting: keep "
-                             f"{section}.{new} alone")
-        logger.warning("%s: %s.%s is deprecated: rename it %s.%s (same value)", where,
-                       section, old, section, new)
-        data = {(new if key == old else key): value for key, value in data.items()}
-    return data
+# Policy keys renamed, old -> new: old files keep loading, with one warning line each.
+RENAMED_TRAINING_KEYS = {"bn_device_weight": "bn_device_share"}
 
 
 class _Strict(BaseModel):
@@ -195,7 +171,7 @@ class TrainingPolicy(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _old_keys(cls, data: Any, info: ValidationInfo) -> Any:
-        return _renamed("training", data, info)
+        return renamed_keys("training", data, info, RENAMED_TRAINING_KEYS)
 
     @field_validator("bn_device_share", mode="before")
     @classmethod
