@@ -200,7 +200,7 @@ class StorageConfig(_Strict):
             (old ``runs/`` folders: job files and worker logs), ``versions`` (model versions
             beyond the policy's ``models.keep_versions``), ``samples`` (the oldest trained
             samples that neither the replay buffer nor a session still reads). Never the
-            current model, its parent, a pending or held-out sample, or the replay buffer.
+            served model, its parent, a pending or held-out sample, or the replay buffer.
     """
 
     min_free_mb: float = Field(

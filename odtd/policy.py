@@ -151,7 +151,7 @@ class TrainingPolicy(_Strict):
     resume_within: Optional[float] = Field(
         default=None, ge=0, le=100,
         description="train each session from the last candidate, promoted or not, while it "
-        "scores no more than this many points below the current model (gains too small for "
+        "scores no more than this many points below the served model (gains too small for "
         "one session's guard add up over days; the device keeps serving current); null = "
         "every session starts from current")
     precision: Literal[PRECISIONS] = "fp32"  # type: ignore[valid-type]
@@ -234,7 +234,7 @@ class ReplayPolicy(_Strict):
 
 
 class AcceptancePolicy(_Strict):
-    """When a candidate replaces the current model."""
+    """When a candidate replaces the served model."""
 
     tolerance: float = Field(
         default=1.0, ge=0, le=100,

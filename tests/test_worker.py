@@ -206,7 +206,7 @@ def test_recalibrated_batchnorm_statistics_depend_only_on_weights_and_data(tmp_p
                 np.testing.assert_array_equal(out[f"w{i:04d}"], weights[f"w{i:04d}"], err_msg=name)
 
 
-def test_baseline_weights_are_scored_before_and_compared_image_by_image(tmp_path, initial, data):
+def test_served_weights_are_scored_before_and_compared_image_by_image(tmp_path, initial, data):
     # A trained candidate, then a job that goes on from it (no steps) judged against the initial
     # weights: "before" is the baseline's score, and the paired counts per group add up to the
     # two accuracies.
@@ -228,7 +228,7 @@ def test_baseline_weights_are_scored_before_and_compared_image_by_image(tmp_path
         scores[name] = events[-1]["by_group_after"]
     assert scores["baseline"] != scores["candidate"]
     code, events, stderr = run_worker(write_job(
-        tmp_path, "paired", weights_in=str(candidate), baseline_weights=str(initial[0]),
+        tmp_path, "paired", weights_in=str(candidate), served_weights=str(initial[0]),
         train_data=data["train_data"], validation_data=str(validation), epochs=0))
     assert code == 0, stderr
     result = events[-1]
@@ -304,10 +304,10 @@ def test_eval_cache_directory_must_exist(tmp_path, data):
     assert code == 2 and "eval_cache: directory" in events[-1]["message"]
 
 
-def test_baseline_weights_must_exist(tmp_path, data):
-    code, events, _ = run_worker(write_job(tmp_path, baseline_weights=str(tmp_path / "no.npz"),
+def test_served_weights_must_exist(tmp_path, data):
+    code, events, _ = run_worker(write_job(tmp_path, served_weights=str(tmp_path / "no.npz"),
                                            **data))
-    assert code == 2 and "baseline_weights: file" in events[-1]["message"]
+    assert code == 2 and "served_weights: file" in events[-1]["message"]
 
 
 def test_cosine_schedule_decays_the_rate_within_the_job(tmp_path, initial, data):

@@ -3,7 +3,7 @@
 The runner is shared by ``odtctl train-now --foreground``, ``odtctl simulate`` and the daemon.
 A session never leaves a broken model behind: the worker writes a candidate; only a candidate
 that passes acceptance becomes a new version and ``current`` (``promotion``); a crash, kill or
-timeout of the worker, or an error while accepting, leaves the current model and the pending
+timeout of the worker, or an error while accepting, leaves the served model and the pending
 samples as they were.
 """
 
@@ -180,7 +180,7 @@ class SessionRunner:
             record.details.replay_buffer = None
             record.model_version_after = current
             self._finish(record, "failed", f"{failure_reason(exc, 'accepting the candidate')}; "
-                         "the current model, its versions and the samples are unchanged")
+                         "the served model, its versions and the samples are unchanged")
             if not isinstance(exc, Exception):
                 raise
             return record
@@ -244,12 +244,12 @@ class SessionRunner:
         record.details.evaluation_set, validation = self._write_evaluation_set(job_dir)
         training = self.policy.training
         plan = record.details.admission or {}  # the plan admission chose for the batch
-        current_weights = str(self.repo.weights_path(current))
+        served_path = str(self.repo.weights_path(current))
         resume = record.details.resumed
         job = make_job(
             "train", self.model, self.classes, self.input_shape,
-            weights_in=str(self.repo.resume_path) if resume else current_weights,
-            baseline_weights=current_weights if resume else None,
+            weights_in=str(self.repo.resume_path) if resume else served_path,
+            served_weights=served_path if resume else None,
             weights_out=str(job_dir / "candidate.npz"), train_data=str(train),
             validation_data=str(validation) if validation else None,
             batch_size=record.batch_size, epochs=record.epochs, optimizer=training.optimizer,
