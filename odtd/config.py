@@ -2,14 +2,62 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
-from typing import Any, List, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from odtd.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def renamed_keys(section: str, data: Any, info: ValidationInfo, renames: Dict[str, str],
+                 values: Optional[Dict[str, Dict[Any, Any]]] = None) -> Any:
+    """Map a section's old spellings to their new names, logging one deprecation line each.
+
+    For a ``model_validator(mode="before")``: old files keep loading, and say what to change.
+
+    Args:
+        section: The section's key in the file (``training``, ``telemetry``), for the messages.
+        data: The section as read (a mapping; anything else is left to pydantic).
+        info: Pydantic's validation info; ``info.context["path"]`` names the file.
+        renames: Old key -> new key.
+        values: New key -> {old value: new value}: renamed values of a key.
+
+    Raises:
+        ValueError: the section gives an old key and its new one both.
+    """
+    if not isinstance(data, dict):
+        return data
+    where = (info.context or {}).get("path", "the configuration")
+    for old, new in renames.items():
+        if old not in data:
+            continue
+        if new in data:
+            raise ValueError(f"{section}.{old} and {section}.{new} are the same setting: keep "
+                             f"{section}.{new} alone")
+        logger.warning("%s: %s.%s is deprecated: rename it %s.%s (same value)", where, section,
+                       old, section, new)
+        data = {(new if key == old else key): value for key, value in data.items()}
+    for key, renamed in (values or {}).items():
+        value = data.get(key)
+        if isinstance(value, str) and value in renamed:
+            logger.warning("%s: %s.%s: %s is deprecated: write %s", where, section, key, value,
+                           renamed[value])
+            data = dict(data, **{key: renamed[value]})
+    return data
 
 DEFAULT_HOME = Path("/var/lib/odtd")
 CONFIG_NAME = "odtd.yaml"
@@ -83,15 +131,25 @@ class TelemetryConfig(_Strict):
     sampler_nice: int = Field(
         default=10, ge=0, le=19,
         description="added to the sampler thread's nice value, so it does not preempt training")
-    replay_file: Optional[str] = Field(default=None, description="the recording the replay backend plays")
-    replay_interval_ms: Optional[float] = Field(
-        default=None, gt=0, description="interval of a replayed tegrastats log without timestamps")
+    playback_file: Optional[str] = Field(
+        default=None, description="the recording the playback backend plays")
+    playback_interval_ms: Optional[float] = Field(
+        default=None, gt=0, description="interval of a played-back tegrastats log without timestamps")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_keys(cls, data: Any, info: ValidationInfo) -> Any:
+        # Power-recording playback was first called replay, the rehearsal buffer's name.
+        return renamed_keys("telemetry", data, info,
+                            {"replay_file": "playback_file",
+                             "replay_interval_ms": "playback_interval_ms"},
+                            {"backend": {"replay": "playback"}})
 
     @model_validator(mode="after")
-    def _replay_needs_file(self) -> TelemetryConfig:
-        if self.backend == "replay" and not self.replay_file:
-            raise ValueError("backend 'replay' needs telemetry.replay_file (a .jsonl recording "
-                             "or a tegrastats log)")
+    def _playback_needs_file(self) -> TelemetryConfig:
+        if self.backend == "playback" and not self.playback_file:
+            raise ValueError("backend 'playback' needs telemetry.playback_file (a .jsonl "
+                             "recording or a tegrastats log)")
         return self
 
 
@@ -142,7 +200,7 @@ class StorageConfig(_Strict):
             (old ``runs/`` folders: job files and worker logs), ``versions`` (model versions
             beyond the policy's ``models.keep_versions``), ``samples`` (the oldest trained
             samples that neither the replay buffer nor a session still reads). Never the
-            current model, its parent, a pending or held-out sample, or the replay buffer.
+            served model, its parent, a pending or held-out sample, or the replay buffer.
     """
 
     min_free_mb: float = Field(
@@ -241,7 +299,7 @@ def load_config(path: Path) -> Config:
         return Config()
     data = read_yaml_mapping(path, ConfigError)
     try:
-        config = Config.model_validate(data)
+        config = Config.model_validate(data, context={"path": str(path)})
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(path, exc)) from None
     _check_cron(path, config.schedule.cron)
@@ -273,7 +331,7 @@ trainer:
   timeout_s: 14400          # a session's worker is stopped after 4 h
   stop_grace_s: 20          # stop request -> terminate -> kill
 telemetry:
-  backend: auto             # auto | jtop | ina3221 | tegrastats | rapl | estimate | none | replay
+  backend: auto             # auto | jtop | ina3221 | tegrastats | rapl | estimate | none | playback
   interval_ms: 10
   sampler_nice: 10          # the sampler thread's nice above the daemon's: it reads
                             # in training's gaps instead of preempting a step

@@ -4,13 +4,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Literal, Optional, Union
+from typing import Any, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from odtd.config import describe_validation_error, read_yaml_mapping
+from odtd.config import describe_validation_error, read_yaml_mapping, renamed_keys
 from odtd.errors import PolicyError
 from odtd.trainer.protocol.job import LR_SCHEDULES, PRECISIONS
+
+# Policy keys renamed, old -> new: old files keep loading, with one warning line each.
+RENAMED_TRAINING_KEYS = {"bn_device_weight": "bn_device_share"}
 
 
 class _Strict(BaseModel):
@@ -110,7 +122,7 @@ class TrainingPolicy(_Strict):
     recalibrate_bn: bool = Field(
         default=False, description="after training, recompute BatchNorm's moving statistics over the "
         "session's images under the trained weights (ignored with freeze_bn)")
-    bn_device_weight: Optional[Union[Literal["auto"], float]] = Field(
+    bn_device_share: Optional[Union[Literal["auto"], float]] = Field(
         default="auto", description="adapt BatchNorm's statistics to the device's "
         "camera, label-free: before and after training, every BatchNorm layer (frozen ones "
         "too) takes the statistics of a mixture, this share from the device's images (the "
@@ -139,7 +151,7 @@ class TrainingPolicy(_Strict):
     resume_within: Optional[float] = Field(
         default=None, ge=0, le=100,
         description="train each session from the last candidate, promoted or not, while it "
-        "scores no more than this many points below the current model (gains too small for "
+        "scores no more than this many points below the served model (gains too small for "
         "one session's guard add up over days; the device keeps serving current); null = "
         "every session starts from current")
     precision: Literal[PRECISIONS] = "fp32"  # type: ignore[valid-type]
@@ -156,7 +168,12 @@ class TrainingPolicy(_Strict):
         "sum their gradients: the same update at a micro-batch's memory; auto = admission "
         "splits a batch that fits no other way into the largest candidate size that fits "
         "(only with freeze_bn: a BatchNorm that trains would normalise each micro-batch alone)")
-    @field_validator("bn_device_weight", mode="before")
+    @model_validator(mode="before")
+    @classmethod
+    def _old_keys(cls, data: Any, info: ValidationInfo) -> Any:
+        return renamed_keys("training", data, info, RENAMED_TRAINING_KEYS)
+
+    @field_validator("bn_device_share", mode="before")
     @classmethod
     def _share_or_auto(cls, value: object) -> object:
         if value is None or value == "auto":
@@ -217,7 +234,7 @@ class ReplayPolicy(_Strict):
 
 
 class AcceptancePolicy(_Strict):
-    """When a candidate replaces the current model."""
+    """When a candidate replaces the served model."""
 
     tolerance: float = Field(
         default=1.0, ge=0, le=100,
@@ -287,7 +304,7 @@ def load_policy(path: Path, missing_ok: bool = True) -> Policy:
         return Policy()
     data = read_yaml_mapping(path, PolicyError)
     try:
-        policy = Policy.model_validate(data)
+        policy = Policy.model_validate(data, context={"path": str(path)})
     except ValidationError as exc:
         raise PolicyError(describe_validation_error(path, exc)) from None
     if policy.schedule.cron:

@@ -54,14 +54,14 @@ HAND_PICKED = {
     "adam-low-lr": """
 batch: {size: 32}
 training: {epochs: 2, optimizer: adam, learning_rate: 0.0001, freeze_bn: false,
-           bn_device_weight: 0.75, clip_norm: 1.0}
+           bn_device_share: 0.75, clip_norm: 1.0}
 replay: {ratio: 1.0, max_samples: 192, device_share: 0.5}
 acceptance: {tolerance: 0.0, confidence_z: 1.0, reference_tolerance: 1.0}
 """,
     "sgd-clipped-3-epochs": """
 batch: {size: 16}
 training: {epochs: 3, optimizer: sgd, learning_rate: 0.005, momentum: 0.9, freeze_bn: false,
-           bn_device_weight: 0.75, clip_norm: 1.0, trained_share: auto}
+           bn_device_share: 0.75, clip_norm: 1.0, trained_share: auto}
 replay: {ratio: 1.0, max_samples: 192, device_share: 0.5}
 acceptance: {tolerance: 0.0, confidence_z: 1.0, reference_tolerance: 1.0}
 """,

@@ -1,4 +1,4 @@
-"""How ``bn_device_weight: auto`` picks a mixture: the rule, and its lazy scoring (no TensorFlow);
+"""How ``bn_device_share: auto`` picks a mixture: the rule, and its lazy scoring (no TensorFlow);
 the compiled statistics passes behind it (TensorFlow in a child process)."""
 
 import numpy as np

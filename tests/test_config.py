@@ -1,3 +1,5 @@
+import logging
+
 import pytest
 
 from odtd.config import Config, default_config_text, load_config
@@ -107,12 +109,34 @@ def test_trained_share_is_a_share_above_zero_or_auto(tmp_path):
             load_policy(path)
 
 
-def test_bn_device_weight_is_a_share_auto_or_null(tmp_path):
+def test_bn_device_share_is_a_share_auto_or_null(tmp_path):
     path = tmp_path / "p.yaml"
     for text, value in (("auto", "auto"), ("0.5", 0.5), ("1", 1.0), ("null", None)):
-        path.write_text(f"training:\n  bn_device_weight: {text}\n")
-        assert load_policy(path).training.bn_device_weight == value
+        path.write_text(f"training:\n  bn_device_share: {text}\n")
+        assert load_policy(path).training.bn_device_share == value
     for text in ("1.5", "-0.25", "device"):
-        path.write_text(f"training:\n  bn_device_weight: {text}\n")
-        with pytest.raises(PolicyError, match=r"training.bn_device_weight"):
+        path.write_text(f"training:\n  bn_device_share: {text}\n")
+        with pytest.raises(PolicyError, match=r"training.bn_device_share"):
             load_policy(path)
+
+
+def test_bn_device_weight_still_loads_as_bn_device_share_with_a_warning(tmp_path, caplog):
+    # The key's first name (a share, like trained_share): an old policy file keeps working.
+    path = tmp_path / "p.yaml"
+    for text, value in (("0.75", 0.75), ("auto", "auto"), ("null", None)):
+        path.write_text(f"training:\n  freeze_bn: true\n  bn_device_weight: {text}\n")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="odtd.policy"):
+            training = load_policy(path).training
+        assert training.bn_device_share == value and training.freeze_bn is True
+        lines = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+        assert lines == [f"{path}: training.bn_device_weight is deprecated: rename it "
+                         "training.bn_device_share (same value)"]
+    path.write_text("training:\n  bn_device_weight: 0.5\n  bn_device_share: 0.5\n")
+    with pytest.raises(PolicyError) as caught:
+        load_policy(path)
+    assert "training.bn_device_weight and training.bn_device_share" in str(caught.value)
+    assert str(path) in str(caught.value) and len(str(caught.value).splitlines()) == 1
+    path.write_text("training:\n  bn_device_weight: 2\n")  # its value checked as the new key's
+    with pytest.raises(PolicyError, match=r"training.bn_device_share=2"):
+        load_policy(path)

@@ -154,7 +154,7 @@ def test_refused_candidate_is_resumed_and_judged_against_current(pretrained, tmp
     assert job["eval_cache"] == str(repo.eval_cache_path)
     assert any(m.startswith(f"session {second['id']}: accuracy before training")
                and m.endswith(f", {scored_before} scored in an earlier session)") for m in messages)
-    assert (job["weights_in"], job["baseline_weights"]) == (str(repo.resume_path),
+    assert (job["weights_in"], job["served_weights"]) == (str(repo.resume_path),
                                                              str(repo.weights_path(current)))
     # Judged against current, not against the candidate it went on from.
     assert second["accuracy_before"] == first["accuracy_before"]
@@ -189,7 +189,7 @@ def test_promotion_clears_the_resumable_candidate(pretrained, tmp_path):
     job = json.loads((home.runs / f"session-{session['id']}" / "job.json").read_text())
     assert job["lr_schedule"] == "cosine"
     assert not repo.resume_path.exists()
-    # The candidate's validation results became the eval cache: the new current model is not
+    # The candidate's validation results became the eval cache: the new served model is not
     # scored again on the images its session scored it on.
     scored = 400 + len(store.samples("holdout"))
     messages = []
@@ -279,7 +279,7 @@ def _overflowing_model(path: Path) -> Path:
 def test_a_diverged_candidate_is_refused_even_by_a_guard_that_lets_anything_through(tmp_path):
     # A NaN model predicts the first class for every image, so a validation gate of 100 points
     # would promote it; the worker stops at the first non-finite loss and writes no
-    # candidate, and the session keeps the current model.
+    # candidate, and the session keeps the served model.
     home = tmp_path / "home"
     odtctl("init", "--model-file", str(_overflowing_model(tmp_path / "overflow.keras")),
            "--classes", "a,b,c,d", home=home)
@@ -315,7 +315,7 @@ def test_reference_refusal_rule(lost_points, z, tolerance, refused):
 
 
 @pytest.mark.parametrize("origin, refused", [
-    (None, False),  # against the current model alone: 0.5 points lost, within 1
+    (None, False),  # against the served model alone: 0.5 points lost, within 1
     (0.79, False),  # the first model scored lower than the current one: no stricter
     (0.804, False),  # 0.9 points below the first model
     (0.806, True),  # 1.1 points below it: the losses of two promotions add up

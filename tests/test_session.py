@@ -98,7 +98,7 @@ def test_killed_worker_fails_cleanly_and_next_session_succeeds(home, tmp_path):
     assert "SIGKILL" in session["reason"]
     assert _current(home) == before
     assert odtctl_json("status", home=home)["samples"]["pending"] == pending
-    # The current model is whole, and the next session succeeds.
+    # The served model is whole, and the next session succeeds.
     (home / "policy.yaml").write_text(policy.replace("epochs: 500", "epochs: 1"))
     again = odtctl_json("train-now", "--foreground", home=home)
     assert again["outcome"] == "promoted"
@@ -210,7 +210,7 @@ def test_an_error_while_promoting_changes_nothing_and_fails_the_session(home, tm
 
     def state():
         repo = ModelRepo(home / "models", "tinycnn")
-        # eval-cache.npz is the current model's own results, written before training: not
+        # eval-cache.npz is the served model's own results, written before training: not
         # something a promotion changes.
         files = sorted(p.name for p in repo.dir.iterdir() if p.name != "eval-cache.npz")
         return (repo.current(), repo.versions(), files,

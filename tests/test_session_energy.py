@@ -1,4 +1,4 @@
-"""A session measured by the replay backend: energy per session, per rail and per step."""
+"""A session measured by the playback backend: energy per session, per rail and per step."""
 
 import sqlite3
 
@@ -7,14 +7,14 @@ from conftest import REPO, odtctl, odtctl_json, write_images
 TX2_LOG = REPO / "tests" / "fixtures" / "telemetry" / "tegrastats_tx2_jp46_train_1000.log"
 
 
-def test_session_records_energy_from_replayed_tx2_log(home, tmp_path):
+def test_session_records_energy_from_played_back_tx2_log(home, tmp_path):
     (home / "odtd.yaml").write_text(
-        f"telemetry:\n  backend: replay\n  replay_file: {TX2_LOG}\n"
-        "  replay_interval_ms: 100\n")
+        f"telemetry:\n  backend: playback\n  playback_file: {TX2_LOG}\n"
+        "  playback_interval_ms: 100\n")
     write_images(tmp_path / "imgs", per_class=7)
     odtctl("ingest", str(tmp_path / "imgs"), home=home)
     session = odtctl_json("train-now", "--foreground", home=home)
-    assert session["energy_source"] == "replay"  # a recording played back, labelled so
+    assert session["energy_source"] == "playback"  # a recording played back, labelled so
     assert session["energy_j"] > 0 and 0.9 <= session["energy_coverage"] <= 1.0
     rails = session["energy_by_rail_j"]
     assert {"VDD_IN", "VDD_SYS_GPU", "VDD_SYS_CPU"} <= set(rails)
@@ -27,4 +27,4 @@ def test_session_records_energy_from_replayed_tx2_log(home, tmp_path):
         "SELECT count(energy_j) FROM steps WHERE session_id = ?", [session["id"]]).fetchone()[0]
     assert steps == session["steps"]
     text = odtctl("status", home=home).stdout
-    assert f"{session['energy_j']:.1f} J" in text and "replay" in text and "VDD_IN" in text
+    assert f"{session['energy_j']:.1f} J" in text and "playback" in text and "VDD_IN" in text

@@ -180,12 +180,12 @@ def test_the_train_file_marks_the_device_images_for_batchnorm_adaptation(home, t
         update_buffer(store, replay, store.samples_by_sha(row["sha256"] for row in rows),
                       session_id, home)
     store.close()
-    _set_policy(home, "  freeze_bn: true", "  freeze_bn: true\n  bn_device_weight: 0.5")
+    _set_policy(home, "  freeze_bn: true", "  freeze_bn: true\n  bn_device_share: 0.5")
     _keep_job(home, tmp_path)
     assert odtctl("train-now", "--foreground", home=home, check=False).returncode == 1
     [session] = odtctl_json("history", home=home)
     job = json.loads((tmp_path / "job.json").read_text())
-    assert job["bn_device_weight"] == 0.5
+    assert job["bn_device_share"] == 0.5
     assert job["reference_tolerance"] == 0.01  # acceptance.reference_tolerance: 1 point
 
     def digests(x):
@@ -207,7 +207,7 @@ def test_distillation_reaches_the_job_with_the_device_mask(home, tmp_path):
     # training.distill alone (BatchNorm adaptation off) still marks which images are the
     # device's, so the worker knows which are rehearsed from the original domain.
     _ingest(home, tmp_path)
-    _set_policy(home, "  freeze_bn: true", "  freeze_bn: true\n  bn_device_weight: null\n"
+    _set_policy(home, "  freeze_bn: true", "  freeze_bn: true\n  bn_device_share: null\n"
                 "  distill: 2\n  trained_share: auto")
     _keep_job(home, tmp_path)
     # An earlier session measured version 0 on the reference set: the job carries it.
@@ -223,7 +223,7 @@ def test_distillation_reaches_the_job_with_the_device_mask(home, tmp_path):
     store.close()
     assert odtctl("train-now", "--foreground", home=home, check=False).returncode == 1
     job = json.loads((tmp_path / "job.json").read_text())
-    assert job["distill"] == 2.0 and job["bn_device_weight"] is None
+    assert job["distill"] == 2.0 and job["bn_device_share"] is None
     assert job["trained_share"] == "auto" and job["reference_origin"] == 0.625
     with np.load(tmp_path / "train.npz") as train:
         assert train["device"].shape == train["y"].shape

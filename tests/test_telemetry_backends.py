@@ -284,7 +284,7 @@ def test_auto_opens_the_first_available(tmp_path, monkeypatch):
 def test_describe_backends_lists_every_selectable_one(tmp_path):
     build_tree(tmp_path, "rapl_x86_sysfs.json")
     rows = describe_backends(tmp_path)
-    assert [row["name"] for row in rows] == list(BACKENDS) + ["replay"]
+    assert [row["name"] for row in rows] == list(BACKENDS) + ["playback"]
     by_name = {row["name"]: row for row in rows}
     assert by_name["rapl"] == {"name": "rapl", "available": True, "reason": None,
                                "source": "rapl"}
@@ -310,5 +310,5 @@ def test_open_backend_errors_name_the_choices(tmp_path):
         open_backend("ina3221", tmp_path, interval_ms=100)
     with pytest.raises(TelemetryUnavailable, match="telemetry backend ina3221 is unavailable"):
         open_backend("ina3221", tmp_path)
-    with pytest.raises(TelemetryUnavailable, match="telemetry.replay_file"):
-        open_backend("replay", tmp_path)
+    with pytest.raises(TelemetryUnavailable, match="telemetry.playback_file"):
+        open_backend("playback", tmp_path)

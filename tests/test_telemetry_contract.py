@@ -18,7 +18,7 @@ from odtd.telemetry.estimate import EstimateBackend
 from odtd.telemetry.ina3221 import Ina3221Backend
 from odtd.telemetry.jtop_backend import JtopBackend
 from odtd.telemetry.null import NullBackend
-from odtd.telemetry.playback import ReplayBackend
+from odtd.telemetry.playback import PlaybackBackend
 from odtd.telemetry.rapl import RaplBackend
 from odtd.telemetry.tegrastats import TegrastatsBackend
 
@@ -39,7 +39,7 @@ class FakeJtopException(Exception):
 
 
 class FakeJtop:
-    """Duck of jetson-stats' ``jtop.jtop`` client, replaying recorded ``jetson.power`` frames."""
+    """Duck of jetson-stats' ``jtop.jtop`` client, playing back recorded ``jetson.power`` frames."""
 
     frames: list = []
     memory: object = None
@@ -205,18 +205,18 @@ def _none(root, monkeypatch):
     return Case(NullBackend(root), root, None, False, None)
 
 
-@case("replay-jsonl-tx2")
-def _replay_jsonl(root, monkeypatch):
+@case("playback-jsonl-tx2")
+def _playback_jsonl(root, monkeypatch):
     path = FIXTURES / "recording_tx2_jp46_ina3221.jsonl"
-    return Case(ReplayBackend(root, path=str(path)), root, "VDD_IN", False, 3056.0)
+    return Case(PlaybackBackend(root, path=str(path)), root, "VDD_IN", False, 3056.0)
 
 
-@case("replay-tegrastats-tx2")
-def _replay_log(root, monkeypatch):
+@case("playback-tegrastats-tx2")
+def _playback_log(root, monkeypatch):
     path = FIXTURES / "tegrastats_tx2_jp46_train_1000.log"
-    # 1,000 samples at 50x last 2 s: looped, as the meter replays, so a loaded machine that
+    # 1,000 samples at 50x last 2 s: looped, as the meter plays it back, so a loaded machine that
     # opens a window late still finds samples.
-    backend = ReplayBackend(root, path=str(path), interval_ms=100, speed=50.0, loop=True)
+    backend = PlaybackBackend(root, path=str(path), interval_ms=100, speed=50.0, loop=True)
     return Case(backend, root, "VDD_IN", False, 1871.0)
 
 
@@ -257,7 +257,7 @@ def test_probe_explains_itself_elsewhere(board, tmp_path_factory):
     if backend_class.name == "jtop":
         sys.modules.pop("jtop", None)  # monkeypatch restores it
     reason = backend_class.probe(empty)
-    if backend_class.name in ("none", "replay"):
+    if backend_class.name in ("none", "playback"):
         assert reason is None
     else:
         assert isinstance(reason, str) and reason and "\n" not in reason

@@ -10,7 +10,7 @@ import pytest
 from odtd.telemetry import Backend, PowerSample, Sampler
 from odtd.telemetry.integration import DEFAULT_GAP_FACTOR
 from odtd.telemetry.null import NullBackend
-from odtd.telemetry.playback import ReplayBackend
+from odtd.telemetry.playback import PlaybackBackend
 
 FIXTURES = Path(__file__).parent / "fixtures" / "telemetry"
 
@@ -145,7 +145,7 @@ def test_windows_are_independent_and_checked():
 
 
 def test_self_paced_backend_sets_the_cadence():
-    backend = ReplayBackend(path=str(FIXTURES / "recording_tx2_jp46_ina3221.jsonl"))
+    backend = PlaybackBackend(path=str(FIXTURES / "recording_tx2_jp46_ina3221.jsonl"))
     backend.open()
     seen = []
     sampler = Sampler(backend, interval_s=0.001, on_sample=seen.append)

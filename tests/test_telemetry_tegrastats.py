@@ -1,14 +1,17 @@
-"""tegrastats lines of every JetPack generation, recordings, and replaying them for energy."""
+"""tegrastats lines of every JetPack generation, recordings, and playing them back for energy."""
 
 import json
+import logging
 from datetime import datetime
 from pathlib import Path
 
 import pytest
+from conftest import odtctl
 
-from odtd.errors import OdtdError
-from odtd.telemetry import PowerSample, parse_line, record, replay_file
-from odtd.telemetry.playback import ReplayBackend, load_recording
+from odtd.config import load_config
+from odtd.errors import ConfigError, OdtdError
+from odtd.telemetry import PowerSample, integrate_recording, open_backend, parse_line, record
+from odtd.telemetry.playback import PlaybackBackend, load_recording
 
 FIXTURES = Path(__file__).parent / "fixtures" / "telemetry"
 
@@ -98,7 +101,7 @@ def hand_energy_j(log_path: Path, rail: str, interval_s: float) -> float:
 
 def test_thousand_line_tx2_log_energy_matches_a_hand_computation():
     log = FIXTURES / "tegrastats_tx2_jp46_train_1000.log"
-    result = replay_file(log, fmt="tegrastats", interval_ms=100)
+    result = integrate_recording(log, fmt="tegrastats", interval_ms=100)
     assert set(result) == {"duration_s", "samples", "total_j", "energy_by_rail_j", "total_rail",
                            "coverage", "source"}
     expected_j = hand_energy_j(log, "VDD_IN", 0.1)
@@ -115,19 +118,19 @@ def test_thousand_line_tx2_log_energy_matches_a_hand_computation():
 
 def test_log_without_timestamps_needs_its_interval():
     with pytest.raises(OdtdError, match="pass the interval it was taken at"):
-        replay_file(FIXTURES / "tegrastats_tx2_jp46.log", fmt="tegrastats")
+        integrate_recording(FIXTURES / "tegrastats_tx2_jp46.log", fmt="tegrastats")
 
 
 def test_interval_of_a_timestamped_log_comes_from_its_stamps():
     recording = load_recording(FIXTURES / "tegrastats_orin_nano_jp6.log", "tegrastats")
     assert recording.interval_s == pytest.approx(1.0)
-    result = replay_file(FIXTURES / "tegrastats_orin_nano_jp6.log", fmt="tegrastats")
+    result = integrate_recording(FIXTURES / "tegrastats_orin_nano_jp6.log", fmt="tegrastats")
     # Trapezoids over 1 s steps: (4803 + 9127) / 2 + (9127 + 9342) / 2 mJ.
     assert result["total_j"] == pytest.approx((4803 + 9127) / 2000 + (9127 + 9342) / 2000)
 
 
-def test_jsonl_recording_replays_to_its_energy():
-    result = replay_file(FIXTURES / "recording_tx2_jp46_ina3221.jsonl")
+def test_jsonl_recording_plays_back_to_its_energy():
+    result = integrate_recording(FIXTURES / "recording_tx2_jp46_ina3221.jsonl")
     # 19 steps at 3056 mW, one ramp step, 19 at 8411 mW, each 10 ms.
     expected_j = (19 * 3056 + (3056 + 8411) / 2 + 19 * 8411) * 0.01 / 1000
     assert result["total_j"] == pytest.approx(expected_j)
@@ -144,11 +147,11 @@ def test_bad_recordings_name_file_line_and_fix(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
     with pytest.raises(OdtdError, match=message.replace("{", r"\{").replace("}", r"\}")):
-        replay_file(path)
+        integrate_recording(path)
 
 
-def test_record_then_replay_round_trip(tmp_path):
-    source = ReplayBackend(path=str(FIXTURES / "tegrastats_tx2_jp46_train_1000.log"),
+def test_record_then_playback_round_trip(tmp_path):
+    source = PlaybackBackend(path=str(FIXTURES / "tegrastats_tx2_jp46_train_1000.log"),
                            interval_ms=100, speed=50.0)
     source.open()
     out = tmp_path / "session.jsonl"
@@ -156,18 +159,18 @@ def test_record_then_replay_round_trip(tmp_path):
     source.close()
     lines = out.read_text().splitlines()
     header = json.loads(lines[0])
-    assert header["format"] == "odtd-telemetry" and header["source"] == "replay"
+    assert header["format"] == "odtd-telemetry" and header["source"] == "playback"
     assert header["total_rail"] == "VDD_IN" and header["total_is_sum"] is False
     assert summary["samples"] == len(lines) - 1 >= 5
-    replayed = replay_file(out)
-    assert replayed["samples"] == summary["samples"]
-    assert replayed["total_rail"] == "VDD_IN" and replayed["coverage"] == pytest.approx(1.0)
+    played = integrate_recording(out)
+    assert played["samples"] == summary["samples"]
+    assert played["total_rail"] == "VDD_IN" and played["coverage"] == pytest.approx(1.0)
     first = json.loads(lines[1])
     assert first["power_mw"]["VDD_IN"] == 1871.0 and first["total_mw"] == 1871.0
 
 
-def test_replay_backend_restamps_on_the_present_clock():
-    backend = ReplayBackend(path=str(FIXTURES / "recording_tx2_jp46_ina3221.jsonl"), speed=10.0)
+def test_playback_backend_restamps_on_the_present_clock():
+    backend = PlaybackBackend(path=str(FIXTURES / "recording_tx2_jp46_ina3221.jsonl"), speed=10.0)
     backend.open()
     samples = [backend.read() for _ in range(40)]
     assert backend.read() is None and backend.finished
@@ -175,3 +178,52 @@ def test_replay_backend_restamps_on_the_present_clock():
     assert all(isinstance(s, PowerSample) for s in samples)
     spacing = [b.t_mono - a.t_mono for a, b in zip(samples, samples[1:])]
     assert spacing == pytest.approx([0.001] * 39)
+
+
+def test_cli_playback_and_its_former_name_replay(tmp_path):
+    # `odtctl telemetry playback` integrates a recording; `replay`, its first name (before
+    # "replay" meant the rehearsal buffer alone), does the same with one deprecation line.
+    log = FIXTURES / "tegrastats_tx2_jp46_train_1000.log"
+    args = ("--format", "tegrastats", "--interval-ms", "100", "--json")
+    played = odtctl("telemetry", "playback", str(log), *args)
+    assert played.stderr == ""
+    result = json.loads(played.stdout)
+    assert result == integrate_recording(log, fmt="tegrastats", interval_ms=100)
+    assert result["total_j"] == pytest.approx(hand_energy_j(log, "VDD_IN", 0.1), rel=0.005)
+    old = odtctl("telemetry", "replay", str(log), *args)
+    assert json.loads(old.stdout) == result
+    assert old.stderr == "odtctl telemetry replay is deprecated: use odtctl telemetry playback\n"
+    refused = odtctl("telemetry", "playback", check=False)
+    assert refused.returncode != 0
+    assert refused.stderr.strip() == "Error: telemetry playback: give the recording FILE"
+
+
+def test_odtd_yaml_replay_backend_keys_load_as_playback(tmp_path, caplog):
+    path = tmp_path / "odtd.yaml"
+    log = FIXTURES / "tegrastats_tx2_jp46_train_1000.log"
+    path.write_text(f"telemetry:\n  backend: replay\n  replay_file: {log}\n"
+                    "  replay_interval_ms: 100\n")
+    with caplog.at_level(logging.WARNING, logger="odtd.config"):
+        telemetry = load_config(path).telemetry
+    assert (telemetry.backend, telemetry.playback_file, telemetry.playback_interval_ms) == \
+        ("playback", str(log), 100.0)
+    assert [record.getMessage() for record in caplog.records] == [
+        f"{path}: telemetry.replay_file is deprecated: rename it telemetry.playback_file "
+        "(same value)",
+        f"{path}: telemetry.replay_interval_ms is deprecated: rename it "
+        "telemetry.playback_interval_ms (same value)",
+        f"{path}: telemetry.backend: replay is deprecated: write playback"]
+    path.write_text(f"telemetry:\n  replay_file: {log}\n  playback_file: {log}\n")
+    with pytest.raises(ConfigError, match="telemetry.replay_file and telemetry.playback_file "
+                                          "are the same setting"):
+        load_config(path)
+    path.write_text("telemetry:\n  backend: replay\n")  # the check names the new key
+    with pytest.raises(ConfigError, match="backend 'playback' needs telemetry.playback_file"):
+        load_config(path)
+    with caplog.at_level(logging.WARNING, logger="odtd.telemetry"):
+        backend = open_backend("replay", path=str(log), interval_ms=100, speed=50.0)
+    try:
+        assert backend.name == "playback" and backend.read().total_rail == "VDD_IN"
+    finally:
+        backend.close()
+    assert "telemetry backend replay is deprecated: it is called playback now" in caplog.text

@@ -206,7 +206,7 @@ def test_recalibrated_batchnorm_statistics_depend_only_on_weights_and_data(tmp_p
                 np.testing.assert_array_equal(out[f"w{i:04d}"], weights[f"w{i:04d}"], err_msg=name)
 
 
-def test_baseline_weights_are_scored_before_and_compared_image_by_image(tmp_path, initial, data):
+def test_served_weights_are_scored_before_and_compared_image_by_image(tmp_path, initial, data):
     # A trained candidate, then a job that goes on from it (no steps) judged against the initial
     # weights: "before" is the baseline's score, and the paired counts per group add up to the
     # two accuracies.
@@ -228,7 +228,7 @@ def test_baseline_weights_are_scored_before_and_compared_image_by_image(tmp_path
         scores[name] = events[-1]["by_group_after"]
     assert scores["baseline"] != scores["candidate"]
     code, events, stderr = run_worker(write_job(
-        tmp_path, "paired", weights_in=str(candidate), baseline_weights=str(initial[0]),
+        tmp_path, "paired", weights_in=str(candidate), served_weights=str(initial[0]),
         train_data=data["train_data"], validation_data=str(validation), epochs=0))
     assert code == 0, stderr
     result = events[-1]
@@ -304,10 +304,10 @@ def test_eval_cache_directory_must_exist(tmp_path, data):
     assert code == 2 and "eval_cache: directory" in events[-1]["message"]
 
 
-def test_baseline_weights_must_exist(tmp_path, data):
-    code, events, _ = run_worker(write_job(tmp_path, baseline_weights=str(tmp_path / "no.npz"),
+def test_served_weights_must_exist(tmp_path, data):
+    code, events, _ = run_worker(write_job(tmp_path, served_weights=str(tmp_path / "no.npz"),
                                            **data))
-    assert code == 2 and "baseline_weights: file" in events[-1]["message"]
+    assert code == 2 and "served_weights: file" in events[-1]["message"]
 
 
 def test_cosine_schedule_decays_the_rate_within_the_job(tmp_path, initial, data):
@@ -533,7 +533,7 @@ def test_trained_share_averages_the_trained_weights_with_the_served_ones(tmp_pat
                                    rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-TRIED = {"bn_device_weight": "bn_weights_tried", "trained_share": "trained_shares_tried"}
+TRIED = {"bn_device_share": "bn_shares_tried", "trained_share": "trained_shares_tried"}
 
 
 def _auto(tmp_path, initial, name, train, validation, key, tolerance, **keys):
@@ -606,7 +606,7 @@ def _adapted(tmp_path, initial, name, x, device, device_x=None, weight=1.0, **ke
     out = tmp_path / f"{name}.npz"
     code, events, stderr = run_worker(write_job(
         tmp_path, name, weights_in=str(initial[0]), weights_out=str(out), epochs=0, batch_size=64,
-        freeze_bn=True, train_data=str(train), bn_device_weight=weight, **keys))
+        freeze_bn=True, train_data=str(train), bn_device_share=weight, **keys))
     assert code == 0, stderr
     assert events[-1]["adapt_seconds"] > 0
     names = events[-1]["weight_names"]
@@ -646,7 +646,7 @@ def test_batchnorm_adapts_to_a_mixture_of_device_and_rehearsed_images(tmp_path, 
 
 
 def test_auto_batchnorm_mixture_keeps_the_best_weight_that_spares_the_reference(tmp_path, initial):
-    # bn_device_weight auto: after training, each of AUTO_WEIGHTS is scored on the evaluation
+    # bn_device_share auto: after training, each of AUTO_WEIGHTS is scored on the evaluation
     # set (group 0: the device's validation images, dark; group 2: the reference, bright) and
     # the rule of choose_weight keeps one; the weights written carry that mixture, as a
     # separate evaluate run of them confirms.
@@ -663,7 +663,7 @@ def test_auto_batchnorm_mixture_keeps_the_best_weight_that_spares_the_reference(
              y=rng.integers(0, 3, 40).astype(np.int64),
              group=np.repeat(np.array([0, 2], dtype=np.int64), 20))
     out, result, tried, kept, full = _auto(tmp_path, initial, "auto", train, validation,
-                                           "bn_device_weight", 0.05, batch_size=8,
+                                           "bn_device_share", 0.05, batch_size=8,
                                            learning_rate=0.01)
     assert sorted(tried) == list(AUTO_WEIGHTS)
     # Scored lazily: in full only from the best on the device's images down to the one kept.
@@ -706,7 +706,7 @@ def test_device_mask_of_the_wrong_length_is_a_bad_job(tmp_path, data):
     train = tmp_path / "masked.npz"
     x = np.zeros((4, *SHAPE), dtype=np.uint8)
     np.savez(train, x=x, y=np.zeros(4, dtype=np.int64), device=np.ones(3, dtype=bool))
-    code, events, _ = run_worker(write_job(tmp_path, train_data=str(train), bn_device_weight=0.5))
+    code, events, _ = run_worker(write_job(tmp_path, train_data=str(train), bn_device_share=0.5))
     assert code == 2 and events[-1]["kind"] == "bad_job"
     assert "device in" in events[-1]["message"] and "4 booleans" in events[-1]["message"]
 

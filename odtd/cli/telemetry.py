@@ -1,8 +1,9 @@
-"""``odtctl telemetry backends|record|replay`` and ``odtctl metrics``."""
+"""``odtctl telemetry backends|record|playback`` and ``odtctl metrics``."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from odtd.cli.output import command, emit, home_of, progress
@@ -22,7 +23,7 @@ def cmd_telemetry(args: argparse.Namespace) -> int:
                         row["name"],
                         "available" if row["available"] else f"unavailable: {row['reason']}"]
                        for row in rows), gap=" ")
-        lines.append("auto picks the first available in this order; replay is chosen by name")
+        lines.append("auto picks the first available in this order; playback is chosen by name")
         emit(args, rows, "\n".join(lines))
         return 0
     if args.action == "record":
@@ -38,10 +39,15 @@ def cmd_telemetry(args: argparse.Namespace) -> int:
         emit(args, result, f"wrote {result['samples']} samples from {result['source']} to "
                            f"{result['path']} (mean interval {result['achieved_interval_s']} s)")
         return 0
-    if args.action == "replay":
+    if args.action == "replay":  # the first name, before "replay" meant the rehearsal buffer alone
+        print("odtctl telemetry replay is deprecated: use odtctl telemetry playback",
+              file=sys.stderr)
+        args.action = "playback"
+    if args.action == "playback":
         if not args.file:
-            raise ConfigError("telemetry replay: give the recording FILE")
-        result = telemetry.replay_file(Path(args.file), fmt=args.format, interval_ms=args.interval_ms)
+            raise ConfigError("telemetry playback: give the recording FILE")
+        result = telemetry.integrate_recording(Path(args.file), fmt=args.format,
+                                               interval_ms=args.interval_ms)
         rails = ", ".join(f"{k} {v:.2f} J" for k, v in sorted(result["energy_by_rail_j"].items()))
         total = "-" if result["total_j"] is None else f"{result['total_j']:.2f} J"
         basis = result["total_rail"] or "sum of rails (no input rail)"
@@ -72,19 +78,22 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser,
                 reader: argparse.ArgumentParser) -> None:
     """Add the telemetry and metrics sub-commands."""
-    p = sub.add_parser("telemetry", parents=[reader], help="power backends, record, replay",
+    p = sub.add_parser("telemetry", parents=[reader], help="power backends, record, playback",
                        description="backends: which telemetry backends work here and why not. "
-                                   "record: samples from a backend to jsonl. replay: integrate a "
-                                   "recording (jsonl or a tegrastats log) to check odtd's arithmetic.")
-    p.add_argument("action", choices=["backends", "record", "replay"])
-    p.add_argument("file", nargs="?", help="replay: the recording")
+                                   "record: samples from a backend to jsonl. playback: integrate a "
+                                   "recording (jsonl or a tegrastats log) to check odtd's "
+                                   "arithmetic (replay: its former name, deprecated).")
+    p.add_argument("action", choices=["backends", "record", "playback", "replay"],
+                   metavar="{backends,record,playback}")
+    p.add_argument("file", nargs="?", help="playback: the recording")
     p.add_argument("--backend", default="auto", help="record: backend name (default auto)")
     p.add_argument("--seconds", type=float, help="record: how long")
     p.add_argument("--out", help="record: output .jsonl")
     p.add_argument("--format", choices=["jsonl", "tegrastats"], default="jsonl",
-                   help="replay: file format (default jsonl)")
+                   help="playback: file format (default jsonl)")
     p.add_argument("--interval-ms", type=float, default=None,
-                   help="replay: interval of a tegrastats log; record: sampling interval (default 10)")
+                   help="playback: interval of a tegrastats log; record: sampling interval "
+                   "(default 10)")
     p = sub.add_parser("metrics", parents=[common], help="Prometheus text format for node_exporter",
                        description="Print the last session's accuracy, energy and peak memory, "
                                    "sessions by outcome, daemon up and samples pending in "

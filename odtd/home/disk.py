@@ -10,7 +10,7 @@ Before refusing, odtd prunes what ``storage.prune`` allows, in this order, until
 fits: ``runs`` (the oldest ``runs/`` folders: job files and worker logs of finished sessions
 and profiles), ``versions`` (model versions beyond the policy's ``models.keep_versions``),
 ``samples`` (the oldest trained samples that neither the replay buffer nor a session's
-BatchNorm adaptation reads). Never the current model, its parent, a pending or held-out sample,
+BatchNorm adaptation reads). Never the served model, its parent, a pending or held-out sample,
 or the replay buffer. Pruning holds the session lock: it never runs beside a session.
 Each pruning is an event (``kind = 'pruned'``) that ``odtctl status`` and the metrics show.
 """
@@ -318,12 +318,12 @@ def room_for_session(home: Home, store: Store, storage: StorageConfig, policy: A
         store: its database.
         storage: ``odtd.yaml``'s ``storage``.
         policy: the active policy (``models.keep_versions``; whether the train file carries
-            the device's earlier images, ``training.bn_device_weight`` and ``distill``).
+            the device's earlier images, ``training.bn_device_share`` and ``distill``).
         rows: the sample rows it trains on (new and rehearsed).
         weights: the current version's weights file.
     """
     training = policy.training
-    device_images = KEPT_DEVICE_SAMPLES if training.bn_device_weight is not None or \
+    device_images = KEPT_DEVICE_SAMPLES if training.bn_device_share is not None or \
         training.distill else 0
     need = session_need(home, store, len(rows), weights, device_images)
     return room_for(home, store, storage, need, "this session",

@@ -76,7 +76,7 @@ class ModelRepo:
 
     @property
     def eval_cache_path(self) -> Path:
-        """The current model's per-sample validation results (worker job key ``eval_cache``)."""
+        """The served model's per-sample validation results (worker job key ``eval_cache``)."""
         return self.dir / "eval-cache.npz"
 
     def adopt_eval_cache(self, candidate_results: Path) -> None:
@@ -113,13 +113,13 @@ class ModelRepo:
         try:
             text = pointer.read_text(encoding="utf-8").strip()
         except FileNotFoundError:
-            raise ModelError(f"{pointer}: no current model; run `odtctl init`") from None
+            raise ModelError(f"{pointer}: no served model; run `odtctl init`") from None
         if not (text.startswith("v") and text[1:].isdigit()):
             raise ModelError(f"{pointer}: damaged pointer {text!r}; use `odtctl models rollback`")
         return int(text[1:])
 
     def set_current(self, version: int) -> None:
-        """Atomically make ``version`` the current model."""
+        """Atomically make ``version`` the served model."""
         if not self.weights_path(version).exists():
             raise ModelError(f"{self.name} v{version}: no such version (see `odtctl models versions`)")
         atomic.write_text(self.dir / "current", f"v{version}\n")
@@ -193,7 +193,7 @@ class ModelRepo:
         return version, manifest
 
     def remove_version(self, version: int) -> None:
-        """Delete a version's files (never the current one or its parent)."""
+        """Delete a version's files (never the served one or its parent)."""
         current = self.current()
         protected = {current, self.manifest(current).get("parent")}
         if version in protected:
@@ -205,7 +205,7 @@ class ModelRepo:
 
 
 def list_versions(home: Home, store: Store) -> list[dict[str, Any]]:
-    """Return the recorded versions of the home's model, newest first, marking the current one."""
+    """Return the recorded versions of the home's model, newest first, marking the served one."""
     model = store.meta("model")
     current = ModelRepo(home.models, model).current()
     rows = store.model_versions(model)
@@ -309,7 +309,7 @@ def export(home: Home, store: Store, version: int, out: Path, as_given: bool = F
 
 
 def prune(home: Home, store: Store, keep: int) -> list[int]:
-    """Delete all but the newest ``keep`` versions, never the current one or its parent."""
+    """Delete all but the newest ``keep`` versions, never the served one or its parent."""
     model = store.meta("model")
     repo = ModelRepo(home.models, model)
     current = repo.current()

@@ -198,7 +198,7 @@ def sessions_table(sessions: list[dict[str, Any]]) -> list[str]:
 
     ``acc before/after`` are on the acceptance set (the fixed validation set when there is one),
     ``holdout`` is the candidate's accuracy on the device's held-out samples, ``reference``
-    the current model's and the candidate's on the reference set (the original domain; the
+    the served model's and the candidate's on the reference set (the original domain; the
     candidate's ``-`` when validation refused it and it was not scored there),
     ``forgetting`` the best earlier accuracy of a kept model minus the kept model's now, in
     points, ``J/pt`` the energy of every session so far per point the kept model gained since
@@ -247,7 +247,7 @@ def render_status(data: dict[str, Any]) -> str:
     if m.get("resume"):
         r = m["resume"]
         lines.append(f"         training goes on from session {r['session']}'s refused candidate: "
-                     f"{pct(r['accuracy'])} on validation against the current model's "
+                     f"{pct(r['accuracy'])} on validation against the served model's "
                      f"{pct(r['current_accuracy'])}")
     rate = m.get("learning_rate") or {}
     if rate.get("found_by"):

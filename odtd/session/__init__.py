@@ -4,7 +4,7 @@ Modules: ``runner`` (``SessionRunner``: samples in, a worker run, one sessions r
 session lock and crash recovery), ``gates`` (may a session start, may it go on; how many new
 samples it waits for), ``admission`` (batch size and epochs under the memory and energy budgets,
 from the latest profile), ``prediction`` (each plan's predicted time, energy and peak memory),
-``acceptance`` (may a candidate replace the current model), ``replay_buffer``
+``acceptance`` (may a candidate replace the served model), ``replay_buffer``
 (class-balanced reservoir of trained samples, and each session's rehearsal draw).
 
 May import: ``errors``, ``config``, ``policy``, ``store``, ``home``, ``profiling`` (profiles

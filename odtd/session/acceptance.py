@@ -1,7 +1,7 @@
-"""Whether a candidate may replace the current model: the acceptance test on validation accuracy.
+"""Whether a candidate may replace the served model: the acceptance test on validation accuracy.
 
 The policy's ``acceptance`` section sets it: a candidate is refused if its validation accuracy
-is below the current model's by more than ``tolerance``, or, with ``confidence_z`` > 0, if its
+is below the served model's by more than ``tolerance``, or, with ``confidence_z`` > 0, if its
 gain is not that many standard errors of the paired difference clear of ``-tolerance``.
 """
 
@@ -14,7 +14,7 @@ from odtd.trainer.protocol.paired import acceptance_margin, paired_standard_erro
 
 def refusal_reason(before: float, after: float, tolerance: float, confidence_z: float,
                    paired: Optional[dict[str, int]]) -> Optional[str]:
-    """Why a candidate may not replace the current model, or None if it may.
+    """Why a candidate may not replace the served model, or None if it may.
 
     The candidate passes if its validation gain, less ``confidence_z`` standard errors of the
     paired difference, is at least ``-tolerance`` (fractions, not points). The standard error
@@ -38,15 +38,15 @@ def refusal_reason(before: float, after: float, tolerance: float, confidence_z: 
 def reference_refusal(before: float, after: float, tolerance: float, confidence_z: float,
                       paired: Optional[dict[str, int]], origin: Optional[float] = None
                       ) -> Optional[str]:
-    """Why a candidate that passed validation may still not replace the current model, or None.
+    """Why a candidate that passed validation may still not replace the served model, or None.
 
     The reference set holds images of the original domain (the base model's training images,
     held out of the replay seed). The candidate is refused if it loses more than ``tolerance``
-    (a fraction) there against the current model: by the measured difference, or with
+    (a fraction) there against the served model: by the measured difference, or with
     ``confidence_z`` > 0 by more than that many standard errors of the paired difference, so
     that noise alone does not refuse. With ``origin`` (the home's first model's accuracy there,
     ``Store.reference_origin``) it is also refused if it scores more than ``tolerance`` below
-    that, by the measured difference: small losses that each pass against the current model
+    that, by the measured difference: small losses that each pass against the served model
     cannot add up over promotions.
     """
     loss = before - after

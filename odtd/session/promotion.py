@@ -77,7 +77,7 @@ class Promotion:
             within = self.policy.training.resume_within
             record.details.kept_for_resume = (within is not None and candidate.exists()
                                               and after >= before - within / 100.0)
-            record.outcome, record.reason = "rolled_back", refusal + "; kept the current model"
+            record.outcome, record.reason = "rolled_back", refusal + "; kept the served model"
             self._commit(record, pending, new_version=None, manifest=None)
             self._settled(record, self._after_refusal, record, candidate)
             return

@@ -3,7 +3,7 @@
 The runner is shared by ``odtctl train-now --foreground``, ``odtctl simulate`` and the daemon.
 A session never leaves a broken model behind: the worker writes a candidate; only a candidate
 that passes acceptance becomes a new version and ``current`` (``promotion``); a crash, kill or
-timeout of the worker, or an error while accepting, leaves the current model and the pending
+timeout of the worker, or an error while accepting, leaves the served model and the pending
 samples as they were.
 """
 
@@ -61,7 +61,7 @@ def _accuracies(evaluation: dict[str, Any]) -> str:
 
 
 _PROGRESS_ROW_S = 2.0
-DEVICE_IMAGES = 512  # the most device images BatchNorm adaptation measures (bn_device_weight)
+DEVICE_IMAGES = 512  # the most device images BatchNorm adaptation measures (bn_device_share)
 
 
 class SessionRunner:
@@ -180,7 +180,7 @@ class SessionRunner:
             record.details.replay_buffer = None
             record.model_version_after = current
             self._finish(record, "failed", f"{failure_reason(exc, 'accepting the candidate')}; "
-                         "the current model, its versions and the samples are unchanged")
+                         "the served model, its versions and the samples are unchanged")
             if not isinstance(exc, Exception):
                 raise
             return record
@@ -244,12 +244,12 @@ class SessionRunner:
         record.details.evaluation_set, validation = self._write_evaluation_set(job_dir)
         training = self.policy.training
         plan = record.details.admission or {}  # the plan admission chose for the batch
-        current_weights = str(self.repo.weights_path(current))
+        served_path = str(self.repo.weights_path(current))
         resume = record.details.resumed
         job = make_job(
             "train", self.model, self.classes, self.input_shape,
-            weights_in=str(self.repo.resume_path) if resume else current_weights,
-            baseline_weights=current_weights if resume else None,
+            weights_in=str(self.repo.resume_path) if resume else served_path,
+            served_weights=served_path if resume else None,
             weights_out=str(job_dir / "candidate.npz"), train_data=str(train),
             validation_data=str(validation) if validation else None,
             batch_size=record.batch_size, epochs=record.epochs, optimizer=training.optimizer,
@@ -258,7 +258,7 @@ class SessionRunner:
             clip_norm=training.clip_norm, diverged_retries=training.diverged_retries,
             diverged_lr_factor=training.diverged_lr_factor, augment=training.augment,
             freeze_bn=training.freeze_bn,
-            recalibrate_bn=training.recalibrate_bn, bn_device_weight=training.bn_device_weight,
+            recalibrate_bn=training.recalibrate_bn, bn_device_share=training.bn_device_share,
             distill=training.distill, trained_share=training.trained_share,
             reference_tolerance=None if self.policy.acceptance.reference_tolerance is None
             else self.policy.acceptance.reference_tolerance / 100.0,
@@ -277,13 +277,13 @@ class SessionRunner:
         return write_job(job, job_dir)
 
     def _device_images(self, rows: list[dict[str, Any]], new_count: int) -> dict[str, np.ndarray]:
-        """The train file's ``device`` mask and ``device_x`` (``bn_device_weight``, ``distill``).
+        """The train file's ``device`` mask and ``device_x`` (``bn_device_share``, ``distill``).
 
         The device's images are the day's (the first ``new_count`` rows), rehearsed ones a
         session trained on before (not the replay seed's) and, in ``device_x``, earlier days'
         images not drawn this time, the newest first, up to ``DEVICE_IMAGES`` in all.
         """
-        if self.policy.training.bn_device_weight is None and not self.policy.training.distill:
+        if self.policy.training.bn_device_share is None and not self.policy.training.distill:
             return {}
         mask = np.array([i < new_count or bool(row.get("session_id")) for i, row in enumerate(rows)],
                         dtype=bool)
@@ -396,8 +396,8 @@ class SessionRunner:
         details.reference_accuracy_before = before.get(str(GROUP_REFERENCE))
         details.reference_accuracy_after = after.get(str(GROUP_REFERENCE))
         details.reference_paired = (result.get("paired_by_group") or {}).get(str(GROUP_REFERENCE))
-        details.bn_device_weight = result.get("bn_device_weight")
-        details.bn_weights_tried = result.get("bn_weights_tried") or None
+        details.bn_device_weight = result.get("bn_device_share")
+        details.bn_weights_tried = result.get("bn_shares_tried") or None
         details.trained_share = result.get("trained_share")
         details.trained_shares_tried = result.get("trained_shares_tried") or None
         details.paired = (result.get("paired_by_group") or {}).get(primary)

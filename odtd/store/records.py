@@ -51,22 +51,22 @@ class SessionDetails:
         precision: What the worker trained in (``auto`` resolved).
         precision_reason: Why ``auto`` resolved so (the worker's words), None for another.
         paired: ``{gained, lost, samples}`` on the evaluation set: the images only the candidate
-            gets right, only the current model gets right, and all (McNemar).
-        holdout_accuracy_before: The current model on the device's held-out samples (0..1).
+            gets right, only the served model gets right, and all (McNemar).
+        holdout_accuracy_before: The served model on the device's held-out samples (0..1).
         holdout_accuracy_after: The candidate on them.
-        reference_accuracy_before: The current model on the reference set (base training
+        reference_accuracy_before: The served model on the reference set (base training
             images held out of ``init --replay``: the original domain), None without one.
         reference_accuracy_after: The candidate on it.
         reference_paired: ``{gained, lost, samples}`` on the reference set.
         bn_device_weight: The device's share of the candidate's BatchNorm statistics that
-            ``training.bn_device_weight: auto`` chose (None otherwise).
+            ``training.bn_device_share: auto`` chose (None otherwise).
         bn_weights_tried: ``auto``'s candidates: weight (a string) -> accuracy by evaluation
             group (``"0"`` validation, ``"1"`` held-out, ``"2"`` reference); a candidate
             never scored in full (worse on validation than the one kept) has no ``"2"``.
         trained_share: The trained weights' share of the candidate (``training.trained_share``
             below 1 or ``auto``; None otherwise): the rest is the served model's.
         trained_shares_tried: ``auto``'s candidates, as ``bn_weights_tried``.
-        per_class_before: Class name -> accuracy of the current model (None: no samples).
+        per_class_before: Class name -> accuracy of the served model (None: no samples).
         per_class_after: Class name -> accuracy of the candidate.
         forgetting: Best accuracy any kept model had on the evaluation set minus the kept
             model's now (0..1).
@@ -116,7 +116,7 @@ class SessionDetails:
 
         ``attempts``, ``kept_for_resume``, the reference figures and ``auto``'s BatchNorm choice
         appear only when a session has them (a retry, a kept candidate, a home with a reference
-        set, ``bn_device_weight: auto``), as every release wrote them: ``history --json`` of an
+        set, ``bn_device_share: auto``), as every release wrote them: ``history --json`` of an
         old session reads the same after an upgrade.
         """
         data = asdict(self)

@@ -1,7 +1,7 @@
 """Telemetry: power rails, memory and temperature from whatever this machine offers.
 
 ``BACKENDS`` is the registry in auto-detection order; ``odtctl telemetry backends`` prints it
-through :func:`describe_backends`. ``replay`` can be chosen by name but is never auto-detected.
+through :func:`describe_backends`. ``playback`` can be chosen by name but is never auto-detected.
 Nothing here touches hardware at import time, and ``jtop`` is imported only by its backend.
 """
 
@@ -17,9 +17,9 @@ from odtd.telemetry.ina3221 import Ina3221Backend
 from odtd.telemetry.integration import EnergyReport, StreamingIntegrator, integrate, step_energies
 from odtd.telemetry.jtop_backend import JtopBackend
 from odtd.telemetry.null import NullBackend
-from odtd.telemetry.playback import ReplayBackend
+from odtd.telemetry.playback import PlaybackBackend
 from odtd.telemetry.rapl import RaplBackend
-from odtd.telemetry.recording import record, replay_file
+from odtd.telemetry.recording import integrate_recording, record
 from odtd.telemetry.sampler import Sampler, SamplerStats
 from odtd.telemetry.tegrastats import TegrastatsBackend, parse_line
 
@@ -36,12 +36,15 @@ BACKENDS: Dict[str, Type[Backend]] = {
 }
 
 #: Every backend that can be named in ``telemetry.backend`` (``auto`` picks from BACKENDS).
-SELECTABLE: Dict[str, Type[Backend]] = dict(BACKENDS, replay=ReplayBackend)
+SELECTABLE: Dict[str, Type[Backend]] = dict(BACKENDS, playback=PlaybackBackend)
+
+#: Backend names of earlier releases, still opened (with a deprecation line): old -> new.
+RENAMED_BACKENDS = {"replay": "playback"}
 
 __all__ = [
     "BACKENDS", "INPUT_RAIL_NAMES", "SELECTABLE", "Backend", "EnergyReport", "PowerSample",
     "Sampler", "SamplerStats", "StreamingIntegrator", "describe_backends", "integrate",
-    "open_backend", "parse_line", "record", "replay_file", "step_energies",
+    "integrate_recording", "open_backend", "parse_line", "record", "step_energies",
 ]
 
 
@@ -49,7 +52,7 @@ def describe_backends(root: Path = Path("/")) -> List[Dict[str, Any]]:
     """Describe every selectable backend for ``odtctl telemetry backends``.
 
     Returns:
-        ``[{"name", "available", "reason", "source"}, ...]`` in detection order, replay last;
+        ``[{"name", "available", "reason", "source"}, ...]`` in detection order, playback last;
         ``reason`` is None when available.
     """
     rows = []
@@ -85,7 +88,7 @@ def open_backend(name: str, root: Path = Path("/"), **options: Any) -> Backend:
     Args:
         name: A key of ``SELECTABLE``, or ``auto``.
         root: Filesystem root for hardware paths.
-        **options: Backend options (e.g. ``interval_ms`` for tegrastats, ``path`` for replay).
+        **options: Backend options (e.g. ``interval_ms`` for tegrastats, ``path`` for playback).
             With ``auto``, options the chosen backend does not take are ignored.
 
     Returns:
@@ -96,6 +99,10 @@ def open_backend(name: str, root: Path = Path("/"), **options: Any) -> Backend:
         TelemetryUnavailable: The named backend cannot run here; the message says the fix.
     """
     root = Path(root)
+    if name in RENAMED_BACKENDS:
+        logger.warning("telemetry backend %s is deprecated: it is called %s now", name,
+                       RENAMED_BACKENDS[name])
+        name = RENAMED_BACKENDS[name]
     if name == "auto":
         for backend_class in BACKENDS.values():
             reason = backend_class.probe(root)

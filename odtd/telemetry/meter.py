@@ -88,11 +88,11 @@ def make_sampler(telemetry: TelemetryConfig) -> Sampler:
     Raises:
         TelemetryUnavailable: the named backend cannot run here (the message says the fix).
     """
-    # A replayed recording loops, so a demo or test session never runs out of samples.
+    # A played-back recording loops, so a demo or test session never runs out of samples.
     options: dict[str, Any] = {}
-    if telemetry.backend == "replay":
-        options = {"path": telemetry.replay_file, "loop": True,
-                   "interval_ms": telemetry.replay_interval_ms}
+    if telemetry.backend == "playback":
+        options = {"path": telemetry.playback_file, "loop": True,
+                   "interval_ms": telemetry.playback_interval_ms}
     backend = open_backend(telemetry.backend, **options)
     return Sampler(backend, interval_s=telemetry.interval_ms / 1000.0,
                    nice_increment=telemetry.sampler_nice)

@@ -65,17 +65,17 @@ def load_recording(path: Path, fmt: Optional[str] = None,
     path = Path(path)
     fmt = fmt or guess_format(path)
     if fmt not in FORMATS:
-        raise OdtdError(f"telemetry replay: format {fmt!r} is unknown; use one of "
+        raise OdtdError(f"telemetry playback: format {fmt!r} is unknown; use one of "
                         f"{', '.join(FORMATS)}")
     try:
         with open(path, encoding="utf-8", errors="replace") as handle:
             lines = handle.read().splitlines()
     except OSError as error:
-        raise OdtdError(f"telemetry replay: cannot read {path} ({error.strerror})") from error
+        raise OdtdError(f"telemetry playback: cannot read {path} ({error.strerror})") from error
     recording = _load_jsonl(path, lines) if fmt == "jsonl" else \
         _load_tegrastats(path, lines, interval_ms)
     if not recording.samples:
-        raise OdtdError(f"telemetry replay: {path} has no power samples; is it a {fmt} file?")
+        raise OdtdError(f"telemetry playback: {path} has no power samples; is it a {fmt} file?")
     return recording
 
 
@@ -83,10 +83,10 @@ def _load_jsonl(path: Path, lines: List[str]) -> Recording:
     try:
         header = json.loads(lines[0]) if lines else {}
     except ValueError as error:
-        raise OdtdError(f"telemetry replay: {path}:1 is not JSON ({error}); expected the header "
+        raise OdtdError(f"telemetry playback: {path}:1 is not JSON ({error}); expected the header "
                         "written by `odtctl telemetry record`") from error
     if not isinstance(header, dict) or header.get("format") != RECORDING_FORMAT:
-        raise OdtdError(f"telemetry replay: {path}:1 has no {{\"format\": "
+        raise OdtdError(f"telemetry playback: {path}:1 has no {{\"format\": "
                         f"\"{RECORDING_FORMAT}\"}} header; record with `odtctl telemetry "
                         "record`, or pass --format tegrastats for a log")
     total_rail = header.get("total_rail")
@@ -103,7 +103,7 @@ def _load_jsonl(path: Path, lines: List[str]) -> Recording:
                 None if total is None else float(total), total_rail if total is not None
                 else None, total_is_sum and total is not None, row.get("memory_available_mb")))
         except (ValueError, KeyError, TypeError, AttributeError) as error:
-            raise OdtdError(f"telemetry replay: {path}:{number} is not a sample line "
+            raise OdtdError(f"telemetry playback: {path}:{number} is not a sample line "
                             f"({type(error).__name__}: {error})") from error
     samples.sort(key=lambda s: s.t_mono)
     interval_s = header.get("interval_s") or _median_spacing(samples)
@@ -115,7 +115,7 @@ def _load_tegrastats(path: Path, lines: List[str], interval_ms: Optional[float])
     if interval_ms is None:
         stamps = [p.timestamp for p in parsed if p.timestamp is not None]
         if len(stamps) < 2 or len(stamps) != len(parsed) or stamps[-1] <= stamps[0]:
-            raise OdtdError(f"telemetry replay: {path} is a tegrastats log without usable "
+            raise OdtdError(f"telemetry playback: {path} is a tegrastats log without usable "
                             "timestamps; pass the interval it was taken at (--interval-ms, the "
                             "value given "
                             "to tegrastats --interval)")
@@ -123,7 +123,7 @@ def _load_tegrastats(path: Path, lines: List[str], interval_ms: Optional[float])
         interval_s = (stamps[-1] - stamps[0]).total_seconds() / (len(stamps) - 1)
         logger.debug("%s: interval %.3f s from its timestamps", path, interval_s)
     elif interval_ms <= 0:
-        raise OdtdError(f"telemetry replay: interval_ms must be > 0, got {interval_ms!r}")
+        raise OdtdError(f"telemetry playback: interval_ms must be > 0, got {interval_ms!r}")
     else:
         interval_s = interval_ms / 1000.0
     samples = [p.to_sample(i * interval_s) for i, p in enumerate(parsed)]
@@ -135,15 +135,15 @@ def _median_spacing(samples: List[PowerSample]) -> float:
     return statistics.median(gaps) if gaps else 1.0
 
 
-class ReplayBackend(Backend):
+class PlaybackBackend(Backend):
     """Plays a recording back in real time (or ``speed`` times faster), for tests and demos.
 
     Samples are stamped with the present monotonic clock at their scheduled time, so windows and
-    step spans measured during a replay see the recorded power.
+    step spans measured during a playback see the recorded power.
     """
 
-    name = "replay"
-    source = "replay"
+    name = "playback"
+    source = "playback"
 
     def __init__(self, root: Path = Path("/"), path: Optional[str] = None,
                  fmt: Optional[str] = None, interval_ms: Optional[float] = None,
@@ -152,7 +152,7 @@ class ReplayBackend(Backend):
 
         Args:
             root: Unused; kept for a uniform constructor.
-            path: The recording (``telemetry.replay_file`` in odtd.yaml).
+            path: The recording (``telemetry.playback_file`` in odtd.yaml).
             fmt: ``jsonl`` or ``tegrastats``; None guesses from the suffix.
             interval_ms: Interval of a tegrastats log, in milliseconds.
             speed: Playback speed factor (2.0 plays twice as fast).
@@ -180,7 +180,7 @@ class ReplayBackend(Backend):
     def open(self) -> None:
         """Load the recording and start the clock."""
         if not self.path:
-            raise TelemetryUnavailable("replay: no recording given; set telemetry.replay_file "
+            raise TelemetryUnavailable("playback: no recording given; set telemetry.playback_file "
                                        "to a file written by `odtctl telemetry record`")
         try:
             recording = load_recording(Path(self.path), self.fmt, self.interval_ms)
@@ -197,7 +197,7 @@ class ReplayBackend(Backend):
     def read(self) -> Optional[PowerSample]:
         """Wait for the next recorded sample's time and return it, restamped."""
         if not self._samples:
-            raise TelemetryUnavailable("replay: read() before open()")
+            raise TelemetryUnavailable("playback: read() before open()")
         interval_s = self.nominal_interval_s or 0.1
         if self._index >= len(self._samples):
             if not self.loop:
@@ -209,7 +209,7 @@ class ReplayBackend(Backend):
         target = self._t0 + self._offsets_s[self._index]
         delay = target - time.monotonic()
         if delay > 3.0 * interval_s:
-            time.sleep(3.0 * interval_s)  # A gap in the recording is a gap in the replay.
+            time.sleep(3.0 * interval_s)  # A gap in the recording is a gap in the playback.
             return None
         if delay > 0:
             time.sleep(delay)

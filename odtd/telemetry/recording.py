@@ -1,4 +1,4 @@
-"""Record a backend to a file and measure a recording: ``odtctl telemetry record|replay``."""
+"""Record a backend to a file and measure a recording: ``odtctl telemetry record|playback``."""
 
 import json
 import logging
@@ -97,8 +97,8 @@ def record(backend: Backend, seconds: float, out_path: Path,
             "source": backend.source, "total_rail": writer.header["total_rail"]}
 
 
-def replay_file(path: Path, fmt: Optional[str] = "jsonl",
-                interval_ms: Optional[float] = None) -> Dict[str, object]:
+def integrate_recording(path: Path, fmt: Optional[str] = "jsonl",
+                        interval_ms: Optional[float] = None) -> Dict[str, object]:
     """Integrate a whole recording at once (no real-time playback).
 
     Args:

@@ -8,7 +8,7 @@ after day a promoted average is the next session's served model, so the served m
 exponential moving average of the days' candidates, which damps their day-to-day swings.
 
 ``auto`` scores each of ``AUTO_SHARES`` on the evaluation set and keeps one by the rule
-``bn_device_weight: auto`` keeps a mixture by (``batchnorm.choose_mixture``): the best on the
+``bn_device_share: auto`` keeps a mixture by (``batchnorm.choose_mixture``): the best on the
 device's validation images among the shares that lose at most the reference tolerance on the
 reference set (the original domain); ties go to the smaller share, nearer the served model.
 

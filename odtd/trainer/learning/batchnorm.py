@@ -10,7 +10,7 @@ kept, so never more memory than a training step) and assigning once at the end:
   (``1 - w``): label-free adaptation to the device's camera (AdaBN, Li et al. 2016, at ``w`` 1)
   that keeps part of the original domain's statistics. A session adapts before training (so
   the steps see the device's statistics) and again after it (under the trained weights).
-  ``bn_device_weight: auto`` measures both domains once after training and tries each of
+  ``bn_device_share: auto`` measures both domains once after training and tries each of
   ``AUTO_WEIGHTS`` on the evaluation set; ``choose_weight`` keeps the best on the device's
   validation images of those that do not forget the reference set (the original domain).
 
@@ -144,7 +144,7 @@ def mix_moments(device: Moments, rehearsal: Optional[Moments], weight: float) ->
 
 
 AUTO = "auto"
-AUTO_WEIGHTS = (0.0, 0.25, 0.5, 0.75, 1.0)  # the mixtures ``bn_device_weight: auto`` tries
+AUTO_WEIGHTS = (0.0, 0.25, 0.5, 0.75, 1.0)  # the mixtures ``bn_device_share: auto`` tries
 AUTO_WEIGHT_BEFORE = 0.5  # ``auto``'s mixture while training, before the choice is made
 
 
@@ -203,7 +203,7 @@ def adapt_batchnorm(tf: Any, model: Any, job: Any, device_x: np.ndarray,
     """Set every BatchNormalization layer's statistics to the device / rehearsal mixture.
 
     ``weight`` is the device's share; without rehearsal images the device's statistics are used
-    alone. Gamma and beta never change here. ``AUTO`` (``bn_device_weight: auto`` after
+    alone. Gamma and beta never change here. ``AUTO`` (``bn_device_share: auto`` after
     training) needs ``score``: both domains are measured once, each of ``AUTO_WEIGHTS`` is
     assigned and scored, and ``choose_weight`` keeps one (the job's ``reference_tolerance``;
     ``reference_before`` is the served model's accuracy on the reference group). ``score(cached)``

@@ -1,6 +1,6 @@
 """Per-sample evaluation results of one model, kept between sessions (job key ``eval_cache``).
 
-Every session scores the current model on the same validation images before it trains, and that
+Every session scores the served model on the same validation images before it trains, and that
 model changes only on a promotion. The cache holds, for one weights file (by sha256) run at one
 precision, each scored sample's correctness and loss under a digest of its pixels and label, so
 the next session runs only the samples it has not seen (the day's new held-out images) and a

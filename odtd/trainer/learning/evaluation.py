@@ -194,7 +194,7 @@ def open_eval_cache(job: Dict[str, Any], precision: str,
 
     None without ``eval_cache`` or without a weights file to key it by (a fresh init).
     """
-    source = job["baseline_weights"] or job["weights_in"]
+    source = job["served_weights"] or job["weights_in"]
     if job["eval_cache"] is None or source is None:
         return None
     weights_sha256 = file_sha256(source)

@@ -42,13 +42,13 @@ from odtd.trainer.plans.fused_batchnorm import fuse, keep_relu_apart
 
 
 @contextlib.contextmanager
-def serving(model: Any, baseline: Optional[List[np.ndarray]]) -> Iterator[None]:
-    """Within, the model holds ``baseline``'s weights (the served model's), if given."""
-    if baseline is None:
+def serving(model: Any, served_weights: Optional[List[np.ndarray]]) -> Iterator[None]:
+    """Within, the model holds ``served_weights`` (the served model's), if given."""
+    if served_weights is None:
         yield
         return
     start_weights = model.get_weights()
-    model.set_weights(baseline)
+    model.set_weights(served_weights)
     try:
         yield
     finally:
@@ -85,7 +85,7 @@ class Before(NamedTuple):
 
 def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
                        data: Dict[str, Any], should_stop: Callable[[], bool], emit: Emit,
-                       baseline: Optional[List[np.ndarray]] = None,
+                       served_weights: Optional[List[np.ndarray]] = None,
                        scored_after: Optional[Dict[str, np.ndarray]] = None) -> Dict[str, Any]:
     """Evaluate before, train, evaluate after; return the result fields this produces.
 
@@ -93,22 +93,22 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     ``adapt_before``, ``train``, ``settle_batchnorm``, ``average``, ``score_after``. A stop
     requested during any of them ends the job ``interrupted`` with the fields so far.
 
-    With ``baseline`` (the ``baseline_weights`` arrays) the "before" figures are that model's
-    (the one the candidate must beat), and so is distillation's teacher; training then starts
-    from the weights as loaded.
+    With ``served_weights`` (the job's ``served_weights`` arrays) the "before" figures are that
+    model's (the one the candidate must beat), and so is distillation's teacher; training then
+    starts from the weights as loaded.
     ``scored_after``, if given, receives the trained model's per-sample validation results
     (``keys``, ``correct``, ``losses``: ``evalcache.save``'s arguments).
     """
     fields = {"status": "interrupted"}  # type: Dict[str, Any]
     try:
-        served = prepare_model(tf, job, model, baseline, fields)
+        served = prepare_model(tf, job, model, served_weights, fields)
         validation = None if job["mode"] == "profile" else validation_set(
             tf, job, model, precision, data, should_stop)
         before = None
         if validation is not None:
-            before = score_before(job, model, precision, validation, baseline, emit, fields)
-        teacher = distillation_targets(tf, job, model, data, baseline, should_stop, fields)
-        device_split = data.get("device_split") if job["bn_device_weight"] is not None else None
+            before = score_before(job, model, precision, validation, served_weights, emit, fields)
+        teacher = distillation_targets(tf, job, model, data, served_weights, should_stop, fields)
+        device_split = data.get("device_split") if job["bn_device_share"] is not None else None
         if device_split is not None:  # the steps see the device's statistics
             fields["adapt_seconds"] = adapt_before(tf, job, model, device_split, should_stop)
         trained = train(tf, job, model, precision, data["train_data"][0], data["train_data"][1],
@@ -128,13 +128,13 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
 
 
 def prepare_model(tf: Any, job: Dict[str, Any], model: Any,
-                  baseline: Optional[List[np.ndarray]], fields: Dict[str, Any]
+                  served_weights: Optional[List[np.ndarray]], fields: Dict[str, Any]
                   ) -> Optional[List[np.ndarray]]:
     """Set the trainable scope and BatchNorm's kernel; the weights to average with, if any."""
     fields["trainable_layers"] = set_trainable_scope(tf, model, job["trainable"])
     served = None  # the weights the trained ones are averaged with (trained_share)
     if job["trained_share"] != 1.0 and job["mode"] == "train":
-        served = baseline if baseline is not None else model.get_weights()
+        served = served_weights if served_weights is not None else model.get_weights()
     if job["freeze_bn"]:
         # A non-trainable BatchNormalization runs in inference mode in tf.keras 2 and Keras 3:
         # moving statistics, gamma and beta all stay as loaded.
@@ -168,11 +168,11 @@ def validation_set(tf: Any, job: Dict[str, Any], model: Any, precision: str,
 
 
 def score_before(job: Dict[str, Any], model: Any, precision: str, validation: Validation,
-                 baseline: Optional[List[np.ndarray]], emit: Emit, fields: Dict[str, Any]
+                 served_weights: Optional[List[np.ndarray]], emit: Emit, fields: Dict[str, Any]
                  ) -> Before:
     """Score the model to beat (kept in the eval cache); its figures go to ``fields``."""
     cache = validation.cache
-    with serving(model, baseline):
+    with serving(model, served_weights):
         before = _unless_stopped(validation.score(cache and cache.cached))
     correct, losses = before.pop("correct"), before.pop("losses")
     if cache is not None:
@@ -191,12 +191,13 @@ def score_before(job: Dict[str, Any], model: Any, precision: str, validation: Va
 
 
 def distillation_targets(tf: Any, job: Dict[str, Any], model: Any, data: Dict[str, Any],
-                         baseline: Optional[List[np.ndarray]], should_stop: Callable[[], bool],
+                         served_weights: Optional[List[np.ndarray]],
+                         should_stop: Callable[[], bool],
                          fields: Dict[str, Any]) -> Teacher:
     """The served model's targets on the rehearsed images; all weight 0 with nothing to distil."""
     x_train, y_train = data["train_data"]
     if job["distill"] and data.get("rehearsed") is not None and job["mode"] != "profile":
-        with serving(model, baseline):  # before any adaptation
+        with serving(model, served_weights):  # before any adaptation
             teacher = _unless_stopped(teacher_targets(tf, model, job, x_train, data["rehearsed"],
                                                       _forward_batch(job), should_stop))
         fields["distill_images"] = int(np.count_nonzero(teacher.weights))
@@ -214,7 +215,7 @@ def adapt_before(tf: Any, job: Dict[str, Any], model: Any,
                  device_split: Tuple[np.ndarray, np.ndarray], should_stop: Callable[[], bool]
                  ) -> float:
     """BatchNorm's statistics set to the device's mixture before training; the seconds taken."""
-    weight = job["bn_device_weight"]
+    weight = job["bn_device_share"]
     adapted = _unless_stopped(adapt_batchnorm(
         tf, model, job, device_split[0], device_split[1], _forward_batch(job), should_stop,
         AUTO_WEIGHT_BEFORE if weight == AUTO else weight))
@@ -251,8 +252,8 @@ def train(tf: Any, job: Dict[str, Any], model: Any, precision: str, x_train: np.
 
 def _reference_bar(job: Dict[str, Any], fields: Dict[str, Any]) -> Optional[float]:
     # What a try the choosers (``auto``) keep must not lose more than the tolerance against on
-    # the reference group: the before model's accuracy there, or the first model's where that
-    # is higher. As measured; the session's guard allows the before model's a margin of
+    # the reference group: the served model's accuracy there, or the first model's where that
+    # is higher. As measured; the session's guard allows the served model's a margin of
     # standard errors (acceptance.reference_refusal), so a try that clears this bar passes there.
     return reference_held(fields.get("by_group_before"), job["reference_origin"])
 
@@ -268,7 +269,7 @@ def settle_batchnorm(tf: Any, job: Dict[str, Any], model: Any, data: Dict[str, A
         The candidate's evaluation where ``auto`` chose the mixture by scoring it, else None.
     """
     if device_split is not None:  # again, under the trained weights; it replaces recalibration
-        weight = job["bn_device_weight"]
+        weight = job["bn_device_share"]
         if validation is None and weight == AUTO:
             weight = AUTO_WEIGHT_BEFORE  # nothing to choose by
         adapted = _unless_stopped(adapt_batchnorm(
@@ -277,7 +278,7 @@ def settle_batchnorm(tf: Any, job: Dict[str, Any], model: Any, data: Dict[str, A
             validation and validation.groups, before and before.refused))
         fields["adapt_seconds"] += adapted.seconds
         if adapted.tried:  # auto: the mixture kept, already scored
-            fields["bn_device_weight"], fields["bn_weights_tried"] = adapted.weight, adapted.tried
+            fields["bn_device_share"], fields["bn_shares_tried"] = adapted.weight, adapted.tried
             return adapted.scores
     elif job["recalibrate_bn"] and not job["freeze_bn"]:  # in profile mode too: its memory counts
         fields["recalibrate_seconds"] = _unless_stopped(recalibrate_batchnorm(
@@ -331,7 +332,7 @@ def reference_held(by_group_before: Optional[Dict[str, float]], origin: Optional
                    ) -> Optional[float]:
     """The reference accuracy a candidate is held to (less the tolerance), or None.
 
-    The before model's, or ``origin`` (the job's ``reference_origin``) where that is higher;
+    The served model's, or ``origin`` (the job's ``reference_origin``) where that is higher;
     None without a reference group.
     """
     before = (by_group_before or {}).get(REFERENCE_GROUP)

@@ -13,7 +13,7 @@ configuration that passes is ever built (``imported``), and its weights are copi
     read_config(path)   -> {"format", "keras_version", "config", "arithmetic_layers"}
                            (raises ModelFileError; tensor arithmetic such as ``x + 3.0`` comes
                            back as the built-in layers it amounts to: ``arithmetic``)
-    screen(config)      -> (layer name, reason) for each refused construct
+    screen(config)      -> a Refusal (layer name, reason) for each refused construct
 
 What the screened configuration says (input shape, classes, output convention) is read by
 ``model_config``.
@@ -24,6 +24,7 @@ Standard library only (h5py, which every TensorFlow install has, for ``.h5``); P
 import json
 import os
 import zipfile
+from typing import NamedTuple, Optional
 
 from odtd.trainer.modelfile import arithmetic, keras_dialects
 from odtd.trainer.modelfile.model_config import (
@@ -151,85 +152,129 @@ def _class_name(obj):
     return name if isinstance(name, str) else None
 
 
-def screen(config):
-    """Yield (layer_name, reason) for every construct that is not plain built-in Keras."""
-    def visit(obj, layer):
-        if isinstance(obj, list):
-            for item in obj:
-                for problem in visit(item, layer):
-                    yield problem
-            return
-        if not isinstance(obj, dict):
-            return
-        cls = _class_name(obj)
-        if cls is not None:
-            module = obj.get("module")
-            registered = obj.get("registered_name")
-            inner = obj.get("config")
-            here = layer
-            if isinstance(inner, dict) and isinstance(inner.get("name"), str) and (
-                    cls in SAFE_LAYERS or "inbound_nodes" in obj or cls not in SAFE_OBJECTS):
-                here = inner["name"]
-            if cls == "Lambda":
-                yield here, "Lambda layer (runs Python code from the file)"
-                return
-            if cls in ("TFOpLambda", "SlicingOpLambda"):
-                yield here, "{} layer (a TensorFlow function called by name: {})".format(
-                    cls, (inner or {}).get("function"))
-                return
-            if cls == "function":
-                if not (isinstance(module, str) and module.startswith("keras")
-                        and inner in SAFE_ACTIVATIONS):
-                    yield layer, "custom function {}.{}".format(module, inner)
-                return
-            if cls in ("__lambda__", "__python_function__") or cls.startswith("__") and (
-                    cls not in SAFE_OBJECTS):
-                yield layer, "serialized Python code ({})".format(cls)
-                return
-            if ">" in cls or (registered and registered not in (cls, None)):
-                yield here, "custom class {}".format(registered or cls)
-                return
-            if module is not None and not (module == "keras" or module.startswith("keras.")):
-                yield here, "class {} from module {}".format(cls, module)
-                return
-            if isinstance(module, str) and module.startswith("keras.src.ops"):
-                yield here, "operation node {} (a tensor op outside a layer)".format(cls)
-                return
-            if ("inbound_nodes" in obj and isinstance(inner, dict) and cls != "InputLayer"
-                    and cls not in MODEL_CLASSES
-                    and "trainable" not in inner and "dtype" not in inner):
-                # Keras 3 writes a bare tensor op (x * 2.0) as {"class_name": "Multiply",
-                # "config": {"name": ...}}: in .h5 without a module, so it looks like the
-                # Multiply layer. A real layer's config has "dtype" (Keras 3's SpatialDropout2D
-                # has no "trainable") and nearly always "trainable"; an op's has neither.
-                yield here, "operation node {} (a tensor op outside a layer)".format(cls)
-                return
-            if cls not in SAFE_LAYERS and cls not in SAFE_OBJECTS:
-                if module is None and obj.get("module", 1) is None:
-                    reason = "custom class {}".format(registered or cls)
-                else:
-                    reason = "class {} not on the allowlist".format(cls)
-                yield here, reason
-                return
-            for key, value in obj.items():
-                if key in ("class_name", "module", "registered_name"):
-                    continue
-                for problem in visit(value, here):
-                    yield problem
-            return
-        for key, value in obj.items():
-            if key in ("activation", "recurrent_activation") and isinstance(value, str):
-                if value not in SAFE_ACTIVATIONS:
-                    yield layer, "activation {!r} is not a built-in".format(value)
-                continue
-            if key == "function":
-                yield layer, "a 'function' field (code or a function name)"
-                continue
-            for problem in visit(value, layer):
-                yield problem
+class Refusal(NamedTuple):
+    """A construct ``screen`` refuses.
 
-    for problem in visit(config, None):
-        yield problem
+    Attributes:
+        layer: The name of the layer it is in (None: outside any named layer).
+        reason: What it is, in a few words (``Lambda layer (runs Python code from the file)``).
+    """
+
+    layer: Optional[str]
+    reason: str
+
+
+def screen(config):
+    """Yield a ``Refusal`` for every construct that is not plain built-in Keras.
+
+    The configuration is walked as JSON: a Keras object (a dict with a ``class_name``) is
+    judged by its class, module and registered name (``_function_refusal``, ``_code_refusal``,
+    ``_class_refusal``) and, if it passes, its fields are walked in turn; any other dict's
+    fields are judged by ``_field_refusals`` (activations named as strings, ``function``
+    fields).
+    """
+    return _visit(config, None)
+
+
+def _visit(obj, layer):
+    """The refusals in ``obj`` (any JSON value), found inside the layer named ``layer``."""
+    if isinstance(obj, list):
+        for item in obj:
+            yield from _visit(item, layer)
+    elif isinstance(obj, dict):
+        if _class_name(obj) is None:
+            yield from _field_refusals(obj, layer)
+        else:
+            yield from _object_refusals(obj, layer)
+
+
+def _object_refusals(obj, layer):
+    """A Keras object's refusal, or, when it passes, those of what it contains."""
+    if _class_name(obj) == "function":  # a function by name: nothing inside to walk
+        refusal = _function_refusal(obj, layer)
+        if refusal is not None:
+            yield refusal
+        return
+    here = _layer_name(obj, layer)
+    refusal = _code_refusal(obj, layer, here) or _class_refusal(obj, here)
+    if refusal is not None:
+        yield refusal
+        return
+    for key, value in obj.items():
+        if key not in ("class_name", "module", "registered_name"):
+            yield from _visit(value, here)
+
+
+def _layer_name(obj, layer):
+    """The layer a Keras object's contents are in: its own name if it is a layer, else ``layer``."""
+    cls = _class_name(obj)
+    inner = obj.get("config")
+    if isinstance(inner, dict) and isinstance(inner.get("name"), str) and (
+            cls in SAFE_LAYERS or "inbound_nodes" in obj or cls not in SAFE_OBJECTS):
+        return inner["name"]
+    return layer
+
+
+def _function_refusal(obj, layer):
+    """Refuse a function named by module unless it is a built-in Keras activation."""
+    module = obj.get("module")
+    inner = obj.get("config")
+    if isinstance(module, str) and module.startswith("keras") and inner in SAFE_ACTIVATIONS:
+        return None
+    return Refusal(layer, "custom function {}.{}".format(module, inner))
+
+
+def _code_refusal(obj, layer, here):
+    """Refuse a Keras object that is code: a Lambda, a TensorFlow op by name, serialized Python."""
+    cls = _class_name(obj)
+    inner = obj.get("config")
+    if cls == "Lambda":
+        return Refusal(here, "Lambda layer (runs Python code from the file)")
+    if cls in ("TFOpLambda", "SlicingOpLambda"):
+        return Refusal(here, "{} layer (a TensorFlow function called by name: {})".format(
+            cls, (inner or {}).get("function")))
+    if cls in ("__lambda__", "__python_function__") or cls.startswith("__") and (
+            cls not in SAFE_OBJECTS):
+        return Refusal(layer, "serialized Python code ({})".format(cls))
+    return None
+
+
+def _class_refusal(obj, here):
+    """Refuse a Keras object whose class is not a built-in on the allowlist."""
+    cls = _class_name(obj)
+    module = obj.get("module")
+    registered = obj.get("registered_name")
+    inner = obj.get("config")
+    if ">" in cls or (registered and registered not in (cls, None)):
+        return Refusal(here, "custom class {}".format(registered or cls))
+    if module is not None and not (module == "keras" or module.startswith("keras.")):
+        return Refusal(here, "class {} from module {}".format(cls, module))
+    if isinstance(module, str) and module.startswith("keras.src.ops"):
+        return Refusal(here, "operation node {} (a tensor op outside a layer)".format(cls))
+    if ("inbound_nodes" in obj and isinstance(inner, dict) and cls != "InputLayer"
+            and cls not in MODEL_CLASSES and "trainable" not in inner and "dtype" not in inner):
+        # Keras 3 writes a bare tensor op (x * 2.0) as {"class_name": "Multiply",
+        # "config": {"name": ...}}: in .h5 without a module, so it looks like the
+        # Multiply layer. A real layer's config has "dtype" (Keras 3's SpatialDropout2D
+        # has no "trainable") and nearly always "trainable"; an op's has neither.
+        return Refusal(here, "operation node {} (a tensor op outside a layer)".format(cls))
+    if cls not in SAFE_LAYERS and cls not in SAFE_OBJECTS:
+        if module is None and obj.get("module", 1) is None:
+            return Refusal(here, "custom class {}".format(registered or cls))
+        return Refusal(here, "class {} not on the allowlist".format(cls))
+    return None
+
+
+def _field_refusals(obj, layer):
+    """The refusals among a plain dict's fields: non-built-in activations, ``function`` fields."""
+    for key, value in obj.items():
+        if key in ("activation", "recurrent_activation") and isinstance(value, str):
+            if value not in SAFE_ACTIVATIONS:
+                yield Refusal(layer, "activation {!r} is not a built-in".format(value))
+        elif key == "function":
+            yield Refusal(layer, "a 'function' field (code or a function name)")
+        else:
+            yield from _visit(value, layer)
 
 
 def read_screened(path, input_size=None):
@@ -253,10 +298,10 @@ def read_screened(path, input_size=None):
     if _class_name(config) not in MODEL_CLASSES:
         raise ModelFileError("{}: the top-level object is {!r}, not a Keras Functional or "
                              "Sequential model".format(path, _class_name(config)))
-    for layer, reason in screen(config):
+    for refusal in screen(config):
         raise ModelFileError(
             "{}: layer {!r}: {}; code in a model file is not loaded: rebuild the model from "
-            "built-in Keras layers and save it again".format(path, layer, reason))
+            "built-in Keras layers and save it again".format(path, refusal.layer, refusal.reason))
     try:
         if input_size is not None:
             _size_input(path, config, input_size)

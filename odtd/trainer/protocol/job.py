@@ -31,7 +31,7 @@ JOB_KEYS = {
     "output": ("str", "logits"),
     "trainable": ("scope", "all"),
     "weights_in": ("path", None),
-    "baseline_weights": ("path", None),
+    "served_weights": ("path", None),
     "weights_out": ("path", None),
     "train_data": ("path", None),
     "validation_data": ("path", None),
@@ -48,7 +48,7 @@ JOB_KEYS = {
     "augment": ("bool", False),
     "freeze_bn": ("bool", False),
     "recalibrate_bn": ("bool", False),
-    "bn_device_weight": ("share_or_auto", None),
+    "bn_device_share": ("share_or_auto", None),
     "distill": ("float", 0.0),
     "trained_share": ("share_or_auto", 1.0),
     "reference_tolerance": ("share", None),
@@ -202,7 +202,7 @@ def load_job(path: str) -> Dict[str, Any]:
     for key in MODE_REQUIRES[job["mode"]]:
         if job[key] is None:
             raise BadJob("mode {} needs job key {}".format(job["mode"], key))
-    for key in ("weights_in", "baseline_weights", "train_data", "validation_data",
+    for key in ("weights_in", "served_weights", "train_data", "validation_data",
                 "architecture", "model_file"):
         if job[key] is not None and not os.path.isfile(job[key]):
             raise BadJob("{}: file {} does not exist".format(key, job[key]))

@@ -76,7 +76,7 @@ def load_device_mask(path: str, count: int) -> Optional[np.ndarray]:
 
 def load_device_split(path: str, x: np.ndarray, mask: np.ndarray
                       ) -> Tuple[np.ndarray, np.ndarray]:
-    """Split a train ``.npz`` into the device's images and the rehearsed ones (``bn_device_weight``).
+    """Split a train ``.npz`` into the device's images and the rehearsed ones (``bn_device_share``).
 
     ``mask`` is the file's ``device`` array (``load_device_mask``): which of ``x`` the device
     saw; the file's optional ``device_x`` holds more of the device's images that are not

@@ -190,9 +190,9 @@ def run(job: Dict[str, Any], data: Dict[str, Tuple[np.ndarray, np.ndarray]],
         model = networks.build_model(job)
     names = [(getattr(v, "path", None) or v.name).split(":")[0] for v in model.weights]
     result.update(param_count=int(model.count_params()), weight_names=names)
-    baseline = None
-    if job["baseline_weights"] is not None:
-        baseline = read_weights(job["baseline_weights"], model.get_weights(), names)
+    served_weights = None
+    if job["served_weights"] is not None:
+        served_weights = read_weights(job["served_weights"], model.get_weights(), names)
     if job["weights_in"] is not None:
         model.set_weights(read_weights(job["weights_in"], model.get_weights(), names))
     scored_after = {}  # type: Dict[str, np.ndarray]
@@ -202,14 +202,14 @@ def run(job: Dict[str, Any], data: Dict[str, Tuple[np.ndarray, np.ndarray]],
         result.update(export_model(tf, job, model))
     elif mode in ("train", "profile"):
         result.update(train_and_evaluate(tf, job, model, precision, data, should_stop, emit,
-                                         baseline, scored_after))
+                                         served_weights, scored_after))
     if result["status"] == "ok" and mode not in ("profile", "export") \
             and job["weights_out"] is not None:
         write_weights(model.get_weights(), job["weights_out"])
         result["weights_out"] = job["weights_out"]
         if job["eval_cache_out"] is not None and scored_after:
             # Keyed by the file just written: if the session promotes it, the next session
-            # finds the new current model's results already there.
+            # finds the new served model's results already there.
             evalcache.save(job["eval_cache_out"], file_sha256(job["weights_out"]),
                            precision, **scored_after)
     result["peak_rss_mb"] = peak_rss_mb()
@@ -346,9 +346,9 @@ def main(argv: Optional[List[str]] = None,
                 data["validation_groups"] = load_groups(job["validation_data"],
                                                         len(data["validation_data"][1]))
             mask = None  # which training images the device saw (BatchNorm, distillation)
-            if (job["bn_device_weight"] is not None or job["distill"]) and job["train_data"]:
+            if (job["bn_device_share"] is not None or job["distill"]) and job["train_data"]:
                 mask = load_device_mask(job["train_data"], len(data["train_data"][1]))
-            if mask is not None and job["bn_device_weight"] is not None:
+            if mask is not None and job["bn_device_share"] is not None:
                 data["device_split"] = load_device_split(job["train_data"],
                                                          data["train_data"][0], mask)
             if mask is not None and job["distill"]:
