@@ -138,7 +138,8 @@ def odtd_policy(path: Path, precision: str, seed_offset: int = 0) -> Policy:
     """The policy file's recipe, with this machine's precision and the run's seed.
 
     Evaluation keeps the policy's batch size: batches of 250 were no faster here and left the
-    worker's heap about 500 MB larger for the rest of the session (docs/memory.md).
+    worker's heap about 500 MB larger for the rest of the session (CHANGELOG.md, the memory
+    runs of 2026-11-25).
     """
     policy = load_policy(path)
     training = policy.training.model_copy(update={
