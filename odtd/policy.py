@@ -250,8 +250,8 @@ class AcceptancePolicy(_Strict):
         description="largest drop, in points, allowed on the reference set (base training "
         "images `init --replay` held out: the original domain); with confidence_z the drop "
         "must exceed it by that many standard errors to refuse; nor may a candidate score "
-        "more than this below the home's first model (version 0) there, as measured; null = "
-        "not checked")
+        "more than this below the home's first model (version 0) there, by the same rule; "
+        "null = not checked")
 
 
 class ModelsPolicy(_Strict):

@@ -273,6 +273,7 @@ class SessionRunner:
             eval_batch_size=training.eval_batch_size, eval_cache=str(self.repo.eval_cache_path),
             # The candidate's results, adopted as the eval cache if it is promoted.
             eval_cache_out=str(job_dir / CANDIDATE_EVAL_CACHE), trainable=training.trainable,
+            origin_eval_cache=str(self.repo.origin_eval_cache_path),
             **self.spec.job_keys(self.home))
         return write_job(job, job_dir)
 
@@ -380,8 +381,18 @@ class SessionRunner:
             record.throughput_sps = throughput_sps(end.steps)
         if end.result is not None and end.failure is None and not end.stop_reason:
             self._read_result(record, end.result)
+            if record.model_version_before == 0 and \
+                    record.details.reference_accuracy_before is not None:
+                self._keep_origin_results()
         self.store.save_session(record)
         return end
+
+    def _keep_origin_results(self) -> None:
+        # The eval cache holds version 0's results now (the worker scored it first thing).
+        try:
+            self.repo.keep_origin_eval_cache()
+        except OSError as error:  # a full disk: the next session that serves version 0 tries again
+            logger.warning("the first model's results were not kept: %s", as_odtd_error(error))
 
     def _read_result(self, record: SessionRecord, result: dict[str, Any]) -> None:
         """Fill the record's accuracy fields from the worker's result event."""
@@ -396,6 +407,7 @@ class SessionRunner:
         details.reference_accuracy_before = before.get(str(GROUP_REFERENCE))
         details.reference_accuracy_after = after.get(str(GROUP_REFERENCE))
         details.reference_paired = (result.get("paired_by_group") or {}).get(str(GROUP_REFERENCE))
+        details.reference_paired_origin = result.get("reference_paired_origin")
         details.bn_device_weight = result.get("bn_device_share")
         details.bn_weights_tried = result.get("bn_shares_tried") or None
         details.trained_share = result.get("trained_share")
