@@ -384,17 +384,9 @@ class SessionRunner:
             self._read_result(record, end.result)
             if record.model_version_before == 0 and \
                     record.details.reference_accuracy_before is not None:
-                self._keep_origin_results()
+                self.repo.keep_origin_eval_cache()  # the worker scored version 0 just now
         self.store.save_session(record)
         return end
-
-    def _keep_origin_results(self) -> None:
-        # The eval cache holds version 0's results now (the worker scored it first thing).
-        try:
-            self.repo.keep_origin_eval_cache()
-        except OSError as error:  # a full disk: the next session that serves version 0 tries again
-            logger.warning("the first model's results were not kept: %s",
-                           as_odtd_error(error) or error)
 
     def _read_result(self, record: SessionRecord, result: dict[str, Any]) -> None:
         """Fill the record's accuracy fields from the worker's result event."""
