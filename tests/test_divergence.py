@@ -121,11 +121,14 @@ def test_init_installs_the_recipe_for_an_imported_model_and_checks_it(exploding,
     proc = odtctl("init", "--model-file", str(exploding), "--classes", ",".join(CLASSES),
                   "--replay", str(tmp_path / "seed"), home=home)
     lines = proc.stdout.splitlines()
-    assert lines[1] == (f"policy {home / 'policy.yaml'}: new-camera.yaml, the recipe for a model "
-                        "trained on a server that now sees through the device's camera (imported "
-                        "with --model-file); --policy FILE installs another")
-    assert lines[2].startswith("policy check: ok, loss ") and " at learning rate 0.0001" in lines[2]
-    assert (home / "policy.yaml").read_text() == (REPO / "policies" / "new-camera.yaml").read_text()
+    # The model has no BatchNormalization layer: the recipe for such a model.
+    assert lines[1] == (f"policy {home / 'policy.yaml'}: new-camera-no-batchnorm.yaml, the recipe "
+                        "for a model without BatchNormalization that now sees through the "
+                        "device's camera (imported with --model-file); --policy FILE installs "
+                        "another")
+    assert lines[2].startswith("policy check: ok, loss ") and " at learning rate 0.005" in lines[2]
+    assert (home / "policy.yaml").read_text() == (
+        REPO / "policies" / "new-camera-no-batchnorm.yaml").read_text()
 
 
 def test_a_bad_policy_for_init_is_refused_before_anything_is_made(tmp_path):
@@ -141,6 +144,8 @@ def test_a_bad_policy_for_init_is_refused_before_anything_is_made(tmp_path):
 
 def test_the_imported_models_recipe_is_policies_new_camera():
     assert recipe_for(imported=True).text == (REPO / "policies" / "new-camera.yaml").read_text()
+    assert recipe_for(imported=True, batchnorm=False).text == (
+        REPO / "policies" / "new-camera-no-batchnorm.yaml").read_text()
     assert recipe_for("densenet40").text == (REPO / "policies" / "densenet40.yaml").read_text()
     assert recipe_for("tinycnn").text == (REPO / "policies" / "default.yaml").read_text()
 

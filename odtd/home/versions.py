@@ -99,8 +99,11 @@ class ModelRepo:
                 scored = str(cache["weights_sha256"])
         except (OSError, ValueError, KeyError):
             return  # unreadable: it is scored again, and kept then
-        if scored == file_sha256(self.weights_path(0)):
-            atomic.copy(self.eval_cache_path, self.origin_eval_cache_path)
+        try:
+            if scored == file_sha256(self.weights_path(0)):
+                atomic.copy(self.eval_cache_path, self.origin_eval_cache_path)
+        except OSError as error:  # a full disk: the next session that serves version 0 tries again
+            logger.warning("the first model's results were not kept: %s", error)
 
     def adopt_eval_cache(self, candidate_results: Path) -> None:
         """Make a promoted candidate's validation results the eval cache (if the worker wrote them)."""

@@ -164,7 +164,7 @@ class SessionRunner:
             result = self._train_with_retries(record, job_dir, current, pending + replay_rows, stop)
         except BaseException as exc:
             # Record before propagating: a session row must never stay `running` by our hand.
-            self._finish(record, "failed", failure_reason(exc))
+            self._finish(record, "failed", failure_reason(exc, database=self.home.db_path))
             raise
         if result is None:  # failed or interrupted; the record says which and why
             return self._finish(record, record.outcome, record.reason)
@@ -174,13 +174,14 @@ class SessionRunner:
         except BaseException as exc:
             # Promotion is all or nothing: the served model, the versions, the samples and the
             # replay buffer are as they were; the session is failed, with why.
-            if as_odtd_error(exc) is None:  # a bug: its traceback; a full disk: its line
+            if as_odtd_error(exc, self.home.db_path) is None:  # a bug: its traceback
                 logger.exception("session %d: accepting the candidate failed", record.id)
             record.details.kept_for_resume = False
             record.details.replay_buffer = None
             record.model_version_after = current
-            self._finish(record, "failed", f"{failure_reason(exc, 'accepting the candidate')}; "
-                         "the served model, its versions and the samples are unchanged")
+            reason = failure_reason(exc, "accepting the candidate", self.home.db_path)
+            self._finish(record, "failed", f"{reason}; the served model, its versions and the "
+                         "samples are unchanged")
             if not isinstance(exc, Exception):
                 raise
             return record
@@ -383,16 +384,9 @@ class SessionRunner:
             self._read_result(record, end.result)
             if record.model_version_before == 0 and \
                     record.details.reference_accuracy_before is not None:
-                self._keep_origin_results()
+                self.repo.keep_origin_eval_cache()  # the worker scored version 0 just now
         self.store.save_session(record)
         return end
-
-    def _keep_origin_results(self) -> None:
-        # The eval cache holds version 0's results now (the worker scored it first thing).
-        try:
-            self.repo.keep_origin_eval_cache()
-        except OSError as error:  # a full disk: the next session that serves version 0 tries again
-            logger.warning("the first model's results were not kept: %s", as_odtd_error(error))
 
     def _read_result(self, record: SessionRecord, result: dict[str, Any]) -> None:
         """Fill the record's accuracy fields from the worker's result event."""
