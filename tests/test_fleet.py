@@ -1,0 +1,159 @@
+"""A Flower fleet through Flower's real processes: a SuperLink, a SuperNode per device, `flwr run`.
+
+Three tinycnn homes, each with its own daemon; two rounds. The third device has its charging
+gate forced closed: it declines each round with that reason and the rounds complete with the
+other two. One fleet (module scope) serves every test here.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import REPO, odtctl, odtctl_json, trainer_python_yaml, write_images
+from test_daemon import FAST_CONFIG, start_daemon, stop
+
+from odtd.daemon.control import request_federated_session
+from odtd.errors import OdtdError
+
+flwr = pytest.importorskip("flwr", reason="flwr (odtd[fleet], Python >= 3.11) is not installed")
+
+pytestmark = pytest.mark.trains
+
+DEVICES = 3
+ROUNDS = 2
+CLOSED = 2  # the device whose gate is closed
+
+
+def _device(base: Path, root: Path, index: int) -> Path:
+    home = root / f"device{index}"
+    shutil.copytree(base, home, symlinks=True)
+    policy = (REPO / "policies" / "tinycnn-test.yaml").read_text()
+    # Two rounds' worth of new samples: each round's session takes at most 12 of them.
+    policy = policy.replace("max_samples_per_session: 256", "max_samples_per_session: 12") \
+        .replace("epochs: 2", "epochs: 1")
+    (home / "policy.yaml").write_text(policy)
+    (home / "odtd.yaml").write_text(FAST_CONFIG + trainer_python_yaml())
+    write_images(root / f"images{index}", per_class=3, seed=10 + index)
+    odtctl("ingest", str(root / f"images{index}"), home=home)
+    if index == CLOSED:
+        (home / "run").mkdir(exist_ok=True)
+        (home / "run" / "force-gate-closed").write_text("charging\n")
+    return home
+
+
+@pytest.fixture(scope="module")
+def fleet(_base_home, tmp_path_factory):
+    from odtd.fleet.launch import LocalFleet
+
+    root = tmp_path_factory.mktemp("fleet")
+    homes = [_device(_base_home, root, i) for i in range(DEVICES)]
+    served = [(home / "models/tinycnn/current").read_text() for home in homes]
+    daemons = [start_daemon(home) for home in homes]
+    local = LocalFleet(root / "flower")
+    initial = _base_home / "models/tinycnn" / served[0].strip() / "weights.npz"
+    config = root / "fleet.yaml"
+    config.write_text(f"rounds: {ROUNDS}\nmin_devices: {DEVICES}\nlocal_epochs: 1\n"
+                      f"round_timeout_s: 120\ninitial_weights: {initial}\nrecord: rounds.db\n")
+    lines: list = []
+    try:
+        local.start_superlink()
+        for i, home in enumerate(homes):
+            local.start_supernode(home / "run" / "odtd.sock", f"supernode{i}")
+        status = local.run(config, progress=lines.append, timeout_s=240)
+        yield {"root": root, "homes": homes, "served": served, "status": status, "lines": lines,
+               "record": root / "rounds.db", "initial": initial, "daemons": daemons,
+               "log": (root / "flower" / "run" / "flwr-run.log")}
+    finally:
+        local.stop()
+        for daemon in daemons:
+            stop(daemon)
+
+
+def test_two_rounds_with_a_declining_device(fleet):
+    assert fleet["status"] == 0, fleet["log"].read_text()[-3000:]
+    report = odtctl_json("fleet", "status", "--record", str(fleet["record"]))
+    rounds = report["rounds"]
+    assert [r["round"] for r in rounds] == [1, 2]
+    for r in rounds:
+        assert (r["asked"], r["trained"], r["declined"], r["no_reply"]) == (DEVICES, DEVICES - 1, 1, 0)
+        declined = [d for d in r["devices"] if d["outcome"] == "declined"]
+        assert "gate charging closed" in declined[0]["reason"]
+        trained = [d for d in r["devices"] if d["outcome"] == "trained"]
+        for device in trained:
+            assert device["metrics"]["num-examples"] > 0
+            assert 0 <= device["metrics"]["accuracy-after"] <= 1
+            assert device["metrics"]["seconds"] > 0
+        assert r["seconds"] >= r["session_s_max"] > 0
+        assert set(r["metrics"]) >= {"accuracy-before", "accuracy-after"}
+    # The server's progress lines, as `odtctl fleet run` prints them.
+    assert any(line.startswith("round 2:") and "2 trained, 1 declined" in line for line in fleet["lines"])
+    # The global weights moved away from the initial ones.
+    with np.load(fleet["initial"]) as start, np.load(fleet["record"].with_name("rounds-global.npz")) as end:
+        assert sorted(start.files) == sorted(end.files)
+        assert any(not np.array_equal(start[k], end[k]) for k in start.files)
+
+
+def test_each_round_is_a_session_row_marked_federated(fleet):
+    run_id = odtctl_json("fleet", "status", "--record", str(fleet["record"]))["run"]["run_id"]
+    for index, home in enumerate(fleet["homes"]):
+        sessions = [s for s in odtctl_json("history", home=home) if s["trigger"] == "fleet"]
+        assert sorted(s["details"]["federated"]["round"] for s in sessions) == [1, 2]
+        assert {s["details"]["federated"]["run_id"] for s in sessions} == {run_id}
+        if index == CLOSED:  # nothing trained; the served model is the one it had
+            assert {s["outcome"] for s in sessions} == {"skipped"}
+            assert all("gate charging closed" in s["reason"] for s in sessions)
+            assert (home / "models/tinycnn/current").read_text() == fleet["served"][index]
+        else:  # trained each round; the guard decided what it serves
+            assert {s["outcome"] for s in sessions} <= {"promoted", "rolled_back"}
+            assert all(s["details"]["federated"]["handed_back"] for s in sessions)
+        assert not list((home / "run" / "fleet").glob("*.npz"))  # the exchanged files are gone
+
+
+def _request(home: Path, name: str, arrays: dict) -> dict:
+    exchange = home / "run" / "fleet"
+    exchange.mkdir(exist_ok=True)
+    np.savez(exchange / f"{name}.npz", **arrays)
+    return request_federated_session(home / "run" / "odtd.sock", {
+        "run_id": "test", "round": 9, "weights_in": str(exchange / f"{name}.npz"),
+        "weights_out": str(exchange / f"{name}-out.npz")})
+
+
+@pytest.mark.parametrize("damage, said", [
+    (lambda a: {**a, "w0000": a["w0000"][..., :1]}, "has shape"),
+    (lambda a: {**a, "w0001": a["w0001"].astype(np.float64)}, "has dtype"),
+    (lambda a: {**a, "w0000": np.full_like(a["w0000"], np.nan)}, "not finite"),
+    (lambda a: {k: v for k, v in a.items() if k != "w0002"}, "arrays"),
+])
+def test_weights_that_do_not_fit_are_refused(fleet, damage, said):
+    home = fleet["homes"][0]
+    current = (home / "models/tinycnn/current").read_text()
+    pending = odtctl_json("status", home=home)["samples"]["pending"]
+    with np.load(home / "models/tinycnn" / current.strip() / "weights.npz") as data:
+        arrays = {k: data[k] for k in data.files}
+    session = _request(home, "bad", damage(arrays))  # recorded failed, with why; nothing trained
+    assert session["outcome"] == "failed" and said in session["reason"] and "refused" in session["reason"]
+    assert not session["details"]["federated"].get("handed_back") and session["steps"] is None
+    assert odtctl_json("history", "--limit", "1", home=home)[0]["id"] == session["id"]
+    assert (home / "models/tinycnn/current").read_text() == current
+    assert odtctl_json("status", home=home)["samples"]["pending"] == pending
+
+
+def test_a_request_outside_the_exchange_directory_is_refused(fleet, tmp_path):
+    home = fleet["homes"][0]
+    with pytest.raises(OdtdError, match="is not in"):
+        request_federated_session(home / "run" / "odtd.sock", {
+            "run_id": "test", "round": 1, "weights_in": str(tmp_path / "x.npz"),
+            "weights_out": str(home / "run" / "fleet" / "y.npz")})
+
+
+def test_fleet_status_text_and_bad_record(fleet, tmp_path):
+    text = odtctl("fleet", "status", "--record", str(fleet["record"])).stdout
+    assert "round" in text and "declined" in text and "gate charging closed" in text
+    missing = odtctl("fleet", "status", "--record", str(tmp_path / "none.db"), check=False)
+    assert missing.returncode == 1 and missing.stderr.startswith("Error: ")
+    assert "Traceback" not in missing.stderr
+    assert json.loads(odtctl("fleet", "status", "--record", str(fleet["record"]), "--json").stdout)
