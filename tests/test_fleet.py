@@ -1,20 +1,23 @@
 """A Flower fleet through Flower's real processes: a SuperLink, a SuperNode per device, `flwr run`.
 
-Three tinycnn homes, each with its own daemon; two rounds. The third device has its charging
+Three tinycnn homes, each with its own daemon; three rounds. The third device has its charging
 gate forced closed: it declines each round with that reason and the rounds complete with the
-other two. One fleet (module scope) serves every test here.
+others. The second device's daemon is killed (SIGKILL) as its session of round 2 starts: it
+declines that round, its home stays intact, and, started again, it takes round 3. One fleet
+(module scope) serves every test here.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, odtctl, odtctl_json, trainer_python_yaml, write_images
+from conftest import REPO, odtctl, odtctl_json, trainer_python_yaml, wait_for, write_images
 from test_daemon import FAST_CONFIG, start_daemon, stop
 
 from odtd.daemon.control import request_federated_session
@@ -25,16 +28,17 @@ flwr = pytest.importorskip("flwr", reason="flwr (odtd[fleet], Python >= 3.11) is
 pytestmark = pytest.mark.trains
 
 DEVICES = 3
-ROUNDS = 2
+ROUNDS = 3
 CLOSED = 2  # the device whose gate is closed
+KILLED, KILLED_ROUND = 1, 2  # the device whose daemon is killed, and in which round
 
 
 def _device(base: Path, root: Path, index: int) -> Path:
     home = root / f"device{index}"
     shutil.copytree(base, home, symlinks=True)
     policy = (REPO / "policies" / "tinycnn-test.yaml").read_text()
-    # Two rounds' worth of new samples: each round's session takes at most 12 of them.
-    policy = policy.replace("max_samples_per_session: 256", "max_samples_per_session: 12") \
+    # Three rounds' worth of new samples: each round's session takes at most 8 of them.
+    policy = policy.replace("max_samples_per_session: 256", "max_samples_per_session: 8") \
         .replace("epochs: 2", "epochs: 1")
     (home / "policy.yaml").write_text(policy)
     (home / "odtd.yaml").write_text(FAST_CONFIG + trainer_python_yaml())
@@ -68,7 +72,9 @@ def fleet(_base_home, tmp_path_factory):
             config = root / "fleet.yaml"
             config.write_text(f"rounds: {ROUNDS}\nmin_devices: {DEVICES}\nlocal_epochs: 1\n"
                               f"round_timeout_s: 120\ninitial_weights: {initial}\nrecord: rounds.db\n")
+            killer = pool.submit(_kill_and_restart, homes[KILLED], daemons, root / "rounds.db")
             status = local.run(config, progress=lines.append, timeout_s=240)
+            killer.result(timeout=5)
             yield {"root": root, "homes": homes, "served": served, "status": status, "lines": lines,
                    "record": root / "rounds.db", "initial": initial, "daemons": daemons,
                    "log": (root / "flower" / "run" / "flwr-run.log")}
@@ -77,15 +83,36 @@ def fleet(_base_home, tmp_path_factory):
             list(pool.map(stop, daemons))
 
 
-def test_two_rounds_with_a_declining_device(fleet):
+def _rows(db: Path, query: str) -> list:
+    try:
+        with sqlite3.connect(db) as connection:
+            return connection.execute(query).fetchall()
+    except sqlite3.Error:  # not created yet
+        return []
+
+
+def _kill_and_restart(home: Path, daemons: list, record: Path) -> None:
+    """SIGKILL the device's daemon as its round-2 session starts; start it again after round 2."""
+    wait_for(lambda: _rows(home / "odtd.db", "SELECT id FROM sessions WHERE trigger = 'fleet' AND "
+                                             f"details LIKE '%\"round\": {KILLED_ROUND},%'"), 120, 0.05)
+    daemons[KILLED].kill()
+    daemons[KILLED].wait()
+    wait_for(lambda: _rows(record, f"SELECT 1 FROM rounds WHERE round = {KILLED_ROUND}"), 120)
+    daemons[KILLED] = start_daemon(home)
+
+
+def test_rounds_complete_with_declining_and_killed_devices(fleet):
     assert fleet["status"] == 0, fleet["log"].read_text()[-3000:]
     report = odtctl_json("fleet", "status", "--record", str(fleet["record"]))
     rounds = report["rounds"]
-    assert [r["round"] for r in rounds] == [1, 2]
+    assert [r["round"] for r in rounds] == list(range(1, ROUNDS + 1))
     for r in rounds:
-        assert (r["asked"], r["trained"], r["declined"], r["no_reply"]) == (DEVICES, DEVICES - 1, 1, 0)
-        declined = [d for d in r["devices"] if d["outcome"] == "declined"]
-        assert "gate charging closed" in declined[0]["reason"]
+        killed = r["round"] == KILLED_ROUND
+        assert (r["asked"], r["trained"], r["declined"], r["no_reply"]) == \
+            (DEVICES, DEVICES - 1 - killed, 1 + killed, 0)
+        reasons = [d["reason"] for d in r["devices"] if d["outcome"] == "declined"]
+        assert sum("gate charging closed" in reason for reason in reasons) == 1
+        assert sum("the daemon closed the connection" in reason for reason in reasons) == killed
         trained = [d for d in r["devices"] if d["outcome"] == "trained"]
         for device in trained:
             assert device["metrics"]["num-examples"] > 0
@@ -94,7 +121,7 @@ def test_two_rounds_with_a_declining_device(fleet):
         assert r["seconds"] >= r["session_s_max"] > 0
         assert set(r["metrics"]) >= {"accuracy-before", "accuracy-after"}
     # The server's progress lines, as `odtctl fleet run` prints them.
-    assert any(line.startswith("round 2:") and "2 trained, 1 declined" in line for line in fleet["lines"])
+    assert any(line.startswith("round 3:") and "2 trained, 1 declined" in line for line in fleet["lines"])
     # The global weights moved away from the initial ones.
     with np.load(fleet["initial"]) as start, np.load(fleet["record"].with_name("rounds-global.npz")) as end:
         assert sorted(start.files) == sorted(end.files)
@@ -106,8 +133,13 @@ def test_each_round_is_a_session_row_marked_federated(fleet):
     for index, home in enumerate(fleet["homes"]):
         sessions = [s for s in odtctl_json("history", home=home) if s["trigger"] == "fleet"
                     and s["details"]["federated"]["run_id"] == run_id]  # not the tests' own requests
-        assert sorted(s["details"]["federated"]["round"] for s in sessions) == [1, 2]
-        if index == CLOSED:  # nothing trained; the served model is the one it had
+        assert sorted(s["details"]["federated"]["round"] for s in sessions) == list(range(1, ROUNDS + 1))
+        if index == KILLED:  # the killed session is interrupted; the others trained
+            outcomes = {s["details"]["federated"]["round"]: s["outcome"] for s in sessions}
+            assert outcomes.pop(KILLED_ROUND) == "interrupted"
+            assert set(outcomes.values()) <= {"promoted", "rolled_back"}
+            assert odtctl_json("status", home=home)["samples"]["pending"] > 0
+        elif index == CLOSED:  # nothing trained; the served model is the one it had
             assert {s["outcome"] for s in sessions} == {"skipped"}
             assert all("gate charging closed" in s["reason"] for s in sessions)
             assert (home / "models/tinycnn/current").read_text() == fleet["served"][index]
@@ -126,21 +158,41 @@ def _request(home: Path, name: str, arrays: dict) -> dict:
         "weights_out": str(exchange / f"{name}-out.npz")})
 
 
-@pytest.mark.parametrize("damage, said", [
+DAMAGES = [
     (lambda a: {**a, "w0000": a["w0000"][..., :1]}, "has shape"),
     (lambda a: {**a, "w0001": a["w0001"].astype(np.float64)}, "has dtype"),
     (lambda a: {**a, "w0000": np.full_like(a["w0000"], np.nan)}, "not finite"),
     (lambda a: {k: v for k, v in a.items() if k != "w0002"}, "arrays"),
-])
-def test_weights_that_do_not_fit_are_refused(fleet, damage, said):
-    home = fleet["homes"][0]
+]
+
+
+def _served(home: Path) -> tuple:
     current = (home / "models/tinycnn/current").read_text()
+    path = home / "models/tinycnn" / current.strip() / "weights.npz"
+    with np.load(path) as data:
+        return current, path, {k: data[k] for k in data.files}
+
+
+@pytest.mark.parametrize("damage, said", DAMAGES)
+def test_check_global_weights_refuses_what_does_not_fit(_base_home, tmp_path, damage, said):
+    from odtd.session.federated import check_global_weights
+
+    _, served, arrays = _served(_base_home)
+    np.savez(tmp_path / "in.npz", **damage(arrays))
+    with pytest.raises(OdtdError, match=said):
+        check_global_weights(tmp_path / "in.npz", served)
+    np.savez(tmp_path / "fits.npz", **arrays)
+    assert sorted(check_global_weights(tmp_path / "fits.npz", served)) == sorted(arrays)
+
+
+def test_weights_that_do_not_fit_are_refused_by_the_daemon(fleet):
+    home = fleet["homes"][0]
+    current, _, arrays = _served(home)
     pending = odtctl_json("status", home=home)["samples"]["pending"]
-    with np.load(home / "models/tinycnn" / current.strip() / "weights.npz") as data:
-        arrays = {k: data[k] for k in data.files}
-    session = _request(home, "bad", damage(arrays))  # recorded failed, with why; nothing trained
-    assert session["outcome"] == "failed" and said in session["reason"] and "refused" in session["reason"]
-    assert not session["details"]["federated"].get("handed_back") and session["steps"] is None
+    session = _request(home, "bad", DAMAGES[0][0](arrays))  # recorded failed, with why
+    assert session["outcome"] == "failed" and "has shape" in session["reason"]
+    assert "refused" in session["reason"] and session["steps"] is None
+    assert not session["details"]["federated"].get("handed_back")
     assert odtctl_json("history", "--limit", "1", home=home)[0]["id"] == session["id"]
     assert (home / "models/tinycnn/current").read_text() == current
     assert odtctl_json("status", home=home)["samples"]["pending"] == pending
