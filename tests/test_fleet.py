@@ -185,6 +185,24 @@ def test_check_global_weights_refuses_what_does_not_fit(_base_home, tmp_path, da
     assert sorted(check_global_weights(tmp_path / "fits.npz", served)) == sorted(arrays)
 
 
+@pytest.mark.parametrize("batchnorm", ["fedavg", "fedbn"])
+def test_start_weights_take_the_servers_batchnorm_or_keep_the_devices(_base_home, tmp_path, batchnorm):
+    from odtd.session.federated import FederatedRound, batchnorm_keys, write_start_weights
+
+    current, served, arrays = _served(_base_home)
+    names = json.loads((served.parent / "manifest.json").read_text())["weight_names"]
+    bn = batchnorm_keys(names)
+    assert [names[int(k[1:])].split("/")[1] for k in bn] == ["gamma", "beta", "moving_mean",
+                                                             "moving_variance"] * 2
+    np.savez(tmp_path / "global.npz", **{k: v + 1 for k, v in arrays.items()})
+    federated = FederatedRound("run", 1, str(tmp_path / "global.npz"), str(tmp_path / "out.npz"),
+                               batchnorm=batchnorm)
+    with np.load(write_start_weights(federated, served, names, tmp_path / "job")) as start:
+        for key in arrays:
+            kept = batchnorm == "fedbn" and key in bn
+            assert np.array_equal(start[key], arrays[key] if kept else arrays[key] + 1), key
+
+
 def test_weights_that_do_not_fit_are_refused_by_the_daemon(fleet):
     home = fleet["homes"][0]
     current, _, arrays = _served(home)
@@ -213,3 +231,21 @@ def test_fleet_status_text_and_bad_record(fleet, tmp_path):
     assert missing.returncode == 1 and missing.stderr.startswith("Error: ")
     assert "Traceback" not in missing.stderr
     assert json.loads(odtctl("fleet", "status", "--record", str(fleet["record"]), "--json").stdout)
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_supernode_unit_passes_systemd_analyze_verify(tmp_path):
+    import subprocess
+
+    from test_deploy import make_systemd_root
+
+    root = make_systemd_root(tmp_path / "root")
+    supernode = root / "opt/odtd/fleet-venv/bin/flower-supernode"
+    supernode.parent.mkdir(parents=True)
+    supernode.write_text("#!/bin/sh\nexit 0\n")
+    supernode.chmod(0o755)
+    shutil.copy(REPO / "deploy" / "odtd-supernode.service", root / "etc/systemd/system/")
+    shutil.copy(REPO / "deploy" / "odtd.service", root / "etc/systemd/system/")
+    result = subprocess.run(["systemd-analyze", "verify", f"--root={root}", "odtd-supernode.service"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout + result.stderr == "", result.stderr
