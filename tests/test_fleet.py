@@ -249,3 +249,18 @@ def test_supernode_unit_passes_systemd_analyze_verify(tmp_path):
     result = subprocess.run(["systemd-analyze", "verify", f"--root={root}", "odtd-supernode.service"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout + result.stderr == "", result.stderr
+
+
+def test_device_pools_draw_each_devices_class_mix():
+    from odtd.fleet.simulate import DevicePools, FleetSimulation
+    from odtd.sim.simulate import DataSource, SimulationOptions
+
+    options = FleetSimulation(devices=2, alpha=0.1, each=SimulationOptions(seed=3))
+    pools = DevicePools(options, DataSource(options.each))
+    assert pools.mix.shape == (2, 10) and np.allclose(pools.mix.sum(axis=1), 1)
+    x, y = pools.draw(0, 400, "train")
+    assert x.shape == (400, 32, 32, 3) and x.dtype == np.uint8
+    share = np.bincount(y, minlength=10) / 400
+    assert np.abs(share - pools.mix[0]).max() < 0.1  # a multinomial draw of the device's mix
+    x2, _ = pools.draw(0, 50, "train")
+    assert not any((x2[:1] == image).all() for image in x)  # new images, not the same again

@@ -82,10 +82,29 @@ def fleet_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def fleet_simulate(args: argparse.Namespace) -> int:
+    """N devices, their days and rounds on this machine; a table at the end."""
+    if importlib.util.find_spec("flwr") is None:
+        raise OdtdError("fleet simulate needs Flower: pip install 'odtd[fleet]' (Python >= 3.11)")
+    from odtd.fleet.simulate import FleetSimulation, simulate_fleet
+    from odtd.sim.simulate import SimulationOptions
+
+    each = SimulationOptions(
+        days=args.rounds, per_day=args.per_day, model=args.model, dataset=args.dataset,
+        pretrain_samples=args.pretrain_samples, pretrain_epochs=args.pretrain_epochs,
+        validation_samples=args.validation_samples, seed=args.seed, policy=args.policy,
+        shift=args.shift)
+    options = FleetSimulation(devices=args.devices, alpha=args.alpha, test_per_device=args.test_images,
+                              local_epochs=args.local_epochs, batchnorm=args.batchnorm, each=each)
+    result = simulate_fleet(Path(args.out), options, progress=progress)
+    emit(args, result, None if args.json else "\n".join(result["table"]))
+    return 0
+
+
 @command("fleet")
 def cmd_fleet(args: argparse.Namespace) -> int:
-    """Dispatch ``fleet status | run``."""
-    return fleet_status(args) if args.fleet_command == "status" else fleet_run(args)
+    """Dispatch ``fleet status | run | simulate``."""
+    return {"status": fleet_status, "run": fleet_run, "simulate": fleet_simulate}[args.fleet_command](args)
 
 
 def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser,
@@ -109,3 +128,31 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     tls.add_argument("--root-certificates", help="the CA certificate that signed the SuperLink's")
     r.add_argument("--work", help="where the app's directory and Flower's files go "
                                   "(default: beside the record)")
+    m = fleet_sub.add_parser("simulate", parents=[reader], help="N devices and their rounds on this machine",
+                             description="N homes from one base model, each its own class mix "
+                                         "(Dirichlet) and camera, a day of new images and a Flower "
+                                         "round a day through a real SuperLink, SuperNodes and "
+                                         "daemons; beside them each device alone and AdaBN on the "
+                                         "same images; every arm scored on each device's own test "
+                                         "images at the end.")
+    m.add_argument("--devices", type=int, default=3, help="devices (default 3)")
+    m.add_argument("--rounds", type=int, default=2, help="days, one round each (default 2)")
+    m.add_argument("--per-day", type=int, default=64, help="new images a device gets a day (default 64)")
+    m.add_argument("--alpha", type=float, default=0.5,
+                   help="Dirichlet concentration of the devices' class mixes (default 0.5)")
+    m.add_argument("--shift", metavar="NAME", help="one camera shift for every device "
+                                                   "(`odtctl simulate --shift help` lists them)")
+    m.add_argument("--model", default="tinycnn", help="the base model's network (default tinycnn)")
+    m.add_argument("--dataset", default="synthetic",
+                   help="'synthetic' (built in) or a <split>/<class>/*.jpg directory or CIFAR-10 .tar.gz")
+    m.add_argument("--pretrain-samples", type=int, default=1000, help="server images the base "
+                                                                      "model pre-trains on (default 1000)")
+    m.add_argument("--pretrain-epochs", type=int, default=3, help="pre-training epochs (default 3)")
+    m.add_argument("--validation-samples", type=int, default=200, help="each home's validation set")
+    m.add_argument("--test-images", type=int, default=200, help="test images a device (default 200)")
+    m.add_argument("--local-epochs", type=int, default=1, help="each device's epochs a round (default 1)")
+    m.add_argument("--batchnorm", choices=("fedavg", "fedbn"), default="fedavg",
+                   help="BatchNorm parameters averaged (fedavg) or kept per device (fedbn)")
+    m.add_argument("--policy", help="the devices' policy file (default: the model's recipe)")
+    m.add_argument("--seed", type=int, default=0, help="seed of the draws")
+    m.add_argument("--out", required=True, help="a new directory for the homes, logs and record")
