@@ -95,7 +95,8 @@ def fleet_simulate(args: argparse.Namespace) -> int:
         validation_samples=args.validation_samples, seed=args.seed, policy=args.policy,
         shift=args.shift)
     options = FleetSimulation(devices=args.devices, alpha=args.alpha, test_per_device=args.test_images,
-                              local_epochs=args.local_epochs, batchnorm=args.batchnorm, each=each)
+                              local_epochs=args.local_epochs, batchnorm=args.batchnorm,
+                              model_file=args.model_file, each=each)
     result = simulate_fleet(Path(args.out), options, progress=progress)
     emit(args, result, None if args.json else "\n".join(result["table"]))
     return 0
@@ -143,6 +144,8 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     m.add_argument("--shift", metavar="NAME", help="one camera shift for every device "
                                                    "(`odtctl simulate --shift help` lists them)")
     m.add_argument("--model", default="tinycnn", help="the base model's network (default tinycnn)")
+    m.add_argument("--model-file", help="a trained Keras model (.keras/.h5) as the base, imported "
+                                        "as `odtctl init --model-file` does (no pre-training)")
     m.add_argument("--dataset", default="synthetic",
                    help="'synthetic' (built in) or a <split>/<class>/*.jpg directory or CIFAR-10 .tar.gz")
     m.add_argument("--pretrain-samples", type=int, default=1000, help="server images the base "

@@ -42,6 +42,7 @@ from odtd.sim import datasets
 from odtd.sim.arms import AdaBnArm, Day, Trial, link_home
 from odtd.sim.scoring import ScoringSets
 from odtd.sim.simulate import DataSource, SimulationOptions, install_policy, pretrain_base
+from odtd.trainer.protocol.procfs import read_proc_mb
 
 ARMS = ("base", "alone", "adabn", "fleet")
 
@@ -56,6 +57,8 @@ class FleetSimulation:
         test_per_device: Test images of each device's mix.
         local_epochs: Each device's epochs a round.
         batchnorm: ``fedavg`` or ``fedbn`` (docs/fleet.md).
+        model_file: A user's trained Keras model (``.keras``/``.h5``) as the base, imported as
+            ``odtctl init --model-file`` does (no pre-training); None: ``each.model`` pre-trained.
         each: What every device shares with ``odtctl simulate``: its ``days`` are the rounds,
             ``per_day``, the model, data set, shift, pre-training, validation set, policy, seed.
     """
@@ -65,6 +68,7 @@ class FleetSimulation:
     test_per_device: int = 200
     local_epochs: int = 1
     batchnorm: str = "fedavg"
+    model_file: Optional[str] = None
     each: SimulationOptions = field(default_factory=lambda: SimulationOptions(
         days=2, pretrain_samples=1000, pretrain_epochs=3, validation_samples=200))
 
@@ -189,12 +193,13 @@ def simulate_fleet(out: Path, options: FleetSimulation,
     out.mkdir(parents=True, exist_ok=True)
     source = DataSource(sim)
     base = Home(out / "base")
-    progress(f"creating the base model ({sim.model}) in {base.root} ...")
-    init_home(base, InitRequest(sim.model, source.classes, seed=sim.seed,
-                                validation_arrays=source.validation()))
+    progress(f"creating the base model ({options.model_file or sim.model}) in {base.root} ...")
+    init_home(base, InitRequest(None if options.model_file else sim.model, source.classes,
+                                seed=sim.seed, validation_arrays=source.validation(),
+                                model_file=Path(options.model_file) if options.model_file else None))
     if sim.policy:
         install_policy(base, Path(sim.policy))
-    if sim.pretrain_samples > 0:
+    if sim.pretrain_samples > 0 and not options.model_file:
         pretrain_base(base, source, sim, progress)
     store = base.open_store()
     spec = ModelSpec.from_store(store)
@@ -255,13 +260,22 @@ def simulate_fleet(out: Path, options: FleetSimulation,
                 raise OdtdError(f"round {r}: flwr run failed; see {out / 'flower' / 'run' / 'flwr-run.log'}")
             global_weights = out / f"global-{r}.npz"
             days.append(day)
+        superlink_mb = read_proc_mb("VmHWM", Path(f"/proc/{local.superlink.pid}/status"))
     finally:
         local.stop()
         for process in daemons:
             process.terminate()
         for process in daemons:
             process.wait(timeout=60)
-    return _scored(out, devices, spec.name, base_weights, global_weights, days, progress)
+    result = _scored(out, devices, spec.name, base_weights, global_weights, days, progress)
+    with np.load(base_weights) as data:
+        weights = {"arrays": len(data.files), "values": int(sum(data[k].size for k in data.files)),
+                   "bytes": int(sum(data[k].nbytes for k in data.files))}
+    result["scale"] = {"devices": options.devices, "rounds": sim.days,
+                       # a train message to each device asked and its reply (no evaluate round)
+                       "messages_per_round": 2 * options.devices, "weights_per_message": weights,
+                       "superlink_peak_rss_mb": superlink_mb}
+    return result
 
 
 def _scored(out: Path, devices: List[Dict[str, Any]], model: str, base_weights: Path,
