@@ -4,7 +4,7 @@ Three tinycnn homes, each with its own daemon; three rounds. The third device ha
 gate forced closed: it declines each round with that reason and the rounds complete with the
 others. The second device's daemon is killed (SIGKILL) as its session of round 2 starts: it
 declines that round, its home stays intact, and, started again, it takes round 3. One fleet
-(module scope) serves every test here.
+serves one test (`make test`'s budget: its start and three rounds take about a minute).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _device(base: Path, root: Path, index: int) -> Path:
     return home
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def fleet(_base_home, tmp_path_factory):
     from odtd.fleet.launch import LocalFleet
 
@@ -101,7 +101,17 @@ def _kill_and_restart(home: Path, daemons: list, record: Path) -> None:
     daemons[KILLED] = start_daemon(home)
 
 
-def test_rounds_complete_with_declining_and_killed_devices(fleet):
+def test_a_fleet_of_three_devices(fleet, tmp_path):
+    """One fleet, every check on it: pytest-xdist would start a module-scoped fixture once per
+    worker that runs one of its tests, so the checks are one test."""
+    _check_rounds_with_declining_and_killed_devices(fleet)
+    _check_each_round_is_a_session_row_marked_federated(fleet)
+    _check_weights_that_do_not_fit_are_refused_by_the_daemon(fleet)
+    _check_a_request_outside_the_exchange_directory_is_refused(fleet, tmp_path)
+    _check_fleet_status_text_and_bad_record(fleet, tmp_path)
+
+
+def _check_rounds_with_declining_and_killed_devices(fleet):
     assert fleet["status"] == 0, fleet["log"].read_text()[-3000:]
     report = odtctl_json("fleet", "status", "--record", str(fleet["record"]))
     rounds = report["rounds"]
@@ -128,7 +138,7 @@ def test_rounds_complete_with_declining_and_killed_devices(fleet):
         assert any(not np.array_equal(start[k], end[k]) for k in start.files)
 
 
-def test_each_round_is_a_session_row_marked_federated(fleet):
+def _check_each_round_is_a_session_row_marked_federated(fleet):
     run_id = odtctl_json("fleet", "status", "--record", str(fleet["record"]))["run"]["run_id"]
     for index, home in enumerate(fleet["homes"]):
         sessions = [s for s in odtctl_json("history", home=home) if s["trigger"] == "fleet"
@@ -203,7 +213,7 @@ def test_start_weights_take_the_servers_batchnorm_or_keep_the_devices(_base_home
             assert np.array_equal(start[key], arrays[key] if kept else arrays[key] + 1), key
 
 
-def test_weights_that_do_not_fit_are_refused_by_the_daemon(fleet):
+def _check_weights_that_do_not_fit_are_refused_by_the_daemon(fleet):
     home = fleet["homes"][0]
     current, _, arrays = _served(home)
     pending = odtctl_json("status", home=home)["samples"]["pending"]
@@ -216,7 +226,7 @@ def test_weights_that_do_not_fit_are_refused_by_the_daemon(fleet):
     assert odtctl_json("status", home=home)["samples"]["pending"] == pending
 
 
-def test_a_request_outside_the_exchange_directory_is_refused(fleet, tmp_path):
+def _check_a_request_outside_the_exchange_directory_is_refused(fleet, tmp_path):
     home = fleet["homes"][0]
     with pytest.raises(OdtdError, match="is not in"):
         request_federated_session(home / "run" / "odtd.sock", {
@@ -224,7 +234,7 @@ def test_a_request_outside_the_exchange_directory_is_refused(fleet, tmp_path):
             "weights_out": str(home / "run" / "fleet" / "y.npz")})
 
 
-def test_fleet_status_text_and_bad_record(fleet, tmp_path):
+def _check_fleet_status_text_and_bad_record(fleet, tmp_path):
     text = odtctl("fleet", "status", "--record", str(fleet["record"])).stdout
     assert "round" in text and "declined" in text and "gate charging closed" in text
     missing = odtctl("fleet", "status", "--record", str(tmp_path / "none.db"), check=False)
