@@ -117,11 +117,13 @@ def main(grid: Grid, context: Context) -> None:
         train_config = ConfigRecord({"batchnorm": settings.batchnorm,
                                      "local-epochs": settings.local_epochs or 0,
                                      "learning-rate": settings.learning_rate or 0.0})
-        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(read_arrays(settings.initial_weights)),
+        initial = read_arrays(settings.initial_weights)
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(initial),
                                 num_rounds=settings.rounds, timeout=settings.round_timeout_s,
                                 train_config=train_config)
-        final = result.arrays.to_numpy_ndarrays() if result.arrays is not None else \
-            read_arrays(settings.initial_weights)
+        # Flower's result holds no arrays when no round aggregated any (every device declined):
+        # then the start stands.
+        final = (result.arrays.to_numpy_ndarrays() if result.arrays is not None else []) or initial
         np.savez(settings.output_weights, **{f"w{i:04d}": a for i, a in enumerate(final)})
         log.finish_run(run_id)
         print(f"run {run_id}: {settings.rounds} rounds; global weights in {settings.output_weights}",
