@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from odtd.errors import OdtdError
+from odtd.home.versions import ModelRepo
 
 BATCHNORM_CHOICES = ("fedavg", "fedbn")
 EXCHANGE_DIR = "fleet"  # under HOME/run: the weights the SuperNode's ClientApp and a session swap
@@ -152,6 +153,17 @@ def write_start_weights(federated: FederatedRound, served: Path, weight_names: O
     start = job_dir / "global.npz"
     np.savez(start, **arrays)
     return start
+
+
+def refused_start(federated: FederatedRound, repo: ModelRepo, current: int, job_dir: Path
+                  ) -> Optional[str]:
+    """Write the session's start (``write_start_weights``); why not, if the weights do not fit."""
+    try:
+        write_start_weights(federated, repo.weights_path(current),
+                            repo.manifest(current).get("weight_names"), job_dir)
+    except OdtdError as exc:
+        return str(exc)
+    return None
 
 
 def hand_back(candidate: Path, federated: FederatedRound) -> bool:

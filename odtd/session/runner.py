@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from odtd.config import Config
-from odtd.errors import OdtdError, as_odtd_error, failure_reason
+from odtd.errors import as_odtd_error, failure_reason
 from odtd.home.disk import room_for_session
 from odtd.home.ingest import load_sample_arrays
 from odtd.home.paths import Home
@@ -29,7 +29,7 @@ from odtd.home.spec import ModelSpec
 from odtd.home.versions import ModelRepo
 from odtd.policy import Policy
 from odtd.session.admission import SKIP, admit_session
-from odtd.session.federated import FederatedRound, hand_back, write_start_weights
+from odtd.session.federated import FederatedRound, hand_back, refused_start
 from odtd.session.gates import (
     FORCE_CLOSED_FILE,
     GateMonitor,
@@ -116,9 +116,8 @@ class SessionRunner:
             day: YYYY-MM-DD the session belongs to (default: today).
             stop: request it to stop the worker at its next step boundary (outcome interrupted).
             force: bypass the policy's gates (never the memory budget or the OOM rules).
-            federated: a Flower round's session (``odtd.session.federated``): it trains from the
-                round's global weights and hands the trained ones back; the guard still judges
-                the result against the served model.
+            federated: a Flower round's (``odtd.session.federated``): from its weights, the
+                trained ones handed back; the guard judges against the served model as ever.
 
         Raises:
             SessionBusy: another session holds the lock.
@@ -141,12 +140,8 @@ class SessionRunner:
         record.details.federated = federated.to_details() if federated else None
         self.store.start_session(record)
         job_dir = self.home.runs / f"session-{record.id}"
-        if federated:  # weights that do not fit the served model: refused before anything else
-            try:
-                write_start_weights(federated, self.repo.weights_path(current),
-                                    self.repo.manifest(current).get("weight_names"), job_dir)
-            except OdtdError as exc:
-                return self._finish(record, "failed", str(exc))
+        if federated and (refusal := refused_start(federated, self.repo, current, job_dir)):
+            return self._finish(record, "failed", refusal)  # before anything else
         if not pending:
             return self._finish(record, "skipped", "no pending samples")
         last = self.store.last_judged_session()
