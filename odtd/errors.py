@@ -99,28 +99,31 @@ def storage_error(error: OSError) -> StorageError:
     return StorageError(f"{where}: {what} ({code}); {fix}")
 
 
-def as_odtd_error(error: BaseException) -> "OdtdError | None":
+def as_odtd_error(error: BaseException, database: "os.PathLike[str] | str | None" = None
+                  ) -> "OdtdError | None":
     """The `OdtdError` to report for ``error``: itself, a filesystem error's one line, or None.
 
     SQLite's errors for a full, read-only or failing disk outside a transaction (a read that
-    meets a disk I/O error) are named after the database, whose path they do not carry.
+    meets a disk I/O error) carry no path: they are judged and named by ``database``, the
+    home's ``odtd.db`` (without it, one in the working directory).
     """
     if isinstance(error, OdtdError):
         return error
     if isinstance(error, OSError) and error.errno in STORAGE_ERRNOS:
         return storage_error(error)
     if isinstance(error, sqlite3.OperationalError):
-        return sqlite_storage_error(error, "odtd.db")
+        return sqlite_storage_error(error, os.fspath(database) if database else "odtd.db")
     return None
 
 
-def failure_reason(error: BaseException, doing: str = "") -> str:
+def failure_reason(error: BaseException, doing: str = "",
+                   database: "os.PathLike[str] | str | None" = None) -> str:
     """Why a session failed, for its record: an odtd error's line, else ``internal error: ...``.
 
     ``doing`` names the step (``accepting the candidate``): ``internal error while accepting
-    the candidate: ...``.
+    the candidate: ...``; ``database`` is ``as_odtd_error``'s.
     """
-    reported = as_odtd_error(error)
+    reported = as_odtd_error(error, database)
     during = f" while {doing}" if doing else ""
     if reported is not None:
         return f"{reported}{f' ({during.strip()})' if doing else ''}"

@@ -250,8 +250,8 @@ class AcceptancePolicy(_Strict):
         description="largest drop, in points, allowed on the reference set (base training "
         "images `init --replay` held out: the original domain); with confidence_z the drop "
         "must exceed it by that many standard errors to refuse; nor may a candidate score "
-        "more than this below the home's first model (version 0) there, as measured; null = "
-        "not checked")
+        "more than this below the home's first model (version 0) there, by the same rule; "
+        "null = not checked")
 
 
 class ModelsPolicy(_Strict):
@@ -328,16 +328,25 @@ class Recipe:
     why: str
 
 
-def recipe_for(model: Optional[str] = None, imported: bool = False) -> Recipe:
+def recipe_for(model: Optional[str] = None, imported: bool = False,
+               batchnorm: bool = True) -> Recipe:
     """The commented policy ``odtctl init`` installs for a built-in ``model`` or an imported one.
 
     An imported model (``init --model-file``: a user's classifier, trained on a server, now
     behind the device's camera) gets ``policies/new-camera.yaml`` (packaged as
-    ``odtd/default_policy_imported.yaml``), the recipe measured best on imported models. A
-    built-in network with a recipe of its own has ``policies/<model>.yaml`` (packaged as
-    ``odtd/default_policy_<model>.yaml``); any other gets ``policies/default.yaml``.
+    ``odtd/default_policy_imported.yaml``), the recipe measured best on imported models; one
+    without BatchNormalization layers (``batchnorm`` False) gets
+    ``policies/new-camera-no-batchnorm.yaml``, whose sessions train its weights longer, for it
+    has no statistics to adapt. A built-in network with a recipe of its own has
+    ``policies/<model>.yaml`` (packaged as ``odtd/default_policy_<model>.yaml``); any other
+    gets ``policies/default.yaml``.
     """
     here = Path(__file__).parent
+    if imported and not batchnorm:
+        return Recipe("new-camera-no-batchnorm.yaml", (
+            here / "default_policy_imported_no_batchnorm.yaml").read_text(encoding="utf-8"),
+            "the recipe for a model without BatchNormalization that now sees through the "
+            "device's camera (imported with --model-file)")
     if imported:
         return Recipe("new-camera.yaml", (here / "default_policy_imported.yaml").read_text(
             encoding="utf-8"), "the recipe for a model trained on a server that now sees "

@@ -87,10 +87,11 @@ def server_and_device_images(args):
         from odtd.sim.datasets import open_dataset
 
         data = open_dataset(args.cifar)
-        files = [(name, label) for name, label in data.files("train") if label < len(CLASSES)]
+        # Positions in the split (load_arrays' indices) of the images of the first five classes.
+        positions = [i for i, (_, label) in enumerate(data.files("train")) if label < len(CLASSES)]
         rng = np.random.default_rng(args.seed + 100)
-        picked = rng.permutation(len(files))[:count]
-        x, y = data.load_arrays("train", [files[i][0] for i in picked])
+        picked = rng.permutation(len(positions))[:count]
+        x, y = data.load_arrays("train", [positions[i] for i in picked])
     else:
         x, y = synthetic(count * 2 + 20, "server", args.seed + 100)
         keep = y < len(CLASSES)

@@ -297,6 +297,39 @@ def test_a_diverged_candidate_is_refused_even_by_a_guard_that_lets_anything_thro
     assert odtctl_json("status", home=home)["model"]["version"] == 0
 
 
+def test_the_first_models_reference_results_are_kept_and_paired_with_later_candidates(
+        pretrained, tmp_path):
+    # A fresh home serves version 0, as `init --model-file` does (a simulation's pre-trained
+    # base is version 1).
+    home = Home(worker_home(tmp_path / "fresh"))
+    init_home(home, InitRequest("tinycnn", list(datasets.CLASSES),
+                                validation_arrays=datasets.synthetic(200, "server", seed=77)))
+    x, y = datasets.synthetic(200, "server", seed=78)
+    np.savez(home.reference_file(), x=x, y=y)
+    # Validation lets every candidate through, so each is scored on the reference set too.
+    _policy(home, acceptance="  reference_tolerance: 5.0\n", **{"tolerance: 1.0": "tolerance: 100.0"})
+    store = home.open_store()
+    repo = ModelRepo(home.models, "tinycnn")
+    assert repo.current() == 0
+    first = _day(home, store, tmp_path, 940)
+    # The first session served version 0: its per-image results are kept, and only then.
+    assert first["model_version_before"] == 0 and first["details"].get("reference_paired_origin") is None
+    assert repo.origin_eval_cache_path.exists()
+    kept = repo.origin_eval_cache_path.stat().st_mtime_ns
+    second = _day(home, store, tmp_path, 941)
+    details = second["details"]
+    origin = details["reference_paired_origin"]
+    assert origin["samples"] == 200
+    # Paired counts add up to the two accuracies: the first model's (the first session's
+    # reference_accuracy_before) and the candidate's.
+    assert first["details"]["reference_accuracy_before"] + (origin["gained"] - origin["lost"]) / 200 \
+        == pytest.approx(details["reference_accuracy_after"])
+    if second["model_version_before"] == 0:  # the first was refused: the served model is the first
+        assert origin == details["reference_paired"]
+    assert repo.origin_eval_cache_path.stat().st_mtime_ns == kept  # kept once, never replaced
+    store.close()
+
+
 @pytest.mark.parametrize("lost_points, z, tolerance, refused", [
     (0.5, 0.0, 1.0, False),  # within the tolerance
     (2.0, 0.0, 1.0, True),   # beyond it, as measured
@@ -327,6 +360,47 @@ def test_reference_refusal_holds_the_first_models_accuracy_too(origin, refused):
     reason = reference_refusal(0.8, 0.795, 0.01, 1.5, paired, origin)
     assert (reason is not None) == refused
     assert reason is None or "the first model's 80.60%" in reason
+
+
+@pytest.mark.parametrize("origin_lost, refused", [
+    (4, False),   # 3 points below the first model, but 3 - 1.5 x 1.7 < 1: noise on 100 images
+    (12, True),   # 11 points below it, 11 - 1.5 x 3.3 > 1: a real loss, paired or not
+])
+def test_the_first_models_check_allows_its_paired_standard_error(origin_lost, refused):
+    from odtd.session.acceptance import reference_refusal
+
+    served = {"gained": 1, "lost": 1, "samples": 100}  # the served model's own check passes
+    origin_paired = {"gained": 1, "lost": origin_lost, "samples": 100}
+    after = 0.91 - (origin_lost - 1) / 100
+    reason = reference_refusal(after, after, 0.01, 1.5, served, 0.91, origin_paired)
+    assert (reason is not None) == refused
+    assert reason is None or "(standard error) points below it" in reason
+    # Without the first model's results, the measured difference decides, as before.
+    assert reference_refusal(after, after, 0.01, 1.5, served, 0.91) is not None
+
+
+def test_the_choosers_judge_the_reference_as_the_guard_does():
+    # A try of `auto` is held to the guard's rule, standard errors allowed: on 100 reference
+    # images a 3-point loss is noise at z 1.5, and the measured rule would throw it away.
+    from odtd.trainer.learning.evaluation import reference_check
+
+    groups = np.array([0] * 50 + [2] * 100)
+    served = np.ones(150, dtype=bool)
+    served[50:59] = False  # 91% on the reference
+    lose = served.copy()
+    lose[59:62] = False  # 3 points lost
+    evaluation = {"correct": lose}
+
+    def spared(z, origin_correct=None, origin_accuracy=None):
+        return reference_check(served, groups, "2", 0.01, z, origin_correct,
+                               origin_accuracy)(evaluation)
+
+    assert spared(1.5) and not spared(0.0)
+    assert not spared(1.5, origin_accuracy=0.91)  # no per-image results: as measured
+    origin = served[50:].copy()
+    assert spared(1.5, origin, 0.91)  # paired with the first model: noise again
+    origin[0:9] = True  # the first model got 100%: 12 points lost against it
+    assert not spared(1.5, origin, 1.0)
 
 
 def test_the_worker_holds_auto_to_the_higher_of_before_and_origin():

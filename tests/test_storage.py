@@ -374,6 +374,20 @@ def test_a_database_sqlite_may_not_write_says_read_only_or_permissions(tmp_path)
     assert sqlite_storage_error(sqlite3.OperationalError("no such table: x"), str(db)) is None
 
 
+def test_sqlites_disk_io_error_is_judged_by_the_homes_disk_not_the_working_directorys(tmp_path):
+    # SQLite's "disk I/O error" carries no path: on a full data disk it is ENOSPC, whatever
+    # disk the process happens to run in (the working directory here has room).
+    from odtd.errors import as_odtd_error
+
+    error = sqlite3.OperationalError("disk I/O error")
+    with tmpfs(tmp_path / "disk", 2) as disk:
+        db = disk / "odtd.db"
+        sqlite3.connect(db).close()
+        fill(disk, 0)
+        assert "(ENOSPC)" in str(as_odtd_error(error, db)) and str(db) in str(as_odtd_error(error, db))
+        assert "(EIO)" in str(as_odtd_error(error))  # judged by the working directory's disk
+
+
 def test_a_home_this_user_may_not_write_is_one_line_naming_the_fix(home, tmp_path):
     # Root without CAP_DAC_OVERRIDE obeys file modes, as the odtd user does.
     if os.geteuid() != 0 or not shutil.which("setpriv"):

@@ -14,6 +14,8 @@ MobileNetV3Small and EfficientNetB0 are left to the benchmark: at this test's sc
 170 s of the suite's five minutes (a MobileNet's import, session and export is in test_byom.py).
 """
 
+import json
+
 import numpy as np
 import pytest
 from conftest import REPO, built_once, odtctl, odtctl_json, plain_python
@@ -60,9 +62,13 @@ def model_file(tmp_path_factory, name):
 def test_a_users_model_learns_on_the_defaults_by_the_second_night(images, tmp_path_factory,
                                                                   tmp_path, name):
     home = tmp_path / "home"
-    odtctl("init", "--model-file", str(model_file(tmp_path_factory, name)), "--classes",
-           ",".join(CLASSES), "--validation", str(images / "validation"), "--replay",
-           str(images / "replay"), "--no-check", home=home)
+    summary = json.loads(odtctl(
+        "init", "--model-file", str(model_file(tmp_path_factory, name)), "--classes",
+        ",".join(CLASSES), "--validation", str(images / "validation"), "--replay",
+        str(images / "replay"), "--no-check", "--json", home=home).stdout)
+    # The Sequential CNN has no BatchNormalization: the recipe that trains its weights longer.
+    assert summary["policy"]["recipe"] == (
+        "new-camera-no-batchnorm.yaml" if name == "sequential_dropout" else "new-camera.yaml")
     sessions = []
     for day in (1, 2):
         odtctl("ingest", str(images / f"day{day}"), home=home)

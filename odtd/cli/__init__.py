@@ -21,7 +21,7 @@ from typing import Optional
 
 from odtd import __version__
 from odtd.cli import doctor, fleet, models, profiling, sessions, setup, simulate, telemetry
-from odtd.cli.output import COMMANDS
+from odtd.cli.output import COMMANDS, home_of
 from odtd.errors import OdtdError, as_odtd_error
 
 # The order of `odtctl --help`.
@@ -79,7 +79,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except BrokenPipeError:
         return 1
     except (OdtdError, OSError, sqlite3.Error) as exc:
-        reported = as_odtd_error(exc)  # a full, read-only or vanished disk: one line too
+        # A full, read-only or vanished disk: one line too, judged by the home's database.
+        reported = as_odtd_error(exc, home_of(args).db_path)
         if reported is None:
             raise
         lines = str(reported).splitlines() or [type(exc).__name__]

@@ -121,7 +121,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         result = TASKS[args.task](home, args)
     except (OdtdError, OSError, sqlite3.Error) as exc:
-        reported = as_odtd_error(exc)  # a full, read-only or vanished disk: its one line
+        reported = as_odtd_error(exc, home.db_path)  # a full, read-only or vanished disk
         if reported is None:
             raise
         print(json.dumps({"error": str(reported)}), flush=True)

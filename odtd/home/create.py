@@ -145,6 +145,8 @@ def init_home(home: Home, request: InitRequest,
         with atomic.staging_dir(home.root, "init-") as staging:
             stage = Path(staging)
             spec, result = stage_version0(config, stage, name, request, say, input_shape)
+            if request.policy is None and request.model_file is not None:
+                recipe = recipe_for(imported=True, batchnorm=result.get("batchnorm_layers") != 0)
             # Read the images before touching the home, so a bad path loses nothing.
             images = read_images(request, replay, spec, config, say)
             policy_path, recipe = lay_out(home, request, config, recipe, images)

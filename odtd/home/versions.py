@@ -79,6 +79,32 @@ class ModelRepo:
         """The served model's per-sample validation results (worker job key ``eval_cache``)."""
         return self.dir / "eval-cache.npz"
 
+    @property
+    def origin_eval_cache_path(self) -> Path:
+        """The first model's (version 0's) per-sample results (worker job key ``origin_eval_cache``)."""
+        return self.dir / "origin-eval-cache.npz"
+
+    def keep_origin_eval_cache(self) -> None:
+        """Keep the eval cache as the first model's results, once, while version 0 is served.
+
+        The guard's check against the first model on the reference set then allows the paired
+        standard error (``session.acceptance.reference_refusal``), as its check against the
+        served model does. A copy: the eval cache itself is replaced on the next promotion.
+        """
+        if self.origin_eval_cache_path.exists() or not self.eval_cache_path.exists() or \
+                not self.weights_path(0).exists():
+            return
+        try:
+            with np.load(self.eval_cache_path, allow_pickle=False) as cache:
+                scored = str(cache["weights_sha256"])
+        except (OSError, ValueError, KeyError):
+            return  # unreadable: it is scored again, and kept then
+        try:
+            if scored == file_sha256(self.weights_path(0)):
+                atomic.copy(self.eval_cache_path, self.origin_eval_cache_path)
+        except OSError as error:  # a full disk: the next session that serves version 0 tries again
+            logger.warning("the first model's results were not kept: %s", error)
+
     def adopt_eval_cache(self, candidate_results: Path) -> None:
         """Make a promoted candidate's validation results the eval cache (if the worker wrote them)."""
         if candidate_results.exists():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from odtd.trainer.protocol.paired import acceptance_margin, paired_standard_error
+from odtd.trainer.protocol.paired import acceptance_margin, loss_margin, paired_standard_error
 
 
 def refusal_reason(before: float, after: float, tolerance: float, confidence_z: float,
@@ -36,8 +36,8 @@ def refusal_reason(before: float, after: float, tolerance: float, confidence_z: 
 
 
 def reference_refusal(before: float, after: float, tolerance: float, confidence_z: float,
-                      paired: Optional[dict[str, int]], origin: Optional[float] = None
-                      ) -> Optional[str]:
+                      paired: Optional[dict[str, int]], origin: Optional[float] = None,
+                      origin_paired: Optional[dict[str, int]] = None) -> Optional[str]:
     """Why a candidate that passed validation may still not replace the served model, or None.
 
     The reference set holds images of the original domain (the base model's training images,
@@ -46,18 +46,33 @@ def reference_refusal(before: float, after: float, tolerance: float, confidence_
     ``confidence_z`` > 0 by more than that many standard errors of the paired difference, so
     that noise alone does not refuse. With ``origin`` (the home's first model's accuracy there,
     ``Store.reference_origin``) it is also refused if it scores more than ``tolerance`` below
-    that, by the measured difference: small losses that each pass against the served model
-    cannot add up over promotions.
+    that, the same way (``origin_paired``: the two compared image by image; without it, by the
+    measured difference): small losses that each pass against the served model cannot add up
+    over promotions beyond what the reference set can tell from noise.
     """
     loss = before - after
-    se = paired_standard_error(paired["gained"], paired["lost"], paired["samples"]) \
-        if confidence_z > 0 and paired and paired.get("samples") else 0.0
-    if loss - confidence_z * se > tolerance:
-        margin = f" - {confidence_z:g} x {100 * se:.2f} (standard error)" if se else ""
+    se = _standard_error(paired, confidence_z)
+    if loss_margin(loss, paired, confidence_z) > tolerance:
         return (f"reference (original domain) accuracy {after:.2%} vs {before:.2%}: lost "
-                f"{100 * loss:.2f}{margin} points > {100 * tolerance:.2f} (reference_tolerance)")
-    if origin is not None and origin - after > tolerance + 1e-12:
+                f"{100 * loss:.2f}{_margin(confidence_z, se)} points > {100 * tolerance:.2f} "
+                "(reference_tolerance)")
+    if origin is None:
+        return None
+    below = origin - after
+    se = _standard_error(origin_paired, confidence_z)
+    if loss_margin(below, origin_paired, confidence_z) > tolerance + 1e-12:
         return (f"reference (original domain) accuracy {after:.2%} vs the first model's "
-                f"{origin:.2%}: {100 * (origin - after):.2f} points below it > "
+                f"{origin:.2%}: {100 * below:.2f}{_margin(confidence_z, se)} points below it > "
                 f"{100 * tolerance:.2f} (reference_tolerance)")
     return None
+
+
+def _standard_error(paired: Optional[dict[str, int]], confidence_z: float) -> float:
+    # 0 where the margin does not apply: no confidence asked for, or nothing paired.
+    if confidence_z <= 0 or not paired or not paired.get("samples"):
+        return 0.0
+    return paired_standard_error(paired["gained"], paired["lost"], paired["samples"])
+
+
+def _margin(confidence_z: float, se: float) -> str:
+    return f" - {confidence_z:g} x {100 * se:.2f} (standard error)" if se else ""

@@ -35,7 +35,10 @@ from odtd.trainer.protocol.launch import WorkerRun, diverged, write_job
 DAY_IMAGES = 64  # a day's new images in the reference scenario: what a session trains on
 MIN_STEPS = 16  # enough steps to tell a falling loss from a rising one
 FIRST_STEPS = 2  # their mean loss is the served model's on the images (barely trained yet)
-RISE = 1.2  # the last third's mean loss this many times the first steps': rising
+RISE = 1.2  # the last third's mean loss this many times the first steps': rising...
+# ...and above a guess's (the cross-entropy of equal odds on every class, ln K): a model that
+# already fits its images leaves its minimum under a session's first steps, and its loss on
+# them rises a little from near zero while it learns the camera (docs/own-model.md, the zoo).
 
 
 @dataclass
@@ -146,7 +149,7 @@ def check_policy(home: Home, store: Store, config: Config, policy: Policy,
         found.verdict, found.message = "diverged", f"policy check: {reason}"
         return found
     found.loss_first, found.loss_last, rising = loss_trend(
-        [step["loss"] for step in steps if step.get("loss") is not None])
+        [step["loss"] for step in steps if step.get("loss") is not None], len(spec.classes))
     shown = f"loss {found.loss_first:.3g} -> {found.loss_last:.3g} over {found.steps} steps " \
         f"at learning rate {found.learning_rate:g}" if found.loss_first is not None else "no steps"
     if found.lr_attempts:
@@ -161,24 +164,26 @@ def check_policy(home: Home, store: Store, config: Config, policy: Policy,
                          + " (set training.learning_rate to it to make it the policy's)")
     elif rising:
         found.verdict = "warning"
-        found.message = (f"policy check: the loss rose ({shown}); lower training.learning_rate "
+        found.message = (f"policy check: the loss rose above a guess's ({shown}; ln "
+                         f"{len(spec.classes)} = {math.log(len(spec.classes)):.3g}); lower "
+                         "training.learning_rate "
                          f"(to {found.learning_rate / 10:g}, say) or set training.clip_norm")
     else:
         found.message = f"policy check: ok, {shown}"
     return found
 
 
-def loss_trend(losses: list[float]) -> tuple[Optional[float], Optional[float], bool]:
+def loss_trend(losses: list[float], classes: int) -> tuple[Optional[float], Optional[float], bool]:
     """(mean of the first ``FIRST_STEPS`` losses, mean of the last third, whether it rose).
 
-    Rising: the last third's mean more than ``RISE`` times the first steps'. None, None, False
-    without losses.
+    Rising: the last third's mean more than ``RISE`` times the first steps' and more than a
+    guess's among ``classes`` (ln of it). None, None, False without losses.
     """
     if not losses:
         return None, None, False
     first = float(np.mean(losses[:FIRST_STEPS]))
     last = float(np.mean(losses[-max(1, len(losses) // 3):]))
-    return round(first, 4), round(last, 4), last > first * RISE
+    return round(first, 4), round(last, 4), last > max(first * RISE, math.log(classes))
 
 
 def _last_attempt(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:

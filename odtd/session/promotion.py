@@ -70,7 +70,8 @@ class Promotion:
                 if details.reference_accuracy_after is None else reference_refusal(
                 details.reference_accuracy_before, details.reference_accuracy_after,
                 acceptance.reference_tolerance / 100.0, acceptance.confidence_z,
-                details.reference_paired, self.store.reference_origin())
+                details.reference_paired, self.store.reference_origin(),
+                details.reference_paired_origin)
         record.details.forgetting = self._forgetting(before, before if refusal else after)
         candidate = job_dir / "candidate.npz"
         if refusal:

@@ -175,7 +175,7 @@ class SessionRunner:
             result = self._train_with_retries(record, job_dir, current, pending + replay_rows, stop)
         except BaseException as exc:
             # Record before propagating: a session row must never stay `running` by our hand.
-            self._finish(record, "failed", failure_reason(exc))
+            self._finish(record, "failed", failure_reason(exc, database=self.home.db_path))
             raise
         if result is None:  # failed or interrupted; the record says which and why
             return self._finish(record, record.outcome, record.reason)
@@ -187,13 +187,14 @@ class SessionRunner:
         except BaseException as exc:
             # Promotion is all or nothing: the served model, the versions, the samples and the
             # replay buffer are as they were; the session is failed, with why.
-            if as_odtd_error(exc) is None:  # a bug: its traceback; a full disk: its line
+            if as_odtd_error(exc, self.home.db_path) is None:  # a bug: its traceback
                 logger.exception("session %d: accepting the candidate failed", record.id)
             record.details.kept_for_resume = False
             record.details.replay_buffer = None
             record.model_version_after = current
-            self._finish(record, "failed", f"{failure_reason(exc, 'accepting the candidate')}; "
-                         "the served model, its versions and the samples are unchanged")
+            reason = failure_reason(exc, "accepting the candidate", self.home.db_path)
+            self._finish(record, "failed", f"{reason}; the served model, its versions and the "
+                         "samples are unchanged")
             if not isinstance(exc, Exception):
                 raise
             return record
@@ -288,6 +289,7 @@ class SessionRunner:
             eval_batch_size=training.eval_batch_size, eval_cache=str(self.repo.eval_cache_path),
             # The candidate's results, adopted as the eval cache if it is promoted.
             eval_cache_out=str(job_dir / CANDIDATE_EVAL_CACHE), trainable=training.trainable,
+            origin_eval_cache=str(self.repo.origin_eval_cache_path),
             **self.spec.job_keys(self.home))
         return write_job(job, job_dir)
 
@@ -395,6 +397,9 @@ class SessionRunner:
             record.throughput_sps = throughput_sps(end.steps)
         if end.result is not None and end.failure is None and not end.stop_reason:
             self._read_result(record, end.result)
+            if record.model_version_before == 0 and \
+                    record.details.reference_accuracy_before is not None:
+                self.repo.keep_origin_eval_cache()  # the worker scored version 0 just now
         self.store.save_session(record)
         return end
 
@@ -411,6 +416,7 @@ class SessionRunner:
         details.reference_accuracy_before = before.get(str(GROUP_REFERENCE))
         details.reference_accuracy_after = after.get(str(GROUP_REFERENCE))
         details.reference_paired = (result.get("paired_by_group") or {}).get(str(GROUP_REFERENCE))
+        details.reference_paired_origin = result.get("reference_paired_origin")
         details.bn_device_weight = result.get("bn_device_share")
         details.bn_weights_tried = result.get("bn_shares_tried") or None
         details.trained_share = result.get("trained_share")

@@ -31,7 +31,8 @@ JUDGED = ("promoted", "rolled_back")
 # them, and reads the same.
 _OMITTED_AT_DEFAULT = {"attempts": [], "kept_for_resume": False,
                        "reference_accuracy_before": None, "reference_accuracy_after": None,
-                       "reference_paired": None, "bn_device_weight": None,
+                       "reference_paired": None, "reference_paired_origin": None,
+                       "bn_device_weight": None,
                        "bn_weights_tried": None, "trained_share": None,
                        "trained_shares_tried": None, "learning_rate": None,
                        "lr_attempts": None, "precision_reason": None, "federated": None}
@@ -58,6 +59,8 @@ class SessionDetails:
             images held out of ``init --replay``: the original domain), None without one.
         reference_accuracy_after: The candidate on it.
         reference_paired: ``{gained, lost, samples}`` on the reference set.
+        reference_paired_origin: The same, the candidate against the home's first model
+            (version 0; None until a session that served it has kept its results).
         bn_device_weight: The device's share of the candidate's BatchNorm statistics that
             ``training.bn_device_share: auto`` chose (None otherwise).
         bn_weights_tried: ``auto``'s candidates: weight (a string) -> accuracy by evaluation
@@ -98,6 +101,7 @@ class SessionDetails:
     reference_accuracy_before: Optional[float] = None
     reference_accuracy_after: Optional[float] = None
     reference_paired: Optional[Dict[str, int]] = None
+    reference_paired_origin: Optional[Dict[str, int]] = None
     bn_device_weight: Optional[float] = None
     bn_weights_tried: Optional[Dict[str, Dict[str, float]]] = None
     trained_share: Optional[float] = None

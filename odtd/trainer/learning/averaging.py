@@ -50,7 +50,8 @@ def average_with_served(model: Any, served: List[np.ndarray], share: Any,
                         groups: Optional[np.ndarray] = None,
                         reference_before: Optional[float] = None,
                         reference_tolerance: Optional[float] = None,
-                        refused: Optional[Callable[[Dict[str, Any]], bool]] = None
+                        refused: Optional[Callable[[Dict[str, Any]], bool]] = None,
+                        spared: Optional[Callable[[Dict[str, Any]], bool]] = None
                         ) -> Optional[Averaged]:
     """Set the model's weights to the average of its trained ones and ``served``.
 
@@ -74,7 +75,7 @@ def average_with_served(model: Any, served: List[np.ndarray], share: Any,
         model.set_weights(trained if candidate >= 1.0 else averaged(trained, served, candidate))
 
     chosen = choose_mixture(assign, AUTO_SHARES, score, groups, reference_before,
-                            reference_tolerance, refused)
+                            reference_tolerance, refused, spared)
     if chosen is None:
         model.set_weights(trained)
         return None

@@ -198,7 +198,8 @@ def adapt_batchnorm(tf: Any, model: Any, job: Any, device_x: np.ndarray,
                     score: Optional[Callable[..., Optional[Dict[str, Any]]]] = None,
                     reference_before: Optional[float] = None,
                     groups: Optional[np.ndarray] = None,
-                    refused: Optional[Callable[[Dict[str, Any]], bool]] = None
+                    refused: Optional[Callable[[Dict[str, Any]], bool]] = None,
+                    spared: Optional[Callable[[Dict[str, Any]], bool]] = None
                     ) -> Optional[Adapted]:
     """Set every BatchNormalization layer's statistics to the device / rehearsal mixture.
 
@@ -214,7 +215,8 @@ def adapt_batchnorm(tf: Any, model: Any, job: Any, device_x: np.ndarray,
     the acceptance group alone, then in full from the best there down, until one spares the
     reference. The others' reference accuracy is not measured (on 1,000 validation and 2,000
     reference images that saves up to three fifths of the scoring), nor that of a try the
-    acceptance test already ``refused`` on the acceptance group (``choose_mixture``).
+    acceptance test already ``refused`` on the acceptance group (``choose_mixture``; ``spared``
+    judges the reference as the session's guard does).
 
     Returns:
         ``(seconds, weight assigned, its evaluation, {weight: accuracy by group})``, the last two
@@ -238,7 +240,7 @@ def adapt_batchnorm(tf: Any, model: Any, job: Any, device_x: np.ndarray,
 
         chosen = choose_mixture(assign, AUTO_WEIGHTS if rehearsal is not None else (1.0,),
                                 score, groups, reference_before, job["reference_tolerance"],
-                                refused)
+                                refused, spared)
         if chosen is None:
             return None
         weight, kept_evaluation, tried = chosen
@@ -257,7 +259,8 @@ class Chosen(NamedTuple):
 def choose_mixture(assign: Callable[[float], None], candidates: Sequence[float],
                    score: Callable[..., Optional[Dict[str, Any]]], groups: Optional[np.ndarray],
                    reference_before: Optional[float], reference_tolerance: Optional[float],
-                   refused: Optional[Callable[[Dict[str, Any]], bool]] = None
+                   refused: Optional[Callable[[Dict[str, Any]], bool]] = None,
+                   spared: Optional[Callable[[Dict[str, Any]], bool]] = None
                    ) -> Optional[Chosen]:
     """``adapt_batchnorm``'s ``AUTO``: (weight kept, its evaluation, accuracies tried).
 
@@ -265,7 +268,9 @@ def choose_mixture(assign: Callable[[float], None], candidates: Sequence[float],
     has that group alone. ``refused`` (of a try's ``score_group`` evaluation) tells a try the
     acceptance test already refuses on that group: its reference is not scored. If no try is
     scored in full, the best on the acceptance group is kept with that group's evaluation.
-    None on a stop.
+    ``spared`` (of a try's full evaluation) tells a try the reference guard passes, standard
+    errors allowed (``evaluation.reference_check``); without it, a try may lose at most
+    ``reference_tolerance`` below ``reference_before`` as measured. None on a stop.
     """
     group = acceptance_group(groups)
     tried = {}  # type: Dict[float, Dict[str, float]]
@@ -297,7 +302,8 @@ def choose_mixture(assign: Callable[[float], None], candidates: Sequence[float],
         if evaluation is None:
             return None
         full[candidate], tried[candidate] = evaluation, evaluation["by_group"]
-        if spares_reference(tried[candidate], reference_before, reference_tolerance):
+        if spared(evaluation) if spared is not None else \
+                spares_reference(tried[candidate], reference_before, reference_tolerance):
             return Chosen(candidate, evaluation, tried)
     # None spares the reference: of those scored in full, the least loss there.
     scored = {w: tried[w] for w in full} or tried

@@ -27,9 +27,12 @@ def sample_keys(x: np.ndarray, y: np.ndarray) -> np.ndarray:
                     dtype="S{}".format(KEY_BYTES))
 
 
-def lookup(path: str, weights_sha256: str, precision: str, keys: np.ndarray
+def lookup(path: str, weights_sha256: Optional[str], precision: str, keys: np.ndarray
            ) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """The cached results for ``keys`` under this weights file and precision, or None.
+
+    ``weights_sha256`` None takes the cache's model as it is: the home's first model's results,
+    kept once (``origin_eval_cache``), whose weights file may since have been pruned.
 
     Returns:
         ``(known, correct, losses)``, one entry per key: ``known`` says which samples were found;
@@ -39,7 +42,8 @@ def lookup(path: str, weights_sha256: str, precision: str, keys: np.ndarray
     """
     try:
         with np.load(path, allow_pickle=False) as cache:
-            if (str(cache["weights_sha256"]), str(cache["precision"])) != (weights_sha256, precision):
+            if str(cache["precision"]) != precision or (
+                    weights_sha256 is not None and str(cache["weights_sha256"]) != weights_sha256):
                 return None
             cached_keys, cached_correct, cached_losses = cache["keys"], cache["correct"], cache["losses"]
     except (OSError, ValueError, KeyError):

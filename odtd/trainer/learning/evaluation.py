@@ -14,7 +14,7 @@ import numpy as np
 
 from odtd.trainer.learning import evalcache
 from odtd.trainer.protocol.digest import file_sha256
-from odtd.trainer.protocol.paired import acceptance_margin
+from odtd.trainer.protocol.paired import acceptance_margin, loss_margin
 
 
 def make_eval_step(tf: Any, model: Any, job: Dict[str, Any]) -> Callable[[Any, Any], Any]:
@@ -180,10 +180,40 @@ def refusal_check(correct_before: np.ndarray, groups: np.ndarray, tolerance: flo
     return refused
 
 
+def reference_check(correct_before: np.ndarray, groups: np.ndarray, reference_group: str,
+                    tolerance: float, confidence_z: float, origin_correct: Optional[np.ndarray],
+                    origin_accuracy: Optional[float]) -> Callable[[Dict[str, Any]], bool]:
+    """Whether a try scored in full spares the reference group, as the session's guard judges.
+
+    The guard's rule (``odtd.session.acceptance.reference_refusal``): a loss against the
+    served model (``correct_before``) of more than ``tolerance`` plus ``confidence_z``
+    standard errors refuses, and so does one against the home's first model: image by image
+    where its results are known (``origin_correct``, the reference images' alone), else by
+    ``origin_accuracy`` as measured. A hair of slack keeps every try the guard passes.
+    """
+    inside = groups.astype(str) == reference_group
+
+    def spared(evaluation: Dict[str, Any]) -> bool:
+        after = evaluation["correct"][inside]
+        against = [correct_before[inside]]
+        if origin_correct is not None:
+            against.append(origin_correct)
+        for correct in against:
+            counts = paired_counts(correct, after, None)["all"]
+            loss = (counts["lost"] - counts["gained"]) / float(counts["samples"])
+            if loss_margin(loss, counts, confidence_z) > tolerance + 1e-6:
+                return False
+        return origin_correct is not None or origin_accuracy is None or \
+            origin_accuracy - float(np.mean(after)) <= tolerance + 1e-6
+
+    return spared
+
+
 class OpenCache(NamedTuple):
     """The evaluation cache of the model to beat, as ``open_eval_cache`` found it."""
 
     weights_sha256: str  # what the cache is keyed by
+    precision: str  # and the precision it was scored at
     keys: np.ndarray  # each validation sample's key (``evalcache.sample_keys``)
     cached: Any  # ``evalcache.lookup``'s result for those keys
 
@@ -199,5 +229,5 @@ def open_eval_cache(job: Dict[str, Any], precision: str,
         return None
     weights_sha256 = file_sha256(source)
     keys = evalcache.sample_keys(validation[0], validation[1])
-    return OpenCache(weights_sha256, keys,
+    return OpenCache(weights_sha256, precision, keys,
                      evalcache.lookup(job["eval_cache"], weights_sha256, precision, keys))

@@ -33,6 +33,7 @@ from odtd.trainer.learning.evaluation import (
     make_eval_step,
     open_eval_cache,
     paired_counts,
+    reference_check,
     refusal_check,
     score_candidate,
 )
@@ -81,6 +82,9 @@ class Before(NamedTuple):
 
     correct: np.ndarray  # each validation image's correctness
     refused: Optional[Callable[[Dict[str, Any]], bool]]  # the acceptance test's early refusal
+    # Whether a try of the choosers (``auto``) spares the reference, as the guard judges; None
+    # without a guarded reference group (they then hold tries to ``_reference_bar``).
+    spared: Optional[Callable[[Dict[str, Any]], bool]] = None
 
 
 def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
@@ -182,12 +186,16 @@ def score_before(job: Dict[str, Any], model: Any, precision: str, validation: Va
     fields["accuracy_before"] = before["accuracy"]
     fields["per_class_before"] = before["per_class"]
     fields["by_group_before"] = before["by_group"]
-    refused = None
+    refused = spared = None
     if job["acceptance_tolerance"] is not None and validation.groups is not None:
         # A candidate refused on the acceptance group is not scored on the rest.
         refused = refusal_check(correct, validation.groups, job["acceptance_tolerance"],
                                 job["confidence_z"])
-    return Before(correct, refused)
+    if job["reference_tolerance"] is not None and REFERENCE_GROUP in before["by_group"]:
+        spared = reference_check(correct, validation.groups, REFERENCE_GROUP,
+                                 job["reference_tolerance"], job["confidence_z"],
+                                 _origin_correct(job, validation), job["reference_origin"])
+    return Before(correct, refused, spared)
 
 
 def distillation_targets(tf: Any, job: Dict[str, Any], model: Any, data: Dict[str, Any],
@@ -252,9 +260,8 @@ def train(tf: Any, job: Dict[str, Any], model: Any, precision: str, x_train: np.
 
 def _reference_bar(job: Dict[str, Any], fields: Dict[str, Any]) -> Optional[float]:
     # What a try the choosers (``auto``) keep must not lose more than the tolerance against on
-    # the reference group: the served model's accuracy there, or the first model's where that
-    # is higher. As measured; the session's guard allows the served model's a margin of
-    # standard errors (acceptance.reference_refusal), so a try that clears this bar passes there.
+    # the reference group where there is no guard's check (``Before.spared``): the served
+    # model's accuracy there, or the first model's where that is higher, as measured.
     return reference_held(fields.get("by_group_before"), job["reference_origin"])
 
 
@@ -275,7 +282,8 @@ def settle_batchnorm(tf: Any, job: Dict[str, Any], model: Any, data: Dict[str, A
         adapted = _unless_stopped(adapt_batchnorm(
             tf, model, job, device_split[0], device_split[1], _forward_batch(job), should_stop,
             weight, validation and validation.score, _reference_bar(job, fields),
-            validation and validation.groups, before and before.refused))
+            validation and validation.groups, before and before.refused,
+            before and before.spared))
         fields["adapt_seconds"] += adapted.seconds
         if adapted.tried:  # auto: the mixture kept, already scored
             fields["bn_device_share"], fields["bn_shares_tried"] = adapted.weight, adapted.tried
@@ -298,7 +306,7 @@ def average(job: Dict[str, Any], model: Any, served: List[np.ndarray],
     averaged = _unless_stopped(average_with_served(
         model, served, job["trained_share"], validation and validation.score,
         validation and validation.groups, _reference_bar(job, fields), job["reference_tolerance"],
-        before and before.refused))
+        before and before.refused, before and before.spared))
     fields["trained_share"] = averaged.share
     if averaged.tried:
         fields["trained_shares_tried"] = averaged.tried
@@ -322,10 +330,36 @@ def score_after(job: Dict[str, Any], validation: Validation, before: Before,
         keys = validation.cache.keys if validation.cache is not None else evalcache.sample_keys(
             validation.x, validation.y)
         scored_after.update(keys=keys, correct=correct_after, losses=losses_after)
+    if job["origin_eval_cache"] is not None and REFERENCE_GROUP in after["by_group"]:
+        fields["reference_paired_origin"] = _paired_with_origin(job, validation, correct_after)
     emit("eval", phase="after", **after)
     fields["accuracy_after"] = after["accuracy"]
     fields["per_class_after"] = after["per_class"]
     fields["by_group_after"] = after["by_group"]
+
+
+def _origin_correct(job: Dict[str, Any], validation: Validation) -> Optional[np.ndarray]:
+    # The home's first model's correctness on each reference image (job key
+    # ``origin_eval_cache``), or None where its results do not cover every one.
+    cache = validation.cache
+    if job["origin_eval_cache"] is None or cache is None or validation.groups is None:
+        return None
+    mask = validation.groups.astype(str) == REFERENCE_GROUP
+    origin = evalcache.lookup(job["origin_eval_cache"], None, cache.precision, cache.keys[mask])
+    if origin is None or not origin[0].all():
+        return None
+    return origin[1]
+
+
+def _paired_with_origin(job: Dict[str, Any], validation: Validation, correct_after: np.ndarray
+                        ) -> Optional[Dict[str, int]]:
+    # The candidate against the home's first model on the reference images, image by image: the
+    # paired standard error the guard's "vs the first model" check allows (session.acceptance).
+    origin = _origin_correct(job, validation)
+    if origin is None:
+        return None
+    mask = validation.groups.astype(str) == REFERENCE_GROUP
+    return paired_counts(origin, correct_after[mask], None)["all"]
 
 
 def reference_held(by_group_before: Optional[Dict[str, float]], origin: Optional[float]

@@ -65,6 +65,7 @@ JOB_KEYS = {
     "eval_batch_size": ("positive_int", None),
     "eval_cache": ("path", None),
     "eval_cache_out": ("path", None),
+    "origin_eval_cache": ("path", None),  # the first model's results: the reference's paired test
     "model_file": ("path", None),
     "architecture_out": ("path", None),
     "original_out": ("path", None),

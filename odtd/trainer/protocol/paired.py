@@ -2,7 +2,9 @@
 
 The worker's refusal check (``learning.evaluation``) and the session's acceptance test
 (``session.acceptance``) judge a candidate by the same margin: its gain less ``confidence_z``
-standard errors of the paired difference. Standard library only; Python 3.6-compatible.
+standard errors of the paired difference. On the reference set the rule is the mirror image,
+a loss less that many standard errors (``loss_margin``): the worker's choosers (``auto``) and
+the session's guard hold a candidate to it alike. Standard library only; Python 3.6-compatible.
 """
 
 from typing import Dict, Optional
@@ -24,4 +26,16 @@ def acceptance_margin(gain: float, paired: Optional[Dict[str, int]], confidence_
     if confidence_z <= 0 or not paired or not paired.get("samples"):
         return gain
     return gain - confidence_z * paired_standard_error(paired["gained"], paired["lost"],
+                                                        paired["samples"])
+
+
+def loss_margin(loss: float, paired: Optional[Dict[str, int]], confidence_z: float) -> float:
+    """A candidate's loss on the reference set less ``confidence_z`` standard errors.
+
+    Fractions; the guard refuses a candidate whose margin is above ``reference_tolerance``.
+    The loss alone with ``confidence_z`` <= 0 or no paired counts (compared as measured).
+    """
+    if confidence_z <= 0 or not paired or not paired.get("samples"):
+        return loss
+    return loss - confidence_z * paired_standard_error(paired["gained"], paired["lost"],
                                                         paired["samples"])

@@ -278,7 +278,8 @@ def import_model(tf: Any, job: Dict[str, Any]) -> Tuple[Any, Dict[str, Any]]:
                    "output": summary["output"], "file_format": info["format"],
                    "file_keras_version": info["keras_version"], "dialect": summary["dialect"],
                    "rescales_input": summary["rescales_input"],
-                   "arithmetic_layers": info["arithmetic_layers"]}
+                   "arithmetic_layers": info["arithmetic_layers"],
+                   "batchnorm_layers": len(imported.batchnorm_layers(tf, model))}
 
 
 def export_model(tf: Any, job: Dict[str, Any], model: Any) -> Dict[str, Any]:
