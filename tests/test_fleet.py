@@ -1,10 +1,10 @@
 """A Flower fleet through Flower's real processes: a SuperLink, a SuperNode per device, `flwr run`.
 
-Three tinycnn homes, each with its own daemon; three rounds. The third device has its charging
+Three tinycnn homes, each with its own daemon; two rounds. The third device has its charging
 gate forced closed: it declines each round with that reason and the rounds complete with the
-others. The second device's daemon is killed (SIGKILL) as its session of round 2 starts: it
-declines that round, its home stays intact, and, started again, it takes round 3. One fleet
-serves one test (`make test`'s budget: its start and three rounds take about a minute).
+others. The second device's daemon is killed (SIGKILL) as its session of round 1 starts: it
+declines that round, its home stays intact, and, started again at once, it takes round 2. One fleet
+serves one test (`make test`'s budget: its start and two rounds take about a minute).
 """
 
 from __future__ import annotations
@@ -28,16 +28,16 @@ flwr = pytest.importorskip("flwr", reason="flwr (odtd[fleet], Python >= 3.11) is
 pytestmark = pytest.mark.trains
 
 DEVICES = 3
-ROUNDS = 3
+ROUNDS = 2
 CLOSED = 2  # the device whose gate is closed
-KILLED, KILLED_ROUND = 1, 2  # the device whose daemon is killed, and in which round
+KILLED, KILLED_ROUND = 1, 1  # the device whose daemon is killed, and in which round
 
 
 def _device(base: Path, root: Path, index: int) -> Path:
     home = root / f"device{index}"
     shutil.copytree(base, home, symlinks=True)
     policy = (REPO / "policies" / "tinycnn-test.yaml").read_text()
-    # Three rounds' worth of new samples: each round's session takes at most 8 of them.
+    # Two rounds' worth of new samples: each round's session takes at most 8 of them.
     policy = policy.replace("max_samples_per_session: 256", "max_samples_per_session: 8") \
         .replace("epochs: 2", "epochs: 1")
     (home / "policy.yaml").write_text(policy)
@@ -72,7 +72,7 @@ def fleet(_base_home, tmp_path_factory):
             config = root / "fleet.yaml"
             config.write_text(f"rounds: {ROUNDS}\nmin_devices: {DEVICES}\nlocal_epochs: 1\n"
                               f"round_timeout_s: 120\ninitial_weights: {initial}\nrecord: rounds.db\n")
-            killer = pool.submit(_kill_and_restart, homes[KILLED], daemons, root / "rounds.db")
+            killer = pool.submit(_kill_and_restart, homes[KILLED], daemons)
             status = local.run(config, progress=lines.append, timeout_s=240)
             killer.result(timeout=5)
             yield {"root": root, "homes": homes, "served": served, "status": status, "lines": lines,
@@ -91,14 +91,13 @@ def _rows(db: Path, query: str) -> list:
         return []
 
 
-def _kill_and_restart(home: Path, daemons: list, record: Path) -> None:
-    """SIGKILL the device's daemon as its round-2 session starts; start it again after round 2."""
+def _kill_and_restart(home: Path, daemons: list) -> None:
+    """SIGKILL the device's daemon as its session of the round starts, and start it again."""
     wait_for(lambda: _rows(home / "odtd.db", "SELECT id FROM sessions WHERE trigger = 'fleet' AND "
                                              f"details LIKE '%\"round\": {KILLED_ROUND},%'"), 120, 0.05)
     daemons[KILLED].kill()
     daemons[KILLED].wait()
-    wait_for(lambda: _rows(record, f"SELECT 1 FROM rounds WHERE round = {KILLED_ROUND}"), 120)
-    daemons[KILLED] = start_daemon(home)
+    daemons[KILLED] = start_daemon(home)  # up again long before the next round reaches it
 
 
 def test_a_fleet_of_three_devices(fleet, tmp_path):
@@ -131,7 +130,8 @@ def _check_rounds_with_declining_and_killed_devices(fleet):
         assert r["seconds"] >= r["session_s_max"] > 0
         assert set(r["metrics"]) >= {"accuracy-before", "accuracy-after"}
     # The server's progress lines, as `odtctl fleet run` prints them.
-    assert any(line.startswith("round 3:") and "2 trained, 1 declined" in line for line in fleet["lines"])
+    assert any(line.startswith(f"round {ROUNDS}:") and "2 trained, 1 declined" in line
+               for line in fleet["lines"])
     # The global weights moved away from the initial ones.
     with np.load(fleet["initial"]) as start, np.load(fleet["record"].with_name("rounds-global.npz")) as end:
         assert sorted(start.files) == sorted(end.files)
