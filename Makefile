@@ -12,7 +12,7 @@ COMPAT_STAMP := $(COMPAT)/.installed
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[trainer,dev]'
+	$(BIN)/python -m pip install --quiet -e '.[trainer,dev,fleet]'
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -20,12 +20,12 @@ import sys
 from typing import Optional
 
 from odtd import __version__
-from odtd.cli import doctor, models, profiling, sessions, setup, simulate, telemetry
+from odtd.cli import doctor, fleet, models, profiling, sessions, setup, simulate, telemetry
 from odtd.cli.output import COMMANDS, home_of
 from odtd.errors import OdtdError, as_odtd_error
 
 # The order of `odtctl --help`.
-_GROUPS = (setup, sessions, models, simulate, profiling, telemetry, doctor)
+_GROUPS = (setup, sessions, models, simulate, fleet, profiling, telemetry, doctor)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,7 @@ One request per connection, one JSON object per line each way:
     <- {"v": 1, "ok": true, "result": {...}}   or   {"v": 1, "ok": false, "error": "..."}
 
 Every request gets a reply, errors included. Operations: ping, status, train-now, pause,
-resume, reload.
+resume, reload, federated-session (a Flower round's session: odtd.session.federated).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from odtd.home.paths import Home
 logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
-OPERATIONS = ("ping", "status", "train-now", "pause", "resume", "reload")
+OPERATIONS = ("ping", "status", "train-now", "pause", "resume", "reload", "federated-session")
 MAX_REQUEST_BYTES = 64 * 1024
 CLIENT_TIMEOUT_S = 10.0  # a client must send its request line within this long
 REPLY_TIMEOUT_S = 10.0
@@ -194,3 +194,18 @@ def request_train_now(home: Home, wait: bool = False, force: bool = False) -> di
     home.require()
     return request(home.socket_path, "train-now", {"wait": wait, "force": force},
                    timeout_s=None if wait else 10.0)
+
+
+def request_federated_session(socket_path: Path, args: dict[str, Any],
+                              timeout_s: Optional[float] = None) -> dict[str, Any]:
+    """Ask the daemon for a federated session (``FederatedRound``'s fields) and wait for it.
+
+    Returns:
+        The session object; ``details.federated.handed_back`` says whether trained weights are in
+        ``args["weights_out"]``.
+
+    Raises:
+        DaemonUnavailable: No daemon answers on ``socket_path``.
+        OdtdError: The daemon refused (a session already running, bad request fields).
+    """
+    return request(socket_path, "federated-session", args, timeout_s=timeout_s)

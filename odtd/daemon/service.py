@@ -281,8 +281,11 @@ class Daemon:
             return
         thread.join()
 
-    def start_session(self, trigger: str, force: bool = False) -> threading.Thread:
+    def start_session(self, trigger: str, force: bool = False,
+                      federated: Optional[dict[str, Any]] = None) -> threading.Thread:
         """Start a session's process (one at a time) and return the thread that waits for it.
+
+        ``federated``: a Flower round's request (``odtd.session.federated``; the task checks it).
 
         Raises:
             SessionBusy: a session is already running.
@@ -296,7 +299,8 @@ class Daemon:
             if self._shutdown.is_set():
                 raise SessionBusy("the daemon is stopping")
             self._last_session = None
-            extra = ["--trigger", trigger] + (["--force"] if force else [])
+            extra = ["--trigger", trigger] + (["--force"] if force else []) + \
+                (["--federated", json.dumps(federated)] if federated is not None else [])
             self._session_process = self._spawn("session", *extra)
             thread = threading.Thread(target=self._session_body, args=(self._session_process,),
                                       name="session", daemon=True)
@@ -324,9 +328,12 @@ class Daemon:
             return {"pong": True, "pid": os.getpid(), "version": __version__}
         if op == "status":
             return self.run_task("status", "--limit", str(int(args.get("limit", 10))))
-        if op == "train-now":
-            thread = self.start_session("socket", force=bool(args.get("force")))
-            if not args.get("wait"):
+        if op in ("train-now", "federated-session"):
+            if op == "train-now":
+                thread = self.start_session("socket", force=bool(args.get("force")))
+            else:  # a Flower round (docs/fleet.md): the SuperNode's ClientApp waits for it
+                thread = self.start_session("fleet", federated=args)
+            if not args.get("wait") and op == "train-now":
                 return {"started": True}
             thread.join()
             if self._last_session and "error" in self._last_session:

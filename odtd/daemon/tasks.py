@@ -8,6 +8,7 @@ one JSON line on stdout and exits.
     session --trigger T [--force]   one session, as `odtctl train-now --foreground` runs it; then
                                     the Prometheus textfile (metrics.textfile). Prints the
                                     session object. SIGTERM/SIGINT stop it at a step boundary.
+            [--federated JSON]      a Flower round's session (odtd.session.federated).
     ingest [--day D]                the inbox files named on stdin (JSON [[path, label], ...]),
                                     moved into the store or quarantine. Prints the ingest report.
     recover                         sessions a dead process left running become interrupted.
@@ -36,12 +37,15 @@ logger = logging.getLogger(__name__)
 
 def _session(home: Home, args: argparse.Namespace) -> dict[str, Any]:
     from odtd.report.metrics import write_textfile
+    from odtd.session.federated import EXCHANGE_DIR, FederatedRound
     from odtd.session.process import run_session_here
 
+    federated = FederatedRound.from_args(json.loads(args.federated), home.run / EXCHANGE_DIR) \
+        if args.federated else None
     try:
         session = run_session_here(home, trigger=args.trigger, force=args.force,
                                    progress=lambda message: logger.info("%s", message),
-                                   stop_reason="daemon stopping ({signal})")
+                                   stop_reason="daemon stopping ({signal})", federated=federated)
         return session.to_dict()
     finally:
         textfile = home.load_config().metrics.textfile
@@ -102,6 +106,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--config", help="odtd.yaml elsewhere than in the home")
     parser.add_argument("--trigger", default="schedule")
     parser.add_argument("--force", action="store_true")
+    parser.add_argument("--federated", help="a federated round's request (JSON)")
     parser.add_argument("--day")
     parser.add_argument("--limit", type=int, default=10)
     args = parser.parse_args(argv)

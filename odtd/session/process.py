@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 from odtd.home.paths import Home
 from odtd.policy import load_policy
+from odtd.session.federated import FederatedRound
 from odtd.session.gates import StopRequest
 from odtd.session.runner import SessionRunner
 from odtd.store.records import SessionRecord
@@ -20,7 +21,8 @@ from odtd.telemetry.meter import SessionEnergyMeter, running_sampler
 
 def run_session_here(home: Home, trigger: str, day: Optional[str] = None, force: bool = False,
                      progress: Optional[Callable[[str], None]] = None,
-                     stop_reason: str = "stopped by {signal}") -> SessionRecord:
+                     stop_reason: str = "stopped by {signal}",
+                     federated: Optional[FederatedRound] = None) -> SessionRecord:
     """Run one session in this process tree and return its record.
 
     Args:
@@ -30,6 +32,7 @@ def run_session_here(home: Home, trigger: str, day: Optional[str] = None, force:
         force: bypass the policy's gates.
         progress: called with one-line progress messages.
         stop_reason: the reason a signal gives the session; ``{signal}`` is its name.
+        federated: a Flower round's session (``SessionRunner.run``).
     """
     store = home.open_store()
     stop = StopRequest()
@@ -44,7 +47,7 @@ def run_session_here(home: Home, trigger: str, day: Optional[str] = None, force:
         with running_sampler(config.telemetry) as sampler:
             runner = SessionRunner(home, store, config, policy, progress=progress,
                                    energy_meter=SessionEnergyMeter(sampler))
-            return runner.run(trigger=trigger, day=day, stop=stop, force=force)
+            return runner.run(trigger=trigger, day=day, stop=stop, force=force, federated=federated)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

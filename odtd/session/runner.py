@@ -29,6 +29,7 @@ from odtd.home.spec import ModelSpec
 from odtd.home.versions import ModelRepo
 from odtd.policy import Policy
 from odtd.session.admission import SKIP, admit_session
+from odtd.session.federated import FederatedRound, hand_back, refused_start
 from odtd.session.gates import (
     FORCE_CLOSED_FILE,
     GateMonitor,
@@ -106,7 +107,8 @@ class SessionRunner:
         self.force_file = home.run / FORCE_CLOSED_FILE
 
     def run(self, trigger: str = "cli", day: Optional[str] = None,
-            stop: Optional[StopRequest] = None, force: bool = False) -> SessionRecord:
+            stop: Optional[StopRequest] = None, force: bool = False,
+            federated: Optional[FederatedRound] = None) -> SessionRecord:
         """Run one session and return its record.
 
         Args:
@@ -114,6 +116,8 @@ class SessionRunner:
             day: YYYY-MM-DD the session belongs to (default: today).
             stop: request it to stop the worker at its next step boundary (outcome interrupted).
             force: bypass the policy's gates (never the memory budget or the OOM rules).
+            federated: a Flower round's (``odtd.session.federated``): from its weights, the
+                trained ones handed back; the guard judges against the served model as ever.
 
         Raises:
             SessionBusy: another session holds the lock.
@@ -121,9 +125,10 @@ class SessionRunner:
         with SessionLock(self.home.session_lock):
             recover_stale_sessions(self.store, self.home)
             return self._run_locked(trigger, day or date.today().isoformat(),
-                                    stop or StopRequest(), force)
+                                    stop or StopRequest(), force, federated)
 
-    def _run_locked(self, trigger: str, day: str, stop: StopRequest, force: bool) -> SessionRecord:
+    def _run_locked(self, trigger: str, day: str, stop: StopRequest, force: bool,
+                    federated: Optional[FederatedRound] = None) -> SessionRecord:
         policy = self.policy
         current = self.repo.current()
         self.repo.verify(current)
@@ -132,7 +137,11 @@ class SessionRunner:
                                model_version_after=current, batch_size=policy.batch.size,
                                epochs=policy.training.epochs, samples_new=0, samples_replay=0)
         record.details.forced = force
+        record.details.federated = federated.to_details() if federated else None
         self.store.start_session(record)
+        job_dir = self.home.runs / f"session-{record.id}"
+        if federated and (refusal := refused_start(federated, self.repo, current, job_dir)):
+            return self._finish(record, "failed", refusal)  # before anything else
         if not pending:
             return self._finish(record, "skipped", "no pending samples")
         last = self.store.last_judged_session()
@@ -153,13 +162,15 @@ class SessionRunner:
         record.details.learning_rate = starting_rate(self.store, self.model, policy.training).rate
         # Resuming trains on from the last refused candidate, always judged against current.
         record.details.resumed = policy.training.resume_within is not None and \
-            self.repo.resume_path.exists()
+            self.repo.resume_path.exists() and federated is None
+        if federated:  # the server's local epochs and rate; admission's batch and memory plan
+            record.epochs = federated.epochs or record.epochs
+            record.details.learning_rate = federated.learning_rate or record.details.learning_rate
         if admission.decision == SKIP:
             return self._finish(record, "skipped", admission.reason)
         if refusal := room_for_session(self.home, self.store, self.config.storage, policy,
                                        pending + replay_rows, self.repo.weights_path(current)):
             return self._finish(record, "skipped", refusal)  # the disk: no night spent failing
-        job_dir = self.home.runs / f"session-{record.id}"
         try:
             result = self._train_with_retries(record, job_dir, current, pending + replay_rows, stop)
         except BaseException as exc:
@@ -168,6 +179,8 @@ class SessionRunner:
             raise
         if result is None:  # failed or interrupted; the record says which and why
             return self._finish(record, record.outcome, record.reason)
+        if federated:  # the trained weights go to the server whether or not this device serves them
+            record.details.federated["handed_back"] = hand_back(job_dir / "candidate.npz", federated)
         try:
             Promotion(self.home, self.store, self.repo, self.policy, self.progress).conclude(
                 record, pending, job_dir, result)
@@ -247,10 +260,12 @@ class SessionRunner:
         plan = record.details.admission or {}  # the plan admission chose for the batch
         served_path = str(self.repo.weights_path(current))
         resume = record.details.resumed
+        # A resumed or federated session trains from other weights; "before" is the served model.
+        start = str(self.repo.resume_path) if resume else \
+            str(job_dir / "global.npz") if record.details.federated else served_path
         job = make_job(
             "train", self.model, self.classes, self.input_shape,
-            weights_in=str(self.repo.resume_path) if resume else served_path,
-            served_weights=served_path if resume else None,
+            weights_in=start, served_weights=served_path if start != served_path else None,
             weights_out=str(job_dir / "candidate.npz"), train_data=str(train),
             validation_data=str(validation) if validation else None,
             batch_size=record.batch_size, epochs=record.epochs, optimizer=training.optimizer,
@@ -433,7 +448,7 @@ def _by_class(classes: list[str], values: Optional[list[Optional[float]]]) -> Op
 
 def _remove_bulky_files(job_dir: Path) -> None:
     # The job file and the worker's stderr stay for diagnosis; data and weights go.
-    for name in ("train.npz", "evaluation.npz", "candidate.npz", CANDIDATE_EVAL_CACHE):
+    for name in ("train.npz", "evaluation.npz", "candidate.npz", "global.npz", CANDIDATE_EVAL_CACHE):
         (job_dir / name).unlink(missing_ok=True)
     for staged in job_dir.glob(".*.tmp*"):  # a stopped worker's half-written candidate
         staged.unlink(missing_ok=True)

@@ -35,7 +35,7 @@ _OMITTED_AT_DEFAULT = {"attempts": [], "kept_for_resume": False,
                        "bn_device_weight": None,
                        "bn_weights_tried": None, "trained_share": None,
                        "trained_shares_tried": None, "learning_rate": None,
-                       "lr_attempts": None, "precision_reason": None}
+                       "lr_attempts": None, "precision_reason": None, "federated": None}
 
 
 @dataclass
@@ -82,6 +82,9 @@ class SessionDetails:
             remembered for the model after an earlier divergence, or a retry's).
         lr_attempts: The rates whose training diverged, each ``{learning_rate,
             diverged_at_step}`` (``training.diverged_retries``); None where none did.
+        federated: A Flower round's session (trigger ``fleet``; docs/fleet.md): ``run_id``,
+            ``round``, what the server asked (``epochs``, ``learning_rate``, ``batchnorm``) and
+            ``handed_back`` (the trained weights went back to the server); None otherwise.
         extra: Keys of a stored row this release does not know, kept as they were.
     """
 
@@ -113,6 +116,7 @@ class SessionDetails:
     energy: Optional[Dict[str, Any]] = None
     learning_rate: Optional[float] = None
     lr_attempts: Optional[List[Dict[str, Any]]] = None
+    federated: Optional[Dict[str, Any]] = None
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:

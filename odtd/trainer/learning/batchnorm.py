@@ -285,7 +285,7 @@ def choose_mixture(assign: Callable[[float], None], candidates: Sequence[float],
             evaluations[candidate] = evaluation
             tried[candidate] = evaluation["by_group"] or {"all": evaluation["accuracy"]}
         kept = choose_weight(tried, reference_before, reference_tolerance, group, REFERENCE_GROUP)
-        return kept, evaluations[kept], tried
+        return Chosen(kept, evaluations[kept], tried)
     first = {}  # type: Dict[float, Dict[str, Any]]
     for candidate in candidates:  # only the acceptance group's images run
         assign(candidate)

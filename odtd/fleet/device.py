@@ -1,0 +1,94 @@
+"""One Flower round on a device, without Flower: the global weights to a session and back.
+
+The ClientApp (``client``) hands the round's arrays here; they are written as a weights file in
+``HOME/run/fleet``, the daemon is asked over its control socket for a federated session
+(``odtd.session.federated``), and the trained weights come back with the same metric keys every
+round. Whatever keeps the device from training (a closed gate, a spent energy budget, a memory
+cap that admits nothing, a session already running, weights that do not fit) raises
+``Declined`` with the daemon's reason, which the ClientApp turns into Flower's error reply.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from odtd.daemon.control import request_federated_session
+from odtd.errors import OdtdError
+from odtd.session.federated import EXCHANGE_DIR
+
+# The reply's metrics, the same keys every round (Flower's aggregation requires it). The
+# accuracies are on the device's own held-out samples where it has them, else on its
+# evaluation set (``details.evaluation_set``); NaN where the session measured nothing.
+METRIC_KEYS = ("num-examples", "accuracy-before", "accuracy-after", "joules", "peak-memory-mb",
+               "seconds", "served")
+
+
+class Declined(Exception):
+    """The device does not take this round; the message says why (the daemon's words)."""
+
+
+def _number(value: Optional[float]) -> float:
+    return float("nan") if value is None else float(value)
+
+
+def round_metrics(session: Dict[str, Any]) -> Dict[str, float]:
+    """A federated session object's reply metrics (``METRIC_KEYS``)."""
+    details = session.get("details") or {}
+    holdout = details.get("holdout_accuracy_before") is not None
+    before = details.get("holdout_accuracy_before") if holdout else session.get("accuracy_before")
+    after = details.get("holdout_accuracy_after") if holdout else session.get("accuracy_after")
+    return {
+        "num-examples": int((session.get("samples_new") or 0) + (session.get("samples_replay") or 0)),
+        "accuracy-before": _number(before), "accuracy-after": _number(after),
+        "joules": _number(session.get("energy_j")),
+        "peak-memory-mb": _number(session.get("peak_memory_mb")),
+        "seconds": _number(session.get("duration_s")),
+        "served": 1.0 if session.get("outcome") == "promoted" else 0.0,
+    }
+
+
+def train_round(socket_path: Path, run_id: str, server_round: int, arrays: List[np.ndarray],
+                config: Dict[str, Any]) -> Tuple[List[np.ndarray], Dict[str, float]]:
+    """Run one round's federated session on the device behind ``socket_path``.
+
+    Args:
+        socket_path: The daemon's control socket (``HOME/run/odtd.sock``).
+        run_id: Flower's run id.
+        server_round: The round's number.
+        arrays: The global weights, in the model's order (``w0000``...).
+        config: The round's settings: ``local-epochs``, ``learning-rate``, ``batchnorm``.
+
+    Returns:
+        The trained weights and the reply's metrics.
+
+    Raises:
+        Declined: The device did not train (why, in the daemon's words).
+    """
+    exchange = Path(socket_path).parent / EXCHANGE_DIR
+    stem = f"{run_id}-{server_round}"
+    weights_in, weights_out = exchange / f"{stem}-global.npz", exchange / f"{stem}-trained.npz"
+    try:
+        exchange.mkdir(parents=True, exist_ok=True)
+        np.savez(weights_in, **{f"w{i:04d}": array for i, array in enumerate(arrays)})
+        epochs, rate = config.get("local-epochs"), config.get("learning-rate")
+        session = request_federated_session(Path(socket_path), {
+            "run_id": str(run_id), "round": int(server_round), "weights_in": str(weights_in),
+            "weights_out": str(weights_out), "epochs": int(epochs) if epochs else None,
+            "learning_rate": float(rate) if rate and not math.isnan(float(rate)) else None,
+            "batchnorm": str(config.get("batchnorm") or "fedavg")})
+        handed_back = ((session.get("details") or {}).get("federated") or {}).get("handed_back")
+        if not handed_back:
+            raise Declined(f"session {session.get('id')} {session.get('outcome')}: "
+                           f"{session.get('reason')}")
+        with np.load(weights_out, allow_pickle=False) as data:
+            trained = [data[f"w{i:04d}"] for i in range(len(data.files))]
+        return trained, round_metrics(session)
+    except (OdtdError, OSError) as exc:
+        raise Declined(str(exc)) from None
+    finally:
+        for path in (weights_in, weights_out):
+            path.unlink(missing_ok=True)

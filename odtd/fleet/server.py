@@ -1,0 +1,132 @@
+"""The fleet's ServerApp: Flower's own strategies, each round recorded in the fleet's SQLite file.
+
+``flwr run`` starts it on the SuperLink (``launch.app_dir`` writes the app's pyproject.toml);
+its run config ``fleet-config`` names the server's YAML (``settings``). Each round's devices
+asked, trained, declined (and why) or silent, the aggregated metrics, the joules and the round's
+time go to ``rounds.RoundLog`` as the round is aggregated; the last global weights to
+``output_weights``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from pathlib import Path
+from typing import Any, Iterable, List, Optional, Tuple
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg, FedAvgM
+
+from odtd.fleet.rounds import DeviceReply, RoundLog, RoundRecord, utc_now
+from odtd.fleet.settings import FleetSettings, load_settings
+
+logger = logging.getLogger(__name__)
+
+app = ServerApp()
+
+
+def _reason(error_reason: str) -> str:
+    """Flower's ``<class 'X'>:<'why'>`` as the device's own words."""
+    found = re.fullmatch(r"<class '[^']*'>:<['\"](.*)['\"]>", error_reason or "", re.S)
+    return found.group(1) if found else error_reason
+
+
+class _Recording:
+    """A strategy mixin: times each training round and records every device's part of it."""
+
+    log: RoundLog
+    run_id: str
+    round_timeout_s: float
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        messages = list(super().configure_train(server_round, arrays, config, grid))  # type: ignore[misc]
+        self._asked = [m.metadata.dst_node_id for m in messages]
+        self._started = (time.monotonic(), utc_now())
+        print(f"round {server_round}: asking {len(messages)} devices", flush=True)
+        return messages
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> Tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
+        replies = list(replies)
+        arrays, metrics = super().aggregate_train(server_round, replies)  # type: ignore[misc]
+        devices, answered = [], set()
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            answered.add(node)
+            if reply.has_error():
+                devices.append(DeviceReply(str(node), "declined", _reason(reply.error.reason)))
+            else:
+                devices.append(DeviceReply(str(node), "trained",
+                                           metrics=dict(reply.content["metrics"])))
+        devices += [DeviceReply(str(node), "no reply",
+                                f"no reply within {self.round_timeout_s:g} s")
+                    for node in self._asked if node not in answered]
+        record = RoundRecord(run_id=self.run_id, round=server_round, started_at=self._started[1],
+                             seconds=time.monotonic() - self._started[0], devices=devices,
+                             metrics=dict(metrics) if metrics is not None else {})
+        self.log.add_round(record)
+        declined = "; ".join(f"{d.node_id}: {d.reason}" for d in devices if d.outcome != "trained")
+        print(f"round {server_round}: {record.count('trained')} trained, {record.count('declined')} "
+              f"declined, {record.count('no reply')} silent in {record.seconds:.1f} s"
+              + (f" ({declined})" if declined else ""), flush=True)
+        return arrays, metrics
+
+
+class RecordingFedAvg(_Recording, FedAvg):
+    """FedAvg, each round recorded."""
+
+
+class RecordingFedAvgM(_Recording, FedAvgM):
+    """FedAvgM (server momentum), each round recorded."""
+
+
+def make_strategy(settings: FleetSettings, log: RoundLog, run_id: str) -> FedAvg:
+    """The settings' strategy; the devices' own sessions judge their models (no evaluate round)."""
+    common: dict[str, Any] = dict(fraction_train=settings.fraction, fraction_evaluate=0.0,
+                                  min_train_nodes=settings.min_devices,
+                                  min_available_nodes=settings.min_devices)
+    if settings.strategy == "fedavgm":
+        strategy: FedAvg = RecordingFedAvgM(server_learning_rate=settings.server_learning_rate,
+                                            server_momentum=settings.server_momentum, **common)
+    else:
+        strategy = RecordingFedAvg(**common)
+    strategy.log, strategy.run_id = log, run_id  # type: ignore[attr-defined]
+    strategy.round_timeout_s = settings.round_timeout_s  # type: ignore[attr-defined]
+    return strategy
+
+
+def read_arrays(path: Path) -> List[np.ndarray]:
+    """A version's ``weights.npz`` (``w0000``...) in the model's order."""
+    with np.load(path, allow_pickle=False) as data:
+        return [data[f"w{i:04d}"] for i in range(len(data.files))]
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Run the YAML's rounds and record each."""
+    settings = load_settings(Path(str(context.run_config["fleet-config"])))
+    run_id = str(context.run_id)
+    log = RoundLog(settings.record)
+    try:
+        log.start_run(run_id, settings.model_dump(mode="json"))
+        strategy = make_strategy(settings, log, run_id)
+        train_config = ConfigRecord({"batchnorm": settings.batchnorm,
+                                     "local-epochs": settings.local_epochs or 0,
+                                     "learning-rate": settings.learning_rate or 0.0})
+        initial = read_arrays(settings.initial_weights)
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(initial),
+                                num_rounds=settings.rounds, timeout=settings.round_timeout_s,
+                                train_config=train_config)
+        # Flower's result holds no arrays when no round aggregated any (every device declined):
+        # then the start stands.
+        final = (result.arrays.to_numpy_ndarrays() if result.arrays is not None else []) or initial
+        np.savez(settings.output_weights, **{f"w{i:04d}": a for i, a in enumerate(final)})
+        log.finish_run(run_id)
+        print(f"run {run_id}: {settings.rounds} rounds; global weights in {settings.output_weights}",
+              flush=True)
+    finally:
+        log.close()

@@ -1,0 +1,326 @@
+"""``odtctl fleet simulate``: N devices on one machine, through Flower's real processes.
+
+N homes start from one pre-trained base model (``odtd.sim.simulate``'s pre-training). Each device
+gets its own corner of the world: its class mix is a Dirichlet draw (``alpha``: small, a few
+classes; large, all alike), and optionally every camera is shifted the same way (``shift``).
+Each day every device gets ``per_day`` new labelled images of its mix, and the fleet runs one
+round: a SuperLink, one daemon and one SuperNode per device, and ``flwr run`` of odtd's
+ServerApp for one round from the last day's global weights. Beside each federated device, on
+the same days and images: the device learning alone (odtd as today: its own home, the same
+session path) and AdaBN (the base model's BatchNorm statistics re-estimated on the images the
+device saw). At the end every arm's model on each device is scored on that device's test
+images (drawn with its class mix, shifted like its camera) and on the same images clean.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import date, timedelta
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
+
+from odtd.daemon.control import request
+from odtd.errors import ConfigError, DaemonUnavailable, OdtdError
+from odtd.fleet.launch import LocalFleet
+from odtd.fleet.rounds import RoundLog
+from odtd.home.create import InitRequest, init_home
+from odtd.home.ingest import Ingestor, discover
+from odtd.home.paths import Home
+from odtd.home.spec import ModelSpec
+from odtd.home.versions import ModelRepo
+from odtd.policy import load_policy
+from odtd.session.runner import SessionRunner
+from odtd.sim import datasets
+from odtd.sim.arms import AdaBnArm, Day, Trial, link_home
+from odtd.sim.scoring import ScoringSets
+from odtd.sim.simulate import DataSource, SimulationOptions, install_policy, pretrain_base
+from odtd.trainer.protocol.procfs import read_proc_mb
+
+ARMS = ("base", "alone", "adabn", "fleet")
+
+
+@dataclass
+class FleetSimulation:
+    """What ``odtctl fleet simulate`` runs (see its ``--help``).
+
+    Attributes:
+        devices: How many devices.
+        alpha: The Dirichlet concentration of their class mixes.
+        test_per_device: Test images of each device's mix.
+        local_epochs: Each device's epochs a round.
+        batchnorm: ``fedavg`` or ``fedbn`` (docs/fleet.md).
+        model_file: A user's trained Keras model (``.keras``/``.h5``) as the base, imported as
+            ``odtctl init --model-file`` does (no pre-training); None: ``each.model`` pre-trained.
+        each: What every device shares with ``odtctl simulate``: its ``days`` are the rounds,
+            ``per_day``, the model, data set, shift, pre-training, validation set, policy, seed.
+    """
+
+    devices: int = 3
+    alpha: float = 0.5
+    test_per_device: int = 200
+    local_epochs: int = 1
+    batchnorm: str = "fedavg"
+    model_file: Optional[str] = None
+    each: SimulationOptions = field(default_factory=lambda: SimulationOptions(
+        days=2, pretrain_samples=1000, pretrain_epochs=3, validation_samples=200))
+
+
+class DevicePools:
+    """The devices' images: each device's class mix, its days and its test images.
+
+    Synthetic images are generated per class as needed; a labelled data set's come from its
+    train split (days) and test split (tests), each image given to one device only.
+    """
+
+    def __init__(self, options: FleetSimulation, source: DataSource) -> None:
+        self.options, self.source = options, source
+        self.classes = source.classes
+        self.seed = options.each.seed
+        rng = np.random.default_rng(self.seed)
+        self.mix = rng.dirichlet([options.alpha] * len(self.classes), size=options.devices)
+        self._rng = rng
+        self._next = {"train": 0, "test": 0}
+        if source.dataset is not None:
+            self._free = {split: self._by_class(split) for split in ("train", "test")}
+
+    def _by_class(self, split: str) -> Dict[int, List[int]]:
+        files = self.source.dataset.files(split)
+        order = self._rng.permutation(len(files))
+        by_class: Dict[int, List[int]] = {c: [] for c in range(len(self.classes))}
+        for index in order:
+            by_class[files[index][1]].append(int(index))
+        return by_class
+
+    def draw(self, device: int, n: int, split: str) -> tuple:
+        """``n`` new images (x, y) of ``device``'s class mix from ``split`` (train or test)."""
+        counts = self._rng.multinomial(n, self.mix[device])
+        if self.source.dataset is None:
+            xs, ys = [], []
+            for label, count in enumerate(counts):
+                if count:
+                    x, y = self._synthetic_of(label, int(count), split)
+                    xs.append(x)
+                    ys.append(y)
+            return np.concatenate(xs), np.concatenate(ys)
+        indices = []
+        for label, count in enumerate(counts):
+            free = self._free[split][label]
+            if len(free) < count:
+                raise ConfigError(f"--dataset {self.options.each.dataset}: too few {split} images of "
+                                  f"{self.classes[label]} for {self.options.devices} devices; fewer "
+                                  "--devices, --rounds, --per-day or a larger --alpha")
+            indices += [free.pop() for _ in range(int(count))]
+        return self.source.dataset.load_arrays(split, np.array(indices))
+
+    def _synthetic_of(self, label: int, count: int, split: str) -> tuple:
+        """``count`` synthetic device-domain images of one class (fresh seeds, never repeated)."""
+        xs: List[np.ndarray] = []
+        while sum(len(x) for x in xs) < count:
+            self._next[split] += 1
+            seed = self.seed + (10_000 if split == "train" else 20_000) + 100 * self._next[split]
+            x, y = datasets.synthetic(max(4 * count, 40) * len(self.classes) // 4, "device", seed=seed)
+            xs.append(x[y == label])
+        x = np.concatenate(xs)[:count]
+        return x, np.full(len(x), label, dtype=np.int64)
+
+
+def _start_daemon(home: Home, log: Path) -> subprocess.Popen:
+    """``odtd run`` on ``home``; returns once its control socket answers."""
+    out = open(log, "w", encoding="utf-8")  # noqa: SIM115 - the process's log
+    try:
+        process = subprocess.Popen([sys.executable, "-m", "odtd.daemon.service", "run", "--home",
+                                    str(home.root)], stdout=out, stderr=subprocess.STDOUT)
+    finally:
+        out.close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise OdtdError(f"the daemon of {home.root} exited ({process.returncode}); see {log}")
+        try:
+            request(home.socket_path, "ping", timeout_s=2)
+            request(home.socket_path, "pause", timeout_s=10)  # rounds only: no nightly session
+            return process
+        except (DaemonUnavailable, OdtdError, OSError):
+            time.sleep(0.3)
+    raise OdtdError(f"the daemon of {home.root} did not answer within 60 s; see {log}")
+
+
+def _ingest(home: Home, x: np.ndarray, y: np.ndarray, classes: List[str], stamp: str) -> int:
+    store = home.open_store()
+    try:
+        with tempfile.TemporaryDirectory(dir=home.runs) as tmp:
+            datasets.write_image_folder(x, y, classes, Path(tmp), fmt="png")
+            return Ingestor.for_home(home, store).ingest(discover(Path(tmp), None), day=stamp).accepted
+    finally:
+        store.close()
+
+
+def _alone_session(home: Home, stamp: str) -> Dict[str, Any]:
+    store = home.open_store()
+    try:
+        config = home.load_config()
+        runner = SessionRunner(home, store, config, load_policy(home.policy_path(config)))
+        return runner.run(trigger="simulate", day=stamp).to_dict()
+    finally:
+        store.close()
+
+
+def _served(home: Home, model: str) -> Path:
+    repo = ModelRepo(home.models, model)
+    return repo.weights_path(repo.current())
+
+
+def simulate_fleet(out: Path, options: FleetSimulation,
+                   progress: Callable[[str], None] = print) -> Dict[str, Any]:
+    """Run the simulation in ``out`` (created; an existing one is refused) and return its result.
+
+    Raises:
+        ConfigError: a bad count, an unknown shift or data set, too few images.
+    """
+    sim = options.each
+    if options.devices < 1 or sim.days < 1 or sim.per_day < 1 or not options.alpha > 0:
+        raise ConfigError("--devices, --rounds and --per-day must be at least 1, --alpha above 0")
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out}: not empty; give a new --out directory")
+    out.mkdir(parents=True, exist_ok=True)
+    source = DataSource(sim)
+    base = Home(out / "base")
+    progress(f"creating the base model ({options.model_file or sim.model}) in {base.root} ...")
+    init_home(base, InitRequest(None if options.model_file else sim.model, source.classes,
+                                seed=sim.seed, validation_arrays=source.validation(),
+                                model_file=Path(options.model_file) if options.model_file else None))
+    if sim.policy:
+        install_policy(base, Path(sim.policy))
+    if sim.pretrain_samples > 0 and not options.model_file:
+        pretrain_base(base, source, sim, progress)
+    store = base.open_store()
+    spec = ModelSpec.from_store(store)
+    store.close()
+    base_weights = _served(base, spec.name)
+    pools = DevicePools(options, source)
+    shift = source.shift
+    trial = Trial(spec.name, source.classes, spec.input_shape,
+                  load_policy(base.policy_path(base.load_config())).training.precision,
+                  out / "work", log=progress, model_keys=spec.job_keys(base))
+    trial.work.mkdir()
+    devices = []
+    for i in range(options.devices):
+        x, y = pools.draw(i, options.test_per_device, "test")
+        images = {"shifted": shift(x, seed=[sim.seed, 10_000 + i]), "clean": x} if shift \
+            else {"clean": x}
+        devices.append({
+            "fleet": link_home(base.root, out / f"fleet-{i}"),
+            "alone": link_home(base.root, out / f"alone-{i}"),
+            "adabn": AdaBnArm(trial, base_weights, out / "work" / f"adabn-{i}.npz", batch_size=32),
+            "tests": ScoringSets(trial, images, y, np.arange(len(y)), source.validation()),
+            "mix": [round(float(p), 3) for p in pools.mix[i]]})
+        progress(f"device {i}: classes " + ", ".join(
+            f"{source.classes[c]} {p:.0%}" for c, p in enumerate(pools.mix[i]) if p >= 0.05))
+    local = LocalFleet(out / "flower")
+    daemons: List[subprocess.Popen] = []
+    days: List[Dict[str, Any]] = []
+    try:
+        local.start_superlink()
+        for i, device in enumerate(devices):
+            daemons.append(_start_daemon(device["fleet"], out / f"daemon-{i}.log"))
+            local.start_supernode(device["fleet"].socket_path, f"supernode-{i}")
+        global_weights = base_weights
+        start = date.today()
+        for r in range(1, sim.days + 1):
+            stamp = (start + timedelta(days=r - 1)).isoformat()
+            day: Dict[str, Any] = {"round": r, "alone": [], "adabn_j": []}
+            for i, device in enumerate(devices):
+                x, y = pools.draw(i, sim.per_day, "train")
+                if shift is not None:
+                    x = shift(x, seed=[sim.seed, 1 + r * options.devices + i])
+                _ingest(device["fleet"], x, y, source.classes, stamp)
+                _ingest(device["alone"], x, y, source.classes, stamp)
+                session = _alone_session(device["alone"], stamp)
+                day["alone"].append({k: session[k] for k in ("outcome", "reason", "energy_j",
+                                                              "accuracy_before", "accuracy_after")})
+                day["adabn_j"].append(device["adabn"].day(Day(r, stamp, [], x, y, shift is not None))
+                                      ["energy_j"])
+            progress(f"round {r}/{sim.days}: alone " + ", ".join(
+                s["outcome"] for s in day["alone"]) + "; the fleet's round ...")
+            config = out / f"fleet-round-{r}.yaml"
+            config.write_text(json.dumps({
+                "rounds": 1, "min_devices": options.devices, "local_epochs": options.local_epochs,
+                "batchnorm": options.batchnorm, "round_timeout_s": 3600,
+                "initial_weights": str(global_weights), "record": str(out / "rounds.db"),
+                "output_weights": str(out / f"global-{r}.npz")}), encoding="utf-8")  # YAML too
+            if local.run(config, progress=progress) != 0:
+                raise OdtdError(f"round {r}: flwr run failed; see {out / 'flower' / 'run' / 'flwr-run.log'}")
+            global_weights = out / f"global-{r}.npz"
+            days.append(day)
+        superlink_mb = read_proc_mb("VmHWM", Path(f"/proc/{local.superlink.pid}/status"))
+    finally:
+        local.stop()
+        for process in daemons:
+            process.terminate()
+        for process in daemons:
+            process.wait(timeout=60)
+    result = _scored(out, devices, spec.name, base_weights, global_weights, days, progress)
+    with np.load(base_weights) as data:
+        weights = {"arrays": len(data.files), "values": int(sum(data[k].size for k in data.files)),
+                   "bytes": int(sum(data[k].nbytes for k in data.files))}
+    result["scale"] = {"devices": options.devices, "rounds": sim.days,
+                       # a train message to each device asked and its reply (no evaluate round)
+                       "messages_per_round": 2 * options.devices, "weights_per_message": weights,
+                       "superlink_peak_rss_mb": superlink_mb}
+    return result
+
+
+def _scored(out: Path, devices: List[Dict[str, Any]], model: str, base_weights: Path,
+            global_weights: Path, days: List[Dict[str, Any]],
+            progress: Callable[[str], None]) -> Dict[str, Any]:
+    """Every arm's served model on each device's test images; the table."""
+    progress("scoring every arm on each device's test images ...")
+    rows = []
+    for i, device in enumerate(devices):
+        weights = {"base": base_weights, "alone": _served(device["alone"], model),
+                   "adabn": device["adabn"].weights, "fleet": _served(device["fleet"], model),
+                   "global": global_weights}
+        scores = {arm: device["tests"].score(path, full=True).accuracy() for arm, path in weights.items()}
+        rows.append({"device": i, "mix": device["mix"], "accuracy": scores})
+    log = RoundLog(out / "rounds.db")
+    rounds = [r.to_dict() for run in reversed(log.runs()) for r in log.rounds(run["run_id"])]
+    log.close()
+    domain = "shifted" if "shifted" in rows[0]["accuracy"]["base"] else "clean"
+    diffs = [row["accuracy"]["fleet"][domain] - row["accuracy"]["alone"][domain] for row in rows]
+    mean = float(np.mean(diffs))
+    se = float(np.std(diffs, ddof=1) / math.sqrt(len(diffs))) if len(diffs) > 1 else None
+    table = _table(rows, rounds, domain, mean, se)
+    return {"devices": rows, "rounds": rounds, "days": days, "domain": domain,
+            "fleet_minus_alone": {"mean_points": round(100 * mean, 2),
+                                  "se_points": None if se is None else round(100 * se, 2)},
+            "table": table}
+
+
+def _table(rows: List[Dict[str, Any]], rounds: List[Dict[str, Any]], domain: str, mean: float,
+           se: Optional[float]) -> List[str]:
+    arms = ("base", "alone", "adabn", "fleet", "global")
+    lines = [f"accuracy (%) on each device's own test images, {domain} / clean"
+             " (base: day 0; global: the fleet's last weights, unguarded):",
+             f"{'device':>6} " + " ".join(f"{arm:>13}" for arm in arms)]
+    for row in rows:
+        acc = row["accuracy"]
+        lines.append(f"{row['device']:>6} " + " ".join(
+            f"{100 * acc[a][domain]:>6.1f}/{100 * acc[a]['clean']:<6.1f}" for a in arms))
+    lines.append(f"{'mean':>6} " + " ".join(
+        f"{100 * np.mean([r['accuracy'][a][domain] for r in rows]):>6.1f}/"
+        f"{100 * np.mean([r['accuracy'][a]['clean'] for r in rows]):<6.1f}" for a in arms))
+    lines.append(f"fleet - alone ({domain}, paired over devices): {100 * mean:+.2f} points"
+                 + (f" (standard error {100 * se:.2f})" if se is not None else ""))
+    for number, r in enumerate(rounds, start=1):
+        lines.append(f"round {number}: {r['trained']}/{r['asked']} trained, "
+                     f"{r['seconds']:.1f} s, joules {r['joules']}, outside the sessions "
+                     f"{'-' if r['outside_share'] is None else format(r['outside_share'], '.0%')}")
+    return lines

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""The fleet's goals (issue 54; docs/fleet.md), from one `odtctl fleet simulate` run. Prints JSON.
+
+The issue's size: 8 devices, DenseNet40 imported with ``--model-file`` as a user would, one shared
+camera shift (dusk), Dirichlet alpha 0.5, 64 new images a day each, 6 rounds:
+
+    python scripts/bench_fleet.py --devices 8 --rounds 6 --shift dusk --alpha 0.5 \\
+        --model-file densenet40.keras --out /tmp/bench-fleet
+
+Goals, each with the figure it is judged on:
+- federated odtd beats each device alone on the devices' own (shifted) test images by more than
+  2 standard errors of the paired difference over devices;
+- it beats AdaBN there by at least 5 points;
+- no device serves a model below its day 0 (the base), on its own images or clean ones (judged
+  on the last day only: the simulation scores each arm once, at the end);
+- joules per device per round reported; the share of a round outside the devices' sessions
+  (Flower's messaging, the sessions' start-up, aggregation) under 5%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from odtd.fleet.simulate import FleetSimulation, simulate_fleet
+from odtd.sim.simulate import SimulationOptions
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def goals(result: dict) -> dict:
+    """The issue's goals judged on a simulation's result."""
+    domain = result["domain"]
+    rows = result["devices"]
+
+    def points(arm: str, other: str, where: str = domain) -> np.ndarray:
+        return np.array([100 * (r["accuracy"][arm][where] - r["accuracy"][other][where]) for r in rows])
+
+    def paired(diff: np.ndarray) -> dict:
+        se = float(diff.std(ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else None
+        return {"mean_points": round(float(diff.mean()), 2),
+                "se_points": None if se is None else round(se, 2)}
+
+    alone, adabn = paired(points("fleet", "alone")), paired(points("fleet", "adabn"))
+    below = [r["device"] for r in rows
+             if any(r["accuracy"]["fleet"][d] < r["accuracy"]["base"][d] for d in r["accuracy"]["base"])]
+    trained = [r for r in result["rounds"] if r["trained"]]
+    per_device = [r["joules"] / r["trained"] for r in trained if r["joules"] is not None]
+    outside = [r["outside_share"] for r in trained if r["outside_share"] is not None]
+    return {
+        "fleet_vs_alone": {**alone, "met": alone["se_points"] is not None
+                           and alone["mean_points"] > 2 * alone["se_points"]},
+        "fleet_vs_adabn": {**adabn, "met": adabn["mean_points"] >= 5},
+        "devices_serving_below_day0": {"devices": below, "met": not below},
+        "joules_per_device_per_round": round(float(np.mean(per_device)), 1) if per_device else None,
+        "outside_share": {"per_round": outside, "mean": round(float(np.mean(outside)), 4) if outside
+                          else None, "met": bool(outside) and max(outside) < 0.05},
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="a new directory for the run")
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--per-day", type=int, default=64)
+    parser.add_argument("--alpha", type=float, default=0.5)
+    parser.add_argument("--shift", default="dusk")
+    parser.add_argument("--model", default="tinycnn", help="without --model-file: pre-trained here")
+    parser.add_argument("--model-file", help="the user's trained Keras model, imported")
+    parser.add_argument("--dataset", default="synthetic")
+    parser.add_argument("--pretrain-samples", type=int, default=1000)
+    parser.add_argument("--pretrain-epochs", type=int, default=3)
+    parser.add_argument("--test-images", type=int, default=200)
+    parser.add_argument("--batchnorm", choices=("fedavg", "fedbn"), default="fedavg")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    each = SimulationOptions(days=args.rounds, per_day=args.per_day, model=args.model,
+                             dataset=args.dataset, pretrain_samples=args.pretrain_samples,
+                             pretrain_epochs=args.pretrain_epochs, validation_samples=200,
+                             seed=args.seed, shift=args.shift)
+    options = FleetSimulation(devices=args.devices, alpha=args.alpha, test_per_device=args.test_images,
+                              batchnorm=args.batchnorm, model_file=args.model_file, each=each)
+    result = simulate_fleet(Path(args.out), options, progress=lambda line: print(line, file=sys.stderr))
+    machine = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                    if line.startswith("model name")), None)
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip() or None
+    print(json.dumps({"machine": machine, "commit": commit, "options": vars(args),
+                      "goals": goals(result), "scale": result["scale"],
+                      "fleet_minus_alone": result["fleet_minus_alone"], "devices": result["devices"],
+                      "rounds": result["rounds"], "table": result["table"]}, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""A Flower fleet through Flower's real processes: a SuperLink, a SuperNode per device, `flwr run`.
+
+Three tinycnn homes, each with its own daemon; two rounds. The third device has its charging
+gate forced closed: it declines each round with that reason and the rounds complete with the
+others. The second device's daemon is killed (SIGKILL) as its session of round 1 starts: it
+declines that round, its home stays intact, and, started again at once, it takes round 2. One fleet
+serves one test (`make test`'s budget: its start and two rounds take about a minute).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import REPO, odtctl, odtctl_json, trainer_python_yaml, wait_for, write_images
+from test_daemon import FAST_CONFIG, start_daemon, stop
+
+from odtd.daemon.control import request_federated_session
+from odtd.errors import OdtdError
+
+flwr = pytest.importorskip("flwr", reason="flwr (odtd[fleet], Python >= 3.11) is not installed")
+
+pytestmark = pytest.mark.trains
+
+DEVICES = 3
+ROUNDS = 2
+CLOSED = 2  # the device whose gate is closed
+KILLED, KILLED_ROUND = 1, 1  # the device whose daemon is killed, and in which round
+
+
+def _device(base: Path, root: Path, index: int) -> Path:
+    home = root / f"device{index}"
+    shutil.copytree(base, home, symlinks=True)
+    policy = (REPO / "policies" / "tinycnn-test.yaml").read_text()
+    # Two rounds' worth of new samples: each round's session takes at most 8 of them.
+    policy = policy.replace("max_samples_per_session: 256", "max_samples_per_session: 8") \
+        .replace("epochs: 2", "epochs: 1")
+    (home / "policy.yaml").write_text(policy)
+    (home / "odtd.yaml").write_text(FAST_CONFIG + trainer_python_yaml())
+    write_images(root / f"images{index}", per_class=3, seed=10 + index)
+    odtctl("ingest", str(root / f"images{index}"), home=home)
+    if index == CLOSED:
+        (home / "run").mkdir(exist_ok=True)
+        (home / "run" / "force-gate-closed").write_text("charging\n")
+    return home
+
+
+@pytest.fixture
+def fleet(_base_home, tmp_path_factory):
+    from odtd.fleet.launch import LocalFleet
+
+    root = tmp_path_factory.mktemp("fleet")
+    local = LocalFleet(root / "flower")
+    daemons: list = []
+    lines: list = []
+    # The devices, their daemons and their SuperNodes start side by side: each waits on processes.
+    with ThreadPoolExecutor(DEVICES + 1) as pool:
+        try:
+            superlink = pool.submit(local.start_superlink)
+            homes = list(pool.map(lambda i: _device(_base_home, root, i), range(DEVICES)))
+            served = [(home / "models/tinycnn/current").read_text() for home in homes]
+            daemons += pool.map(start_daemon, homes)
+            superlink.result()
+            list(pool.map(lambda i: local.start_supernode(homes[i] / "run" / "odtd.sock",
+                                                          f"supernode{i}"), range(DEVICES)))
+            initial = _base_home / "models/tinycnn" / served[0].strip() / "weights.npz"
+            config = root / "fleet.yaml"
+            config.write_text(f"rounds: {ROUNDS}\nmin_devices: {DEVICES}\nlocal_epochs: 1\n"
+                              f"round_timeout_s: 120\ninitial_weights: {initial}\nrecord: rounds.db\n")
+            killer = pool.submit(_kill_and_restart, homes[KILLED], daemons)
+            status = local.run(config, progress=lines.append, timeout_s=240)
+            killer.result(timeout=5)
+            yield {"root": root, "homes": homes, "served": served, "status": status, "lines": lines,
+                   "record": root / "rounds.db", "initial": initial, "daemons": daemons,
+                   "log": (root / "flower" / "run" / "flwr-run.log")}
+        finally:
+            local.stop()
+            list(pool.map(stop, daemons))
+
+
+def _rows(db: Path, query: str) -> list:
+    try:
+        with sqlite3.connect(db) as connection:
+            return connection.execute(query).fetchall()
+    except sqlite3.Error:  # not created yet
+        return []
+
+
+def _kill_and_restart(home: Path, daemons: list) -> None:
+    """SIGKILL the device's daemon as its session of the round starts, and start it again."""
+    wait_for(lambda: _rows(home / "odtd.db", "SELECT id FROM sessions WHERE trigger = 'fleet' AND "
+                                             f"details LIKE '%\"round\": {KILLED_ROUND},%'"), 120, 0.05)
+    daemons[KILLED].kill()
+    daemons[KILLED].wait()
+    daemons[KILLED] = start_daemon(home)  # up again long before the next round reaches it
+
+
+def test_a_fleet_of_three_devices(fleet, tmp_path):
+    """One fleet, every check on it: pytest-xdist would start a module-scoped fixture once per
+    worker that runs one of its tests, so the checks are one test."""
+    _check_rounds_with_declining_and_killed_devices(fleet)
+    _check_each_round_is_a_session_row_marked_federated(fleet)
+    _check_weights_that_do_not_fit_are_refused_by_the_daemon(fleet)
+    _check_a_request_outside_the_exchange_directory_is_refused(fleet, tmp_path)
+    _check_fleet_status_text_and_bad_record(fleet, tmp_path)
+
+
+def _check_rounds_with_declining_and_killed_devices(fleet):
+    assert fleet["status"] == 0, fleet["log"].read_text()[-3000:]
+    report = odtctl_json("fleet", "status", "--record", str(fleet["record"]))
+    rounds = report["rounds"]
+    assert [r["round"] for r in rounds] == list(range(1, ROUNDS + 1))
+    for r in rounds:
+        killed = r["round"] == KILLED_ROUND
+        assert (r["asked"], r["trained"], r["declined"], r["no_reply"]) == \
+            (DEVICES, DEVICES - 1 - killed, 1 + killed, 0)
+        reasons = [d["reason"] for d in r["devices"] if d["outcome"] == "declined"]
+        assert sum("gate charging closed" in reason for reason in reasons) == 1
+        assert sum("the daemon closed the connection" in reason for reason in reasons) == killed
+        trained = [d for d in r["devices"] if d["outcome"] == "trained"]
+        for device in trained:
+            assert device["metrics"]["num-examples"] > 0
+            assert 0 <= device["metrics"]["accuracy-after"] <= 1
+            assert device["metrics"]["seconds"] > 0
+        assert r["seconds"] >= r["session_s_max"] > 0
+        assert set(r["metrics"]) >= {"accuracy-before", "accuracy-after"}
+    # The server's progress lines, as `odtctl fleet run` prints them.
+    assert any(line.startswith(f"round {ROUNDS}:") and "2 trained, 1 declined" in line
+               for line in fleet["lines"])
+    # The global weights moved away from the initial ones.
+    with np.load(fleet["initial"]) as start, np.load(fleet["record"].with_name("rounds-global.npz")) as end:
+        assert sorted(start.files) == sorted(end.files)
+        assert any(not np.array_equal(start[k], end[k]) for k in start.files)
+
+
+def _check_each_round_is_a_session_row_marked_federated(fleet):
+    run_id = odtctl_json("fleet", "status", "--record", str(fleet["record"]))["run"]["run_id"]
+    for index, home in enumerate(fleet["homes"]):
+        sessions = [s for s in odtctl_json("history", home=home) if s["trigger"] == "fleet"
+                    and s["details"]["federated"]["run_id"] == run_id]  # not the tests' own requests
+        assert sorted(s["details"]["federated"]["round"] for s in sessions) == list(range(1, ROUNDS + 1))
+        if index == KILLED:  # the killed session is interrupted; the others trained
+            outcomes = {s["details"]["federated"]["round"]: s["outcome"] for s in sessions}
+            assert outcomes.pop(KILLED_ROUND) == "interrupted"
+            assert set(outcomes.values()) <= {"promoted", "rolled_back"}
+            assert odtctl_json("status", home=home)["samples"]["pending"] > 0
+        elif index == CLOSED:  # nothing trained; the served model is the one it had
+            assert {s["outcome"] for s in sessions} == {"skipped"}
+            assert all("gate charging closed" in s["reason"] for s in sessions)
+            assert (home / "models/tinycnn/current").read_text() == fleet["served"][index]
+        else:  # trained each round; the guard decided what it serves
+            assert {s["outcome"] for s in sessions} <= {"promoted", "rolled_back"}
+            assert all(s["details"]["federated"]["handed_back"] for s in sessions)
+        assert not list((home / "run" / "fleet").glob("*.npz"))  # the exchanged files are gone
+
+
+def _request(home: Path, name: str, arrays: dict) -> dict:
+    exchange = home / "run" / "fleet"
+    exchange.mkdir(exist_ok=True)
+    np.savez(exchange / f"{name}.npz", **arrays)
+    return request_federated_session(home / "run" / "odtd.sock", {
+        "run_id": "test", "round": 9, "weights_in": str(exchange / f"{name}.npz"),
+        "weights_out": str(exchange / f"{name}-out.npz")})
+
+
+DAMAGES = [
+    (lambda a: {**a, "w0000": a["w0000"][..., :1]}, "has shape"),
+    (lambda a: {**a, "w0001": a["w0001"].astype(np.float64)}, "has dtype"),
+    (lambda a: {**a, "w0000": np.full_like(a["w0000"], np.nan)}, "not finite"),
+    (lambda a: {k: v for k, v in a.items() if k != "w0002"}, "arrays"),
+]
+
+
+def _served(home: Path) -> tuple:
+    current = (home / "models/tinycnn/current").read_text()
+    path = home / "models/tinycnn" / current.strip() / "weights.npz"
+    with np.load(path) as data:
+        return current, path, {k: data[k] for k in data.files}
+
+
+@pytest.mark.parametrize("damage, said", DAMAGES)
+def test_check_global_weights_refuses_what_does_not_fit(_base_home, tmp_path, damage, said):
+    from odtd.session.federated import check_global_weights
+
+    _, served, arrays = _served(_base_home)
+    np.savez(tmp_path / "in.npz", **damage(arrays))
+    with pytest.raises(OdtdError, match=said):
+        check_global_weights(tmp_path / "in.npz", served)
+    np.savez(tmp_path / "fits.npz", **arrays)
+    assert sorted(check_global_weights(tmp_path / "fits.npz", served)) == sorted(arrays)
+
+
+@pytest.mark.parametrize("batchnorm", ["fedavg", "fedbn"])
+def test_start_weights_take_the_servers_batchnorm_or_keep_the_devices(_base_home, tmp_path, batchnorm):
+    from odtd.session.federated import FederatedRound, batchnorm_keys, write_start_weights
+
+    current, served, arrays = _served(_base_home)
+    names = json.loads((served.parent / "manifest.json").read_text())["weight_names"]
+    bn = batchnorm_keys(names)
+    assert [names[int(k[1:])].split("/")[1] for k in bn] == ["gamma", "beta", "moving_mean",
+                                                             "moving_variance"] * 2
+    np.savez(tmp_path / "global.npz", **{k: v + 1 for k, v in arrays.items()})
+    federated = FederatedRound("run", 1, str(tmp_path / "global.npz"), str(tmp_path / "out.npz"),
+                               batchnorm=batchnorm)
+    with np.load(write_start_weights(federated, served, names, tmp_path / "job")) as start:
+        for key in arrays:
+            kept = batchnorm == "fedbn" and key in bn
+            assert np.array_equal(start[key], arrays[key] if kept else arrays[key] + 1), key
+
+
+def _check_weights_that_do_not_fit_are_refused_by_the_daemon(fleet):
+    home = fleet["homes"][0]
+    current, _, arrays = _served(home)
+    pending = odtctl_json("status", home=home)["samples"]["pending"]
+    session = _request(home, "bad", DAMAGES[0][0](arrays))  # recorded failed, with why
+    assert session["outcome"] == "failed" and "has shape" in session["reason"]
+    assert "refused" in session["reason"] and session["steps"] is None
+    assert not session["details"]["federated"].get("handed_back")
+    assert odtctl_json("history", "--limit", "1", home=home)[0]["id"] == session["id"]
+    assert (home / "models/tinycnn/current").read_text() == current
+    assert odtctl_json("status", home=home)["samples"]["pending"] == pending
+
+
+def _check_a_request_outside_the_exchange_directory_is_refused(fleet, tmp_path):
+    home = fleet["homes"][0]
+    with pytest.raises(OdtdError, match="is not in"):
+        request_federated_session(home / "run" / "odtd.sock", {
+            "run_id": "test", "round": 1, "weights_in": str(tmp_path / "x.npz"),
+            "weights_out": str(home / "run" / "fleet" / "y.npz")})
+
+
+def _check_fleet_status_text_and_bad_record(fleet, tmp_path):
+    text = odtctl("fleet", "status", "--record", str(fleet["record"])).stdout
+    assert "round" in text and "declined" in text and "gate charging closed" in text
+    missing = odtctl("fleet", "status", "--record", str(tmp_path / "none.db"), check=False)
+    assert missing.returncode == 1 and missing.stderr.startswith("Error: ")
+    assert "Traceback" not in missing.stderr
+    assert json.loads(odtctl("fleet", "status", "--record", str(fleet["record"]), "--json").stdout)
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_supernode_unit_passes_systemd_analyze_verify(tmp_path):
+    import subprocess
+
+    from test_deploy import make_systemd_root
+
+    root = make_systemd_root(tmp_path / "root")
+    supernode = root / "opt/odtd/fleet-venv/bin/flower-supernode"
+    supernode.parent.mkdir(parents=True)
+    supernode.write_text("#!/bin/sh\nexit 0\n")
+    supernode.chmod(0o755)
+    shutil.copy(REPO / "deploy" / "odtd-supernode.service", root / "etc/systemd/system/")
+    shutil.copy(REPO / "deploy" / "odtd.service", root / "etc/systemd/system/")
+    result = subprocess.run(["systemd-analyze", "verify", f"--root={root}", "odtd-supernode.service"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout + result.stderr == "", result.stderr
+
+
+def test_device_pools_draw_each_devices_class_mix():
+    from odtd.fleet.simulate import DevicePools, FleetSimulation
+    from odtd.sim.simulate import DataSource, SimulationOptions
+
+    options = FleetSimulation(devices=2, alpha=0.1, each=SimulationOptions(seed=3))
+    pools = DevicePools(options, DataSource(options.each))
+    assert pools.mix.shape == (2, 10) and np.allclose(pools.mix.sum(axis=1), 1)
+    x, y = pools.draw(0, 400, "train")
+    assert x.shape == (400, 32, 32, 3) and x.dtype == np.uint8
+    share = np.bincount(y, minlength=10) / 400
+    assert np.abs(share - pools.mix[0]).max() < 0.1  # a multinomial draw of the device's mix
+    x2, _ = pools.draw(0, 50, "train")
+    assert not any((x2[:1] == image).all() for image in x)  # new images, not the same again
