@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 COMPAT := .venv-compat
 COMPAT_STAMP := $(COMPAT)/.installed
 
-.PHONY: install test quick test-compat test-tx2 tx2-tests demo lint bench clean
+.PHONY: install test test-fleet quick test-compat test-tx2 tx2-tests demo lint bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,7 +26,12 @@ install: $(STAMP)
 # the run does not end on one worker working through a batch of slow tests alone.
 test: $(STAMP)
 	@$(BIN)/python -m compileall -q odtd
-	$(BIN)/python -m pytest -q -n 3 --dist worksteal
+	$(BIN)/python -m pytest -q -n 3 --dist worksteal -m "not fleet"
+
+# A fleet of three devices through Flower's real SuperLink, SuperNodes and `flwr run` (about a
+# minute of both cores: kept out of `make test`'s five minutes; .ci/run runs it).
+test-fleet: $(STAMP)
+	$(BIN)/python -m pytest -q -m fleet tests/test_fleet.py
 
 # The edit loop: everything that starts no TensorFlow worker (tests marked `trains` are left out).
 quick: $(STAMP)

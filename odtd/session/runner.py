@@ -41,6 +41,7 @@ from odtd.session.learning_rate import remember_rate, starting_rate
 from odtd.session.lock import SessionLock, recover_stale_sessions
 from odtd.session.oom import oom_retry_batch, record_oom
 from odtd.session.promotion import CANDIDATE_EVAL_CACHE, Promotion
+from odtd.session.result import GROUP_HOLDOUT, GROUP_REFERENCE, GROUP_VALIDATION, read_result, throughput_sps
 from odtd.store.database import Store
 from odtd.store.records import SessionRecord
 from odtd.trainer.protocol.job import make_job
@@ -48,7 +49,6 @@ from odtd.trainer.protocol.launch import WARMUP_STEPS, WorkerEnd, WorkerRun, pre
 
 logger = logging.getLogger(__name__)
 
-GROUP_VALIDATION, GROUP_HOLDOUT, GROUP_REFERENCE = 0, 1, 2  # docs/worker-protocol.md
 GROUP_NAMES = {str(GROUP_VALIDATION): "validation", str(GROUP_HOLDOUT): "the device hold-out",
                str(GROUP_REFERENCE): "the reference"}
 
@@ -396,39 +396,12 @@ class SessionRunner:
             self.store.add_steps(record.id, end.steps)
             record.throughput_sps = throughput_sps(end.steps)
         if end.result is not None and end.failure is None and not end.stop_reason:
-            self._read_result(record, end.result)
+            read_result(record, end.result, self.classes)
             if record.model_version_before == 0 and \
                     record.details.reference_accuracy_before is not None:
                 self.repo.keep_origin_eval_cache()  # the worker scored version 0 just now
         self.store.save_session(record)
         return end
-
-    def _read_result(self, record: SessionRecord, result: dict[str, Any]) -> None:
-        """Fill the record's accuracy fields from the worker's result event."""
-        before = result.get("by_group_before") or {}
-        after = result.get("by_group_after") or {}
-        primary = str(GROUP_VALIDATION) if str(GROUP_VALIDATION) in before else str(GROUP_HOLDOUT)
-        record.accuracy_before = before.get(primary, result.get("accuracy_before"))
-        record.accuracy_after = after.get(primary, result.get("accuracy_after"))
-        details = record.details
-        details.holdout_accuracy_before = before.get(str(GROUP_HOLDOUT))
-        details.holdout_accuracy_after = after.get(str(GROUP_HOLDOUT))
-        details.reference_accuracy_before = before.get(str(GROUP_REFERENCE))
-        details.reference_accuracy_after = after.get(str(GROUP_REFERENCE))
-        details.reference_paired = (result.get("paired_by_group") or {}).get(str(GROUP_REFERENCE))
-        details.reference_paired_origin = result.get("reference_paired_origin")
-        details.bn_device_weight = result.get("bn_device_share")
-        details.bn_weights_tried = result.get("bn_shares_tried") or None
-        details.trained_share = result.get("trained_share")
-        details.trained_shares_tried = result.get("trained_shares_tried") or None
-        details.paired = (result.get("paired_by_group") or {}).get(primary)
-        details.per_class_before = _by_class(self.classes, result.get("per_class_before"))
-        details.per_class_after = _by_class(self.classes, result.get("per_class_after"))
-        details.precision = result.get("precision")
-        details.precision_reason = result.get("precision_reason")
-        details.tf_peak_memory_mb = result.get("tf_peak_memory_mb")
-        details.learning_rate = result.get("learning_rate", details.learning_rate)
-        details.lr_attempts = result.get("lr_attempts") or None
 
     def _finish(self, record: SessionRecord, outcome: Optional[str], reason: Optional[str]
                 ) -> SessionRecord:
@@ -442,21 +415,9 @@ class SessionRunner:
         return record
 
 
-def _by_class(classes: list[str], values: Optional[list[Optional[float]]]) -> Optional[dict[str, Any]]:
-    return dict(zip(classes, values)) if values is not None else None
-
-
 def _remove_bulky_files(job_dir: Path) -> None:
     # The job file and the worker's stderr stay for diagnosis; data and weights go.
     for name in ("train.npz", "evaluation.npz", "candidate.npz", "global.npz", CANDIDATE_EVAL_CACHE):
         (job_dir / name).unlink(missing_ok=True)
     for staged in job_dir.glob(".*.tmp*"):  # a stopped worker's half-written candidate
         staged.unlink(missing_ok=True)
-
-
-def throughput_sps(steps: list[dict[str, Any]]) -> Optional[float]:
-    """Samples per second over the steps after the warm-up (all steps if there are few)."""
-    measured = steps[WARMUP_STEPS:] if len(steps) > WARMUP_STEPS else steps
-    seconds = sum(s["end"] - s["start"] for s in measured)
-    samples = sum(s["batch_size"] for s in measured)
-    return round(samples / seconds, 3) if seconds > 0 else None
