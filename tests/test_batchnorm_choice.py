@@ -164,3 +164,15 @@ def test_a_statistics_pass_is_traced_once_per_state_and_measures_what_a_fresh_on
     assert report["gap"] < 1e-6
     assert report["states_differ"] > 1e-3  # bn2's inputs differ, so a stale trace would show
     assert report["moving_kept"]
+
+
+def test_without_a_reference_set_the_choice_is_a_chosen_too():
+    # An imported model's recipe (`trained_share: auto`) on a home without `--replay`: no
+    # reference group. choose_mixture returned a plain tuple there, and the averaging that
+    # reads `.value` failed every session.
+    groups = np.repeat([0], 20)
+    outcomes = {w: np.arange(20) < 10 + int(10 * w) for w in (0.25, 0.5, 1.0)}
+    assign, score = _scorer(outcomes, groups, [])
+    chosen = choose_mixture(assign, (0.25, 0.5, 1.0), score, groups, None, None)
+    assert chosen.value == 1.0 and chosen.scores["accuracy"] == 1.0
+    assert set(chosen.tried) == {0.25, 0.5, 1.0}
