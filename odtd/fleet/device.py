@@ -18,7 +18,7 @@ import numpy as np
 
 from odtd.daemon.control import request_federated_session
 from odtd.errors import OdtdError
-from odtd.session.federated import EXCHANGE_DIR
+from odtd.session.federated import EXCHANGE_DIR, read_weights, write_weights
 
 # The reply's metrics, the same keys every round (Flower's aggregation requires it). The
 # accuracies are on the device's own held-out samples where it has them, else on its
@@ -73,7 +73,7 @@ def train_round(socket_path: Path, run_id: str, server_round: int, arrays: List[
     weights_in, weights_out = exchange / f"{stem}-global.npz", exchange / f"{stem}-trained.npz"
     try:
         exchange.mkdir(parents=True, exist_ok=True)
-        np.savez(weights_in, **{f"w{i:04d}": array for i, array in enumerate(arrays)})
+        write_weights(weights_in, arrays)
         epochs, rate = config.get("local-epochs"), config.get("learning-rate")
         session = request_federated_session(Path(socket_path), {
             "run_id": str(run_id), "round": int(server_round), "weights_in": str(weights_in),
@@ -84,9 +84,7 @@ def train_round(socket_path: Path, run_id: str, server_round: int, arrays: List[
         if not handed_back:
             raise Declined(f"session {session.get('id')} {session.get('outcome')}: "
                            f"{session.get('reason')}")
-        with np.load(weights_out, allow_pickle=False) as data:
-            trained = [data[f"w{i:04d}"] for i in range(len(data.files))]
-        return trained, round_metrics(session)
+        return read_weights(weights_out), round_metrics(session)
     except (OdtdError, OSError) as exc:
         raise Declined(str(exc)) from None
     finally:

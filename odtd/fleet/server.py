@@ -13,15 +13,15 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, Iterable, Optional, Tuple
 
-import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg, FedAvgM
 
 from odtd.fleet.rounds import DeviceReply, RoundLog, RoundRecord, utc_now
 from odtd.fleet.settings import FleetSettings, load_settings
+from odtd.session.federated import read_weights, write_weights
 
 logger = logging.getLogger(__name__)
 
@@ -99,12 +99,6 @@ def make_strategy(settings: FleetSettings, log: RoundLog, run_id: str) -> FedAvg
     return strategy
 
 
-def read_arrays(path: Path) -> List[np.ndarray]:
-    """A version's ``weights.npz`` (``w0000``...) in the model's order."""
-    with np.load(path, allow_pickle=False) as data:
-        return [data[f"w{i:04d}"] for i in range(len(data.files))]
-
-
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run the YAML's rounds and record each."""
@@ -117,14 +111,14 @@ def main(grid: Grid, context: Context) -> None:
         train_config = ConfigRecord({"batchnorm": settings.batchnorm,
                                      "local-epochs": settings.local_epochs or 0,
                                      "learning-rate": settings.learning_rate or 0.0})
-        initial = read_arrays(settings.initial_weights)
+        initial = read_weights(settings.initial_weights)
         result = strategy.start(grid=grid, initial_arrays=ArrayRecord(initial),
                                 num_rounds=settings.rounds, timeout=settings.round_timeout_s,
                                 train_config=train_config)
         # Flower's result holds no arrays when no round aggregated any (every device declined):
         # then the start stands.
         final = (result.arrays.to_numpy_ndarrays() if result.arrays is not None else []) or initial
-        np.savez(settings.output_weights, **{f"w{i:04d}": a for i, a in enumerate(final)})
+        write_weights(settings.output_weights, final)
         log.finish_run(run_id)
         print(f"run {run_id}: {settings.rounds} rounds; global weights in {settings.output_weights}",
               flush=True)

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from typing import Optional
 
-from odtd.trainer.protocol.paired import acceptance_margin, loss_margin, paired_standard_error
+from odtd.trainer.protocol.paired import (
+    acceptance_margin,
+    loss_margin,
+    margin_standard_error,
+    paired_standard_error,
+)
 
 
 def refusal_reason(before: float, after: float, tolerance: float, confidence_z: float,
@@ -51,7 +56,7 @@ def reference_refusal(before: float, after: float, tolerance: float, confidence_
     over promotions beyond what the reference set can tell from noise.
     """
     loss = before - after
-    se = _standard_error(paired, confidence_z)
+    se = margin_standard_error(paired, confidence_z)
     if loss_margin(loss, paired, confidence_z) > tolerance:
         return (f"reference (original domain) accuracy {after:.2%} vs {before:.2%}: lost "
                 f"{100 * loss:.2f}{_margin(confidence_z, se)} points > {100 * tolerance:.2f} "
@@ -59,19 +64,12 @@ def reference_refusal(before: float, after: float, tolerance: float, confidence_
     if origin is None:
         return None
     below = origin - after
-    se = _standard_error(origin_paired, confidence_z)
+    se = margin_standard_error(origin_paired, confidence_z)
     if loss_margin(below, origin_paired, confidence_z) > tolerance + 1e-12:
         return (f"reference (original domain) accuracy {after:.2%} vs the first model's "
                 f"{origin:.2%}: {100 * below:.2f}{_margin(confidence_z, se)} points below it > "
                 f"{100 * tolerance:.2f} (reference_tolerance)")
     return None
-
-
-def _standard_error(paired: Optional[dict[str, int]], confidence_z: float) -> float:
-    # 0 where the margin does not apply: no confidence asked for, or nothing paired.
-    if confidence_z <= 0 or not paired or not paired.get("samples"):
-        return 0.0
-    return paired_standard_error(paired["gained"], paired["lost"], paired["samples"])
 
 
 def _margin(confidence_z: float, se: float) -> str:

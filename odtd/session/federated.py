@@ -102,13 +102,29 @@ def _arrays(path: Path, what: str) -> Dict[str, np.ndarray]:
         raise OdtdError(f"{what} {path}: not a readable .npz of arrays ({exc})") from None
 
 
-def check_global_weights(path: Path, served: Path) -> Dict[str, np.ndarray]:
+def read_weights(path: Path) -> List[np.ndarray]:
+    """A weights file (``w0000``... as a version's ``weights.npz``) as the model's list of arrays."""
+    with np.load(path, allow_pickle=False) as data:
+        return [data[f"w{i:04d}"] for i in range(len(data.files))]
+
+
+def write_weights(path: Path, arrays: List[np.ndarray]) -> None:
+    """Write the model's list of arrays as a weights file (``read_weights``' format)."""
+    np.savez(path, **{f"w{i:04d}": array for i, array in enumerate(arrays)})
+
+
+def check_global_weights(path: Path, served: Path,
+                         expected: Optional[Dict[str, np.ndarray]] = None) -> Dict[str, np.ndarray]:
     """The round's weights, if they fit the served model: same arrays, shapes, dtypes, finite.
+
+    ``expected``: the served weights, where the caller has read them already.
 
     Raises:
         OdtdError: One line saying which array is wrong and how; nothing was changed.
     """
-    incoming, expected = _arrays(path, "the round's weights"), _arrays(served, "the served weights")
+    incoming = _arrays(path, "the round's weights")
+    if expected is None:
+        expected = _arrays(served, "the served weights")
     if sorted(incoming) != sorted(expected):
         raise OdtdError(f"the round's weights hold {len(incoming)} arrays, the served model "
                         f"{len(expected)}: refused (is the server's model this device's?)")
@@ -142,11 +158,11 @@ def write_start_weights(federated: FederatedRound, served: Path, weight_names: O
     Raises:
         OdtdError: The weights do not fit the served model, or ``fedbn`` without weight names.
     """
-    arrays = check_global_weights(Path(federated.weights_in), served)
+    kept = _arrays(served, "the served weights")  # read once: checked against, and FedBN's
+    arrays = check_global_weights(Path(federated.weights_in), served, kept)
     if federated.batchnorm == "fedbn":
         if not weight_names:
             raise OdtdError("batchnorm fedbn: the served version's manifest names no weights")
-        kept = _arrays(served, "the served weights")
         for key in batchnorm_keys(weight_names):
             arrays[key] = kept[key]
     job_dir.mkdir(parents=True, exist_ok=True)

@@ -85,6 +85,9 @@ class Before(NamedTuple):
     # Whether a try of the choosers (``auto``) spares the reference, as the guard judges; None
     # without a guarded reference group (they then hold tries to ``_reference_bar``).
     spared: Optional[Callable[[Dict[str, Any]], bool]] = None
+    # The home's first model's correctness on each reference image (``origin_eval_cache``),
+    # read once: the choosers' check and the candidate's paired counts both use it.
+    origin_correct: Optional[np.ndarray] = None
 
 
 def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
@@ -191,11 +194,12 @@ def score_before(job: Dict[str, Any], model: Any, precision: str, validation: Va
         # A candidate refused on the acceptance group is not scored on the rest.
         refused = refusal_check(correct, validation.groups, job["acceptance_tolerance"],
                                 job["confidence_z"])
+    origin = _origin_correct(job, validation)
     if job["reference_tolerance"] is not None and REFERENCE_GROUP in before["by_group"]:
         spared = reference_check(correct, validation.groups, REFERENCE_GROUP,
-                                 job["reference_tolerance"], job["confidence_z"],
-                                 _origin_correct(job, validation), job["reference_origin"])
-    return Before(correct, refused, spared)
+                                 job["reference_tolerance"], job["confidence_z"], origin,
+                                 job["reference_origin"])
+    return Before(correct, refused, spared, origin)
 
 
 def distillation_targets(tf: Any, job: Dict[str, Any], model: Any, data: Dict[str, Any],
@@ -330,8 +334,10 @@ def score_after(job: Dict[str, Any], validation: Validation, before: Before,
         keys = validation.cache.keys if validation.cache is not None else evalcache.sample_keys(
             validation.x, validation.y)
         scored_after.update(keys=keys, correct=correct_after, losses=losses_after)
-    if job["origin_eval_cache"] is not None and REFERENCE_GROUP in after["by_group"]:
-        fields["reference_paired_origin"] = _paired_with_origin(job, validation, correct_after)
+    if before.origin_correct is not None and REFERENCE_GROUP in after["by_group"]:
+        mask = validation.groups.astype(str) == REFERENCE_GROUP
+        fields["reference_paired_origin"] = paired_counts(
+            before.origin_correct, correct_after[mask], None)["all"]
     emit("eval", phase="after", **after)
     fields["accuracy_after"] = after["accuracy"]
     fields["per_class_after"] = after["per_class"]
@@ -349,17 +355,6 @@ def _origin_correct(job: Dict[str, Any], validation: Validation) -> Optional[np.
     if origin is None or not origin[0].all():
         return None
     return origin[1]
-
-
-def _paired_with_origin(job: Dict[str, Any], validation: Validation, correct_after: np.ndarray
-                        ) -> Optional[Dict[str, int]]:
-    # The candidate against the home's first model on the reference images, image by image: the
-    # paired standard error the guard's "vs the first model" check allows (session.acceptance).
-    origin = _origin_correct(job, validation)
-    if origin is None:
-        return None
-    mask = validation.groups.astype(str) == REFERENCE_GROUP
-    return paired_counts(origin, correct_after[mask], None)["all"]
 
 
 def reference_held(by_group_before: Optional[Dict[str, float]], origin: Optional[float]

@@ -17,16 +17,20 @@ def paired_standard_error(gained: int, lost: int, samples: int) -> float:
     return max(variance, 0.0) ** 0.5
 
 
+def margin_standard_error(paired: Optional[Dict[str, int]], confidence_z: float) -> float:
+    """The standard error a margin allows: 0 with ``confidence_z`` <= 0 or no paired counts."""
+    if confidence_z <= 0 or not paired or not paired.get("samples"):
+        return 0.0
+    return paired_standard_error(paired["gained"], paired["lost"], paired["samples"])
+
+
 def acceptance_margin(gain: float, paired: Optional[Dict[str, int]], confidence_z: float) -> float:
     """A candidate's validation gain less ``confidence_z`` standard errors of the difference.
 
     Fractions; the acceptance test refuses a candidate below ``-tolerance``. The gain alone with
     ``confidence_z`` <= 0 or no paired counts (``paired_counts``' entry of the group).
     """
-    if confidence_z <= 0 or not paired or not paired.get("samples"):
-        return gain
-    return gain - confidence_z * paired_standard_error(paired["gained"], paired["lost"],
-                                                        paired["samples"])
+    return gain - confidence_z * margin_standard_error(paired, confidence_z)
 
 
 def loss_margin(loss: float, paired: Optional[Dict[str, int]], confidence_z: float) -> float:
@@ -35,7 +39,4 @@ def loss_margin(loss: float, paired: Optional[Dict[str, int]], confidence_z: flo
     Fractions; the guard refuses a candidate whose margin is above ``reference_tolerance``.
     The loss alone with ``confidence_z`` <= 0 or no paired counts (compared as measured).
     """
-    if confidence_z <= 0 or not paired or not paired.get("samples"):
-        return loss
-    return loss - confidence_z * paired_standard_error(paired["gained"], paired["lost"],
-                                                        paired["samples"])
+    return loss - confidence_z * margin_standard_error(paired, confidence_z)
