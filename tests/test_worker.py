@@ -533,6 +533,26 @@ def test_trained_share_averages_the_trained_weights_with_the_served_ones(tmp_pat
                                    rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+def test_a_federated_round_averages_with_its_start_not_the_served_model(tmp_path, initial, data):
+    # A round starts from the global weights; the device's served model is another. With
+    # average_with start the candidate is 0.3 of the trained weights plus 0.7 of the start (the
+    # global model plus a share of the device's update, as the server expects); with the default
+    # it would be pulled toward the device's own served model.
+    with np.load(initial[0]) as arrays:
+        start = dict(arrays)
+    served = {key: value + np.asarray(0.05, value.dtype) if value.dtype.kind == "f" else value
+              for key, value in start.items()}
+    np.savez(tmp_path / "served.npz", **served)
+    trained, names = _trained_weights(tmp_path, initial, data, "trained")
+    for anchor, weights in (("start", start), ("served", served)):
+        mixed, _ = _trained_weights(tmp_path, initial, data, anchor, trained_share=0.3,
+                                    served_weights=str(tmp_path / "served.npz"),
+                                    average_with=anchor)
+        for key, name in zip(sorted(trained), names):
+            np.testing.assert_allclose(mixed[key], 0.3 * trained[key] + 0.7 * weights[key],
+                                       rtol=1e-4, atol=1e-5, err_msg=f"{anchor} {name}")
+
+
 TRIED = {"bn_device_share": "bn_shares_tried", "trained_share": "trained_shares_tried"}
 
 

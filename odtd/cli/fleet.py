@@ -28,13 +28,15 @@ def status_table(report: dict[str, Any]) -> str:
     lines = [f"run {run['run_id']} started {run['started_at']}, "
              + (f"finished {run['finished_at']}" if run["finished_at"] else "not finished"),
              f"{'round':>5} {'asked':>5} {'trained':>7} {'declined':>8} {'silent':>6} "
-             f"{'acc before':>10} {'acc after':>9} {'joules':>8} {'seconds':>7} {'outside':>7}"]
+             f"{'acc before':>10} {'acc after':>9} {'joules':>8} {'seconds':>7} {'outside':>7} "
+             f"{'flower':>6}"]
     for r in report["rounds"]:
         m = r["metrics"]
         lines.append(f"{r['round']:>5} {r['asked']:>5} {r['trained']:>7} {r['declined']:>8} "
                      f"{r['no_reply']:>6} {_figure(m.get('accuracy-before'), '10.3f')} "
                      f"{_figure(m.get('accuracy-after'), '9.3f')} {_figure(r['joules'], '8.1f')} "
-                     f"{r['seconds']:>7.1f} {_figure(r['outside_share'], '7.1%')}")
+                     f"{r['seconds']:>7.1f} {_figure(r['outside_share'], '7.1%')} "
+                     f"{_figure(r.get('flower_share'), '6.1%')}")
     for r in report["rounds"]:
         for device in r["devices"]:
             if device["outcome"] != "trained":
@@ -96,7 +98,7 @@ def fleet_simulate(args: argparse.Namespace) -> int:
         shift=args.shift)
     options = FleetSimulation(devices=args.devices, alpha=args.alpha, test_per_device=args.test_images,
                               local_epochs=args.local_epochs, batchnorm=args.batchnorm,
-                              model_file=args.model_file, each=each)
+                              model_file=args.model_file, replay_seed=args.replay_seed, each=each)
     result = simulate_fleet(Path(args.out), options, progress=progress)
     emit(args, result, None if args.json else "\n".join(result["table"]))
     return 0
@@ -153,6 +155,9 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     m.add_argument("--pretrain-epochs", type=int, default=3, help="pre-training epochs (default 3)")
     m.add_argument("--validation-samples", type=int, default=200, help="each home's validation set")
     m.add_argument("--test-images", type=int, default=200, help="test images a device (default 200)")
+    m.add_argument("--replay-seed", type=int, default=500,
+                   help="the base model's own clean images each home gets as `init --replay` "
+                        "(every tenth is the reference set guarding the clean domain; default 500)")
     m.add_argument("--local-epochs", type=int, default=1, help="each device's epochs a round (default 1)")
     m.add_argument("--batchnorm", choices=("fedavg", "fedbn"), default="fedavg",
                    help="BatchNorm parameters averaged (fedavg) or kept per device (fedbn)")

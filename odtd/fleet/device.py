@@ -11,6 +11,7 @@ cap that admits nothing, a session already running, weights that do not fit) rai
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -23,8 +24,11 @@ from odtd.session.federated import EXCHANGE_DIR, read_weights, write_weights
 # The reply's metrics, the same keys every round (Flower's aggregation requires it). The
 # accuracies are on the device's own held-out samples where it has them, else on its
 # evaluation set (``details.evaluation_set``); NaN where the session measured nothing.
+# ``seconds`` is the session's; ``device-seconds`` the whole of the device's part (the weights
+# written, the session asked for and run, its weights read back): what Flower does around it
+# (messaging, the ClientApp's process, aggregation) is the rest of the round.
 METRIC_KEYS = ("num-examples", "accuracy-before", "accuracy-after", "joules", "peak-memory-mb",
-               "seconds", "served")
+               "seconds", "device-seconds", "served")
 
 
 class Declined(Exception):
@@ -35,7 +39,7 @@ def _number(value: Optional[float]) -> float:
     return float("nan") if value is None else float(value)
 
 
-def round_metrics(session: Dict[str, Any]) -> Dict[str, float]:
+def round_metrics(session: Dict[str, Any], device_seconds: float = float("nan")) -> Dict[str, float]:
     """A federated session object's reply metrics (``METRIC_KEYS``)."""
     details = session.get("details") or {}
     holdout = details.get("holdout_accuracy_before") is not None
@@ -47,6 +51,7 @@ def round_metrics(session: Dict[str, Any]) -> Dict[str, float]:
         "joules": _number(session.get("energy_j")),
         "peak-memory-mb": _number(session.get("peak_memory_mb")),
         "seconds": _number(session.get("duration_s")),
+        "device-seconds": float(device_seconds),
         "served": 1.0 if session.get("outcome") == "promoted" else 0.0,
     }
 
@@ -68,6 +73,7 @@ def train_round(socket_path: Path, run_id: str, server_round: int, arrays: List[
     Raises:
         Declined: The device did not train (why, in the daemon's words).
     """
+    started = time.monotonic()
     exchange = Path(socket_path).parent / EXCHANGE_DIR
     stem = f"{run_id}-{server_round}"
     weights_in, weights_out = exchange / f"{stem}-global.npz", exchange / f"{stem}-trained.npz"
@@ -84,7 +90,8 @@ def train_round(socket_path: Path, run_id: str, server_round: int, arrays: List[
         if not handed_back:
             raise Declined(f"session {session.get('id')} {session.get('outcome')}: "
                            f"{session.get('reason')}")
-        return read_weights(weights_out), round_metrics(session)
+        trained = read_weights(weights_out)
+        return trained, round_metrics(session, time.monotonic() - started)
     except (OdtdError, OSError) as exc:
         raise Declined(str(exc)) from None
     finally:

@@ -59,6 +59,8 @@ class RoundRecord:
         session_s_max: The longest device session: the round cannot be shorter.
         outside_share: The share of the round spent outside the longest session (Flower's
             messaging, the devices' session set-up, aggregation).
+        flower_share: The share outside the longest device's whole part (``device-seconds``):
+            Flower's alone (``outside_share`` less the devices' own set-up).
         metrics: The strategy's aggregate of the trained devices' metrics (weighted by examples).
     """
 
@@ -88,6 +90,24 @@ class RoundRecord:
         return max(values) if values else None
 
     @property
+    def device_s_max(self) -> Optional[float]:
+        """The longest trained device's part of the round (``device-seconds``), if reported."""
+        values = [d.metrics.get("device-seconds") for d in self.devices if d.outcome == "trained"]
+        values = [v for v in values if v is not None and v == v]
+        return max(values) if values else None
+
+    @property
+    def flower_share(self) -> Optional[float]:
+        """The round's share outside the longest device's part: Flower's alone.
+
+        Its messaging (polling, the ClientApp's process, the weights' transfer) and aggregation.
+        """
+        longest = self.device_s_max
+        if longest is None or self.seconds <= 0:
+            return None
+        return round(max(0.0, 1.0 - longest / self.seconds), 4)
+
+    @property
     def outside_share(self) -> Optional[float]:
         """The round's share outside the longest session."""
         longest = self.session_s_max
@@ -101,7 +121,8 @@ class RoundRecord:
         data.update(asked=len(self.devices), trained=self.count("trained"),
                     declined=self.count("declined"), no_reply=self.count("no reply"),
                     joules=self.joules, session_s_max=self.session_s_max,
-                    outside_share=self.outside_share)
+                    outside_share=self.outside_share, device_s_max=self.device_s_max,
+                    flower_share=self.flower_share)
         return data
 
 

@@ -59,6 +59,9 @@ class FleetSimulation:
         batchnorm: ``fedavg`` or ``fedbn`` (docs/fleet.md).
         model_file: A user's trained Keras model (``.keras``/``.h5``) as the base, imported as
             ``odtctl init --model-file`` does (no pre-training); None: ``each.model`` pre-trained.
+        replay_seed: The base model's own (clean, server-side) images every home gets as
+            ``init --replay``: its replay seed, every tenth held out as the reference set that
+            guards the clean domain. 0: none (no reference guard).
         each: What every device shares with ``odtctl simulate``: its ``days`` are the rounds,
             ``per_day``, the model, data set, shift, pre-training, validation set, policy, seed.
     """
@@ -69,6 +72,7 @@ class FleetSimulation:
     local_epochs: int = 1
     batchnorm: str = "fedavg"
     model_file: Optional[str] = None
+    replay_seed: int = 500
     each: SimulationOptions = field(default_factory=lambda: SimulationOptions(
         days=2, pretrain_samples=1000, pretrain_epochs=3, validation_samples=200))
 
@@ -186,17 +190,25 @@ def simulate_fleet(out: Path, options: FleetSimulation,
         ConfigError: a bad count, an unknown shift or data set, too few images.
     """
     sim = options.each
-    if options.devices < 1 or sim.days < 1 or sim.per_day < 1 or not options.alpha > 0:
-        raise ConfigError("--devices, --rounds and --per-day must be at least 1, --alpha above 0")
+    if options.devices < 1 or sim.days < 1 or sim.per_day < 1 or not options.alpha > 0 \
+            or options.replay_seed < 0:
+        raise ConfigError("--devices, --rounds and --per-day must be at least 1, --alpha above 0, "
+                          "--replay-seed at least 0")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out}: not empty; give a new --out directory")
     out.mkdir(parents=True, exist_ok=True)
     source = DataSource(sim)
     base = Home(out / "base")
-    progress(f"creating the base model ({options.model_file or sim.model}) in {base.root} ...")
-    init_home(base, InitRequest(None if options.model_file else sim.model, source.classes,
-                                seed=sim.seed, validation_arrays=source.validation(),
-                                model_file=Path(options.model_file) if options.model_file else None))
+    progress(f"creating the base model ({options.model_file or sim.model}) in {base.root} with "
+             f"{options.replay_seed} replay seed images ...")
+    with tempfile.TemporaryDirectory(dir=out) as seed_dir:
+        if options.replay_seed > 0:
+            x, y = source.server(options.replay_seed)
+            datasets.write_image_folder(x, y, source.classes, Path(seed_dir), fmt="png")
+        init_home(base, InitRequest(None if options.model_file else sim.model, source.classes,
+                                    seed=sim.seed, validation_arrays=source.validation(),
+                                    model_file=Path(options.model_file) if options.model_file else None,
+                                    replay=Path(seed_dir) if options.replay_seed > 0 else None))
     if sim.policy:
         install_policy(base, Path(sim.policy))
     if sim.pretrain_samples > 0 and not options.model_file:
@@ -319,8 +331,11 @@ def _table(rows: List[Dict[str, Any]], rounds: List[Dict[str, Any]], domain: str
         f"{100 * np.mean([r['accuracy'][a]['clean'] for r in rows]):<6.1f}" for a in arms))
     lines.append(f"fleet - alone ({domain}, paired over devices): {100 * mean:+.2f} points"
                  + (f" (standard error {100 * se:.2f})" if se is not None else ""))
+    def share(value: Optional[float]) -> str:
+        return "-" if value is None else format(value, ".0%")
+
     for number, r in enumerate(rounds, start=1):
         lines.append(f"round {number}: {r['trained']}/{r['asked']} trained, "
                      f"{r['seconds']:.1f} s, joules {r['joules']}, outside the sessions "
-                     f"{'-' if r['outside_share'] is None else format(r['outside_share'], '.0%')}")
+                     f"{share(r['outside_share'])}, Flower's part {share(r['flower_share'])}")
     return lines

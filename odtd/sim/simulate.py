@@ -72,9 +72,12 @@ class DataSource:
         if self.dataset is not None:
             self.classes = list(self.dataset.classes)
 
-    def server(self) -> tuple[np.ndarray, np.ndarray]:
-        """Pre-training data: the synthetic server domain, or the dataset's first train images."""
-        n, seed = self.options.pretrain_samples, self.options.seed
+    def server(self, n: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
+        """Pre-training data: the synthetic server domain, or the dataset's first train images.
+
+        ``n``: how many (default ``pretrain_samples``); the first ``n`` of them either way.
+        """
+        n, seed = self.options.pretrain_samples if n is None else n, self.options.seed
         if self.dataset is None:
             return datasets.synthetic(n, "server", seed=seed)
         files = self.dataset.files("train")

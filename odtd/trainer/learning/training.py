@@ -141,7 +141,10 @@ def prepare_model(tf: Any, job: Dict[str, Any], model: Any,
     fields["trainable_layers"] = set_trainable_scope(tf, model, job["trainable"])
     served = None  # the weights the trained ones are averaged with (trained_share)
     if job["trained_share"] != 1.0 and job["mode"] == "train":
-        served = served_weights if served_weights is not None else model.get_weights()
+        # A federated round averages with its start, the global model: the candidate (and what
+        # goes back to the server) is the global model plus a share of the device's update.
+        served = served_weights if served_weights is not None and job["average_with"] == "served" \
+            else model.get_weights()
     if job["freeze_bn"]:
         # A non-trainable BatchNormalization runs in inference mode in tf.keras 2 and Keras 3:
         # moving statistics, gamma and beta all stay as loaded.

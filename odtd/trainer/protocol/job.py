@@ -51,6 +51,7 @@ JOB_KEYS = {
     "bn_device_share": ("share_or_auto", None),
     "distill": ("float", 0.0),
     "trained_share": ("share_or_auto", 1.0),
+    "average_with": ("str", "served"),  # what trained_share averages with: served or start weights
     "reference_tolerance": ("share", None),
     "reference_origin": ("share", None),
     "acceptance_tolerance": ("share", None),
@@ -83,6 +84,7 @@ MODE_REQUIRES = {
 }
 INPUT_SCALES = ("0-255", "0-1", "-1-1")  # networks.INPUT_SCALES, without TensorFlow
 OUTPUTS = ("logits", "softmax")
+AVERAGE_WITH = ("served", "start")  # a federated round's anchor is its start: the global model
 
 
 class BadJob(Exception):
@@ -188,6 +190,7 @@ def load_job(path: str) -> Dict[str, Any]:
         "precision": PRECISIONS,
         "input_scale": INPUT_SCALES,
         "output": OUTPUTS,
+        "average_with": AVERAGE_WITH,
     }
     for key, allowed in choices.items():
         if job[key] not in allowed:
