@@ -84,6 +84,8 @@ def main() -> int:
     parser.add_argument("--pretrain-epochs", type=int, default=3)
     parser.add_argument("--test-images", type=int, default=200)
     parser.add_argument("--batchnorm", choices=("fedavg", "fedbn"), default="fedavg")
+    parser.add_argument("--strategy", choices=("fedavg", "fedavgm", "fedprox"), default="fedavg")
+    parser.add_argument("--proximal-mu", type=float, default=0.01)
     parser.add_argument("--replay-seed", type=int, default=500,
                         help="clean images each home gets as init --replay (the reference set)")
     parser.add_argument("--seed", type=int, default=0)
@@ -94,7 +96,8 @@ def main() -> int:
                              seed=args.seed, shift=args.shift)
     options = FleetSimulation(devices=args.devices, alpha=args.alpha, test_per_device=args.test_images,
                               batchnorm=args.batchnorm, model_file=args.model_file,
-                              replay_seed=args.replay_seed, each=each)
+                              replay_seed=args.replay_seed, strategy=args.strategy,
+                              proximal_mu=args.proximal_mu, each=each)
     result = simulate_fleet(Path(args.out), options, progress=lambda line: print(line, file=sys.stderr))
     machine = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                     if line.startswith("model name")), None)

@@ -10,8 +10,13 @@ serves one test (`make test`'s budget: its start and two rounds take about a min
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import signal
 import sqlite3
+import subprocess
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -244,6 +249,10 @@ def _check_fleet_status_text_and_bad_record(fleet, tmp_path):
     assert missing.returncode == 1 and missing.stderr.startswith("Error: ")
     assert "Traceback" not in missing.stderr
     assert json.loads(odtctl("fleet", "status", "--record", str(fleet["record"]), "--json").stdout)
+    plotted = odtctl_json("fleet", "plot", "--record", str(fleet["record"]),
+                          "--out", str(tmp_path / "rounds.png"))
+    assert plotted["rounds"] == ROUNDS
+    assert (tmp_path / "rounds.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
@@ -277,3 +286,123 @@ def test_device_pools_draw_each_devices_class_mix():
     assert np.abs(share - pools.mix[0]).max() < 0.1  # a multinomial draw of the device's mix
     x2, _ = pools.draw(0, 50, "train")
     assert not any((x2[:1] == image).all() for image in x)  # new images, not the same again
+
+
+def test_fleet_plot_draws_a_run_and_refuses_an_empty_record(tmp_path):
+    from odtd.fleet.rounds import DeviceReply, RoundLog, RoundRecord
+
+    log = RoundLog(tmp_path / "rounds.db")
+    log.start_run("7", {})
+    for number in (1, 2):
+        log.add_round(RoundRecord("7", number, "2026-11-29T00:00:00+00:00", 30.0 + number, [
+            DeviceReply("1", "trained", metrics={"seconds": 20.0, "device-seconds": 25.0,
+                                                 "joules": 100.0}),
+            DeviceReply("2", "declined", "gate charging closed")],
+            metrics={"accuracy-before": 0.5, "accuracy-after": 0.6}))
+    log.close()
+    text = odtctl("fleet", "status", "--record", str(tmp_path / "rounds.db")).stdout
+    # Round 2: 32 s, the device's part 25 s of it: Flower's share 7/32.
+    row = next(line.split() for line in text.splitlines() if line.split()[:2] == ["2", "2"])
+    assert row[-1] == f"{7 / 32:.1%}" and row[-2] == f"{12 / 32:.1%}"  # Flower's; outside
+    out = odtctl_json("fleet", "plot", "--record", str(tmp_path / "rounds.db"),
+                      "--out", str(tmp_path / "plot.png"))
+    assert out == {"out": str(tmp_path / "plot.png"), "run": "7", "rounds": 2}
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    RoundLog(tmp_path / "empty.db").close()
+    empty = odtctl("fleet", "plot", "--record", str(tmp_path / "empty.db"), check=False)
+    assert empty.returncode == 1 and "no run yet" in empty.stderr and "Traceback" not in empty.stderr
+
+
+def test_server_settings_choose_flowers_strategy_and_fedprox_reaches_the_session(tmp_path):
+    from flwr.serverapp.strategy import FedAvgM, FedProx
+
+    from odtd.errors import ConfigError
+    from odtd.fleet.rounds import RoundLog
+    from odtd.fleet.server import make_strategy
+    from odtd.fleet.settings import load_settings
+    from odtd.session.federated import FederatedRound
+
+    np.savez(tmp_path / "base.npz", w0000=np.zeros(3, np.float32))
+    path = tmp_path / "server.yaml"
+    log = RoundLog(tmp_path / "rounds.db")
+    for text, kind, check in (("strategy: fedprox\nproximal_mu: 0.1\n", FedProx,
+                               lambda s: s.proximal_mu == 0.1),
+                              ("strategy: fedavgm\n", FedAvgM, lambda s: s.server_momentum == 0.9)):
+        path.write_text(text + "initial_weights: base.npz\n")
+        settings = load_settings(path)
+        strategy = make_strategy(settings, log, "1")
+        assert isinstance(strategy, kind) and check(strategy)
+    log.close()
+    path.write_text("strategy: fedsgd\ninitial_weights: base.npz\n")
+    with pytest.raises(ConfigError, match="strategy"):
+        load_settings(path)
+    # The device's side: the config's proximal-mu becomes the session's, checked.
+    exchange = tmp_path / "fleet"
+    args = {"run_id": "1", "round": 1, "weights_in": str(exchange / "a.npz"),
+            "weights_out": str(exchange / "b.npz"), "proximal_mu": 0.1}
+    assert FederatedRound.from_args(args, exchange).to_details()["proximal_mu"] == 0.1
+    with pytest.raises(OdtdError, match="proximal_mu -1"):
+        FederatedRound.from_args(dict(args, proximal_mu=-1), exchange)
+
+
+def test_a_server_killed_while_recording_loses_no_recorded_round(tmp_path):
+    # A server process records rounds as fast as it can and is SIGKILLed mid-way: every round
+    # it recorded is whole (its devices' rows with it), and a restarted server records on.
+    from odtd.fleet.rounds import DeviceReply, RoundLog, RoundRecord
+
+    record = tmp_path / "rounds.db"
+    script = (
+        "import sys\n"
+        "from odtd.fleet.rounds import DeviceReply, RoundLog, RoundRecord\n"
+        "log = RoundLog(sys.argv[1]); log.start_run('1', {})\n"
+        "n = 0\n"
+        "while True:\n"
+        "    n += 1\n"
+        "    log.add_round(RoundRecord('1', n, 'now', 1.0, [DeviceReply(str(d), 'trained', metrics={"
+        "'seconds': 0.5}) for d in range(8)]))\n")
+    server = subprocess.Popen([sys.executable, "-c", script, str(record)], cwd=REPO)
+    wait_for(lambda: len(_rows(record, "SELECT round FROM rounds")) >= 20, 60, 0.01)
+    time.sleep(0.05)
+    server.send_signal(signal.SIGKILL)
+    server.wait()
+    rounds = [r for (r,) in _rows(record, "SELECT round FROM rounds ORDER BY round")]
+    assert rounds == list(range(1, len(rounds) + 1)) and len(rounds) >= 20
+    devices = _rows(record, "SELECT round, COUNT(*) FROM devices GROUP BY round ORDER BY round")
+    assert devices == [(r, 8) for r in rounds]  # no round without its devices, none half written
+    log = RoundLog(record)  # the server, started again
+    log.add_round(RoundRecord("1", len(rounds) + 1, "now", 1.0, [DeviceReply("0", "declined", "x")]))
+    assert [r.round for r in log.rounds("1")] == list(range(1, len(rounds) + 2))
+    log.close()
+
+
+def test_packed_weights_round_trip_and_average_as_the_arrays_do():
+    from odtd.fleet.packing import pack, unpack
+
+    rng = np.random.default_rng(0)
+    one = [rng.normal(size=(3, 3, 2, 4)).astype(np.float32), np.arange(5, dtype=np.int64),
+           rng.normal(size=4).astype(np.float32), np.float32(2.5).reshape(())]
+    two = [a * 3 for a in one]
+    packed, layout = pack(one)
+    assert [a.shape for a in packed] == [(3 * 3 * 2 * 4 + 4 + 1,), (5,)]  # one array a dtype
+    for got, want in zip(unpack(packed, layout), one):
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+    # FedAvg's weighted mean of the packed arrays is the mean of the arrays.
+    mean = [(0.25 * a + 0.75 * b).astype(a.dtype) for a, b in zip(pack(one)[0], pack(two)[0])]
+    for got, a, b in zip(unpack(mean, layout), one, two):
+        assert np.allclose(got, (0.25 * a + 0.75 * b).astype(a.dtype))
+
+
+@pytest.mark.parametrize("damage, said", [
+    (lambda p: p[:1], "hold 1 packed arrays, its layout 2 dtypes"),
+    (lambda p: [p[0][:-1], p[1]], "float32 weights are float32 of shape (76,), the layout says (77,)"),
+    (lambda p: [p[0].astype(np.float64), p[1]], "are float64"),
+])
+def test_packed_weights_that_do_not_fit_their_layout_are_refused(damage, said):
+    from odtd.fleet.packing import pack, unpack
+
+    packed, layout = pack([np.zeros((3, 3, 2, 4), np.float32), np.zeros(5, np.int64),
+                           np.zeros(5, np.float32)])
+    with pytest.raises(OdtdError, match=re.escape(said)):
+        unpack(damage(packed), layout)
+    with pytest.raises(OdtdError, match="layout entry 'x:1' is not dtype:shape"):
+        unpack(packed, ["x:1"])

@@ -553,6 +553,26 @@ def test_a_federated_round_averages_with_its_start_not_the_served_model(tmp_path
                                        rtol=1e-4, atol=1e-5, err_msg=f"{anchor} {name}")
 
 
+def test_fedprox_proximal_term_keeps_the_weights_near_their_start(tmp_path, initial, data):
+    # The same eight steps with and without FedProx's proximal term: with it every trained
+    # weight ends nearer its start (the round's global model), and mu 0 is the plain step.
+    with np.load(initial[0]) as arrays:
+        start = dict(arrays)
+
+    def moved(name, **keys):
+        out = tmp_path / f"{name}.npz"
+        code, events, stderr = run_worker(write_job(
+            tmp_path, name, weights_in=str(initial[0]), weights_out=str(out), epochs=2,
+            train_data=data["train_data"], batch_size=10, learning_rate=0.05, freeze_bn=True, **keys))
+        assert code == 0, stderr
+        with np.load(out) as arrays:
+            return sum(float(np.sum((arrays[k] - start[k]) ** 2)) for k in start)
+
+    plain, zero, held = moved("plain"), moved("mu0", proximal_mu=0.0), moved("prox", proximal_mu=10.0)
+    assert plain > 0 and zero == plain
+    assert held < 0.5 * plain
+
+
 TRIED = {"bn_device_share": "bn_shares_tried", "trained_share": "trained_shares_tried"}
 
 

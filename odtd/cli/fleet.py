@@ -1,7 +1,8 @@
 """``odtctl fleet``: a Flower fleet's server side (docs/fleet.md).
 
-``status`` reads the server's record (standard library only); ``run`` submits odtd's Flower app
-to a SuperLink with ``flwr run`` and needs the ``fleet`` extra (``pip install 'odtd[fleet]'``).
+``status`` reads the server's record (standard library only), ``plot`` draws it (matplotlib);
+``run`` submits odtd's Flower app to a SuperLink with ``flwr run`` and ``simulate`` runs a fleet
+on this machine; both need the ``fleet`` extra (``pip install 'odtd[fleet]'``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 import importlib.util
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from odtd.cli.output import command, emit, progress
 from odtd.errors import OdtdError
@@ -45,24 +46,44 @@ def status_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def fleet_status(args: argparse.Namespace) -> int:
-    """Show a run's rounds from the server's record."""
+def run_report(record: Path, run_id: Optional[str]) -> dict[str, Any]:
+    """A run's rounds from the server's record (the latest run without ``run_id``).
+
+    Raises:
+        StoreError: no record file there.
+        OdtdError: no such run, or no run yet.
+    """
     from odtd.fleet.rounds import RoundLog
 
-    log = RoundLog.open_existing(Path(args.record))
+    log = RoundLog.open_existing(record)
     try:
         runs = log.runs()
-        chosen = [r for r in runs if args.run is None or r["run_id"] == args.run]
+        chosen = [r for r in runs if run_id is None or r["run_id"] == run_id]
         if not chosen:
-            raise OdtdError(f"{args.record}: " + (f"no run {args.run}" if args.run else "no run yet")
+            raise OdtdError(f"{record}: " + (f"no run {run_id}" if run_id else "no run yet")
                             + "; `odtctl fleet status --record FILE --json` lists what it holds")
         run = chosen[0]
-        report = {"record": str(args.record), "run": run,
-                  "runs": [r["run_id"] for r in runs],
-                  "rounds": [r.to_dict() for r in log.rounds(run["run_id"])]}
+        return {"record": str(record), "run": run, "runs": [r["run_id"] for r in runs],
+                "rounds": [r.to_dict() for r in log.rounds(run["run_id"])]}
     finally:
         log.close()
+
+
+def fleet_status(args: argparse.Namespace) -> int:
+    """Show a run's rounds from the server's record."""
+    report = run_report(Path(args.record), args.run)
     emit(args, report, None if args.json else status_table(report))
+    return 0
+
+
+def fleet_plot(args: argparse.Namespace) -> int:
+    """Draw a run's rounds from the server's record into a PNG."""
+    from odtd.report.fleet_plot import plot_rounds
+
+    report = run_report(Path(args.record), args.run)
+    out = plot_rounds(report, Path(args.out))
+    emit(args, {"out": str(out), "run": report["run"]["run_id"], "rounds": len(report["rounds"])},
+         f"wrote {out} (run {report['run']['run_id']}, {len(report['rounds'])} rounds)")
     return 0
 
 
@@ -98,29 +119,58 @@ def fleet_simulate(args: argparse.Namespace) -> int:
         shift=args.shift)
     options = FleetSimulation(devices=args.devices, alpha=args.alpha, test_per_device=args.test_images,
                               local_epochs=args.local_epochs, batchnorm=args.batchnorm,
-                              model_file=args.model_file, replay_seed=args.replay_seed, each=each)
+                              model_file=args.model_file, replay_seed=args.replay_seed,
+                              strategy=args.strategy, proximal_mu=args.proximal_mu, each=each)
     result = simulate_fleet(Path(args.out), options, progress=progress)
-    emit(args, result, None if args.json else "\n".join(result["table"]))
+    result["plot"] = _plot_simulation(result, Path(args.out))
+    emit(args, result, None if args.json else "\n".join(
+        result["table"] + [f"plot: {result['plot']}" if result["plot"] else "plot: none "
+                           "(pip install 'odtd[plot]')"]))
     return 0
+
+
+def _plot_simulation(result: dict[str, Any], out: Path) -> Optional[str]:
+    """Write ``fleet simulate``'s plots: ``fleet.png`` (the arms per device), ``rounds.png``.
+
+    Returns:
+        ``fleet.png``'s path; None without matplotlib (the table stands alone).
+    """
+    if importlib.util.find_spec("matplotlib") is None:
+        return None
+    from odtd.report.fleet_plot import plot_arms_per_device, plot_rounds
+
+    # One `flwr run` a day, of one round each: the days are the rounds.
+    plot_rounds({"run": {"run_id": f"simulated in {out}"},
+                 "rounds": [dict(r, round=n) for n, r in enumerate(result["rounds"], start=1)]},
+                out / "rounds.png")
+    return str(plot_arms_per_device(result, out / "fleet.png"))
 
 
 @command("fleet")
 def cmd_fleet(args: argparse.Namespace) -> int:
     """Dispatch ``fleet status | run | simulate``."""
-    return {"status": fleet_status, "run": fleet_run, "simulate": fleet_simulate}[args.fleet_command](args)
+    return {"status": fleet_status, "plot": fleet_plot, "run": fleet_run,
+            "simulate": fleet_simulate}[args.fleet_command](args)
 
 
 def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser,
                 reader: argparse.ArgumentParser) -> None:
-    """Add ``fleet status`` and ``fleet run``."""
+    """Add ``fleet status``, ``plot``, ``run`` and ``simulate``."""
     p = sub.add_parser("fleet", help="a Flower fleet: run rounds, show them (docs/fleet.md)",
                        description="The server side of a Flower fleet whose devices run odtd.")
     fleet_sub = p.add_subparsers(dest="fleet_command", metavar="ACTION", required=True)
-    s = fleet_sub.add_parser("status", parents=[reader], help="a run's rounds from the server's record",
-                             description="Show each round of a run: devices asked, trained, declined "
-                                         "(and why), aggregated accuracy, joules, round time.")
-    s.add_argument("--record", required=True, help="the server's record (the YAML's `record`)")
-    s.add_argument("--run", help="a run id (default: the latest)")
+    run = argparse.ArgumentParser(add_help=False)  # which run of which record
+    run.add_argument("--record", required=True, help="the server's record (the YAML's `record`)")
+    run.add_argument("--run", help="a run id (default: the latest)")
+    fleet_sub.add_parser("status", parents=[reader, run], help="a run's rounds from the server's record",
+                         description="Show each round of a run: devices asked, trained, declined "
+                                     "(and why), aggregated accuracy, joules, round time.")
+    d = fleet_sub.add_parser("plot", parents=[reader, run], help="a run's rounds as a PNG",
+                             description="Draw each round of a run into a PNG: devices trained, "
+                                         "declined and silent; accuracy before and after on their "
+                                         "hold-outs; the round's time (sessions, the devices' "
+                                         "set-up, Flower's part); joules.")
+    d.add_argument("--out", default="fleet-rounds.png", help="the PNG to write (default fleet-rounds.png)")
     r = fleet_sub.add_parser("run", parents=[common], help="run rounds on a SuperLink (flwr run)",
                              description="Submit odtd's Flower app to a SuperLink with `flwr run`; "
                                          "progress per round; each round goes to the YAML's record.")
@@ -161,6 +211,11 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     m.add_argument("--local-epochs", type=int, default=1, help="each device's epochs a round (default 1)")
     m.add_argument("--batchnorm", choices=("fedavg", "fedbn"), default="fedavg",
                    help="BatchNorm parameters averaged (fedavg) or kept per device (fedbn)")
+    m.add_argument("--strategy", choices=("fedavg", "fedavgm", "fedprox"), default="fedavg",
+                   help="the server's strategy (default fedavg; fedavgm: one round a day, so its "
+                        "momentum does not carry over)")
+    m.add_argument("--proximal-mu", type=float, default=0.01,
+                   help="fedprox: the proximal term's weight in each device's loss (default 0.01)")
     m.add_argument("--policy", help="the devices' policy file (default: the model's recipe)")
     m.add_argument("--seed", type=int, default=0, help="seed of the draws")
     m.add_argument("--out", required=True, help="a new directory for the homes, logs and record")

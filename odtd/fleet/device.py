@@ -19,6 +19,7 @@ import numpy as np
 
 from odtd.daemon.control import request_federated_session
 from odtd.errors import OdtdError
+from odtd.fleet.packing import pack, unpack
 from odtd.session.federated import EXCHANGE_DIR, read_weights, write_weights
 
 # The reply's metrics, the same keys every round (Flower's aggregation requires it). The
@@ -64,11 +65,13 @@ def train_round(socket_path: Path, run_id: str, server_round: int, arrays: List[
         socket_path: The daemon's control socket (``HOME/run/odtd.sock``).
         run_id: Flower's run id.
         server_round: The round's number.
-        arrays: The global weights, in the model's order (``w0000``...).
-        config: The round's settings: ``local-epochs``, ``learning-rate``, ``batchnorm``.
+        arrays: The global weights: packed (``packing``) where ``config`` has a ``layout``,
+            else in the model's order (``w0000``...).
+        config: The round's settings: ``layout``, ``local-epochs``, ``learning-rate``,
+            ``batchnorm`` and, from FedProx, ``proximal-mu``.
 
     Returns:
-        The trained weights and the reply's metrics.
+        The trained weights (packed as they came) and the reply's metrics.
 
     Raises:
         Declined: The device did not train (why, in the daemon's words).
@@ -77,7 +80,10 @@ def train_round(socket_path: Path, run_id: str, server_round: int, arrays: List[
     exchange = Path(socket_path).parent / EXCHANGE_DIR
     stem = f"{run_id}-{server_round}"
     weights_in, weights_out = exchange / f"{stem}-global.npz", exchange / f"{stem}-trained.npz"
+    layout = config.get("layout")
     try:
+        if layout:
+            arrays = unpack(arrays, list(layout))
         exchange.mkdir(parents=True, exist_ok=True)
         write_weights(weights_in, arrays)
         epochs, rate = config.get("local-epochs"), config.get("learning-rate")
@@ -85,12 +91,15 @@ def train_round(socket_path: Path, run_id: str, server_round: int, arrays: List[
             "run_id": str(run_id), "round": int(server_round), "weights_in": str(weights_in),
             "weights_out": str(weights_out), "epochs": int(epochs) if epochs else None,
             "learning_rate": float(rate) if rate and not math.isnan(float(rate)) else None,
-            "batchnorm": str(config.get("batchnorm") or "fedavg")})
+            "batchnorm": str(config.get("batchnorm") or "fedavg"),
+            "proximal_mu": float(config.get("proximal-mu") or 0.0)})
         handed_back = ((session.get("details") or {}).get("federated") or {}).get("handed_back")
         if not handed_back:
             raise Declined(f"session {session.get('id')} {session.get('outcome')}: "
                            f"{session.get('reason')}")
         trained = read_weights(weights_out)
+        if layout:
+            trained = pack(trained)[0]
         return trained, round_metrics(session, time.monotonic() - started)
     except (OdtdError, OSError) as exc:
         raise Declined(str(exc)) from None

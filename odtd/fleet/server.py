@@ -17,8 +17,9 @@ from typing import Any, Iterable, Optional, Tuple
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.serverapp import Grid, ServerApp
-from flwr.serverapp.strategy import FedAvg, FedAvgM
+from flwr.serverapp.strategy import FedAvg, FedAvgM, FedProx
 
+from odtd.fleet.packing import pack, unpack
 from odtd.fleet.rounds import DeviceReply, RoundLog, RoundRecord, utc_now
 from odtd.fleet.settings import FleetSettings, load_settings
 from odtd.session.federated import read_weights, write_weights
@@ -84,6 +85,10 @@ class RecordingFedAvgM(_Recording, FedAvgM):
     """FedAvgM (server momentum), each round recorded."""
 
 
+class RecordingFedProx(_Recording, FedProx):
+    """FedProx (each device's loss holds the proximal term), each round recorded."""
+
+
 def make_strategy(settings: FleetSettings, log: RoundLog, run_id: str) -> FedAvg:
     """The settings' strategy; the devices' own sessions judge their models (no evaluate round)."""
     common: dict[str, Any] = dict(fraction_train=settings.fraction, fraction_evaluate=0.0,
@@ -92,6 +97,8 @@ def make_strategy(settings: FleetSettings, log: RoundLog, run_id: str) -> FedAvg
     if settings.strategy == "fedavgm":
         strategy: FedAvg = RecordingFedAvgM(server_learning_rate=settings.server_learning_rate,
                                             server_momentum=settings.server_momentum, **common)
+    elif settings.strategy == "fedprox":
+        strategy = RecordingFedProx(proximal_mu=settings.proximal_mu, **common)
     else:
         strategy = RecordingFedAvg(**common)
     strategy.log, strategy.run_id = log, run_id  # type: ignore[attr-defined]
@@ -108,16 +115,20 @@ def main(grid: Grid, context: Context) -> None:
     try:
         log.start_run(run_id, settings.model_dump(mode="json"))
         strategy = make_strategy(settings, log, run_id)
-        train_config = ConfigRecord({"batchnorm": settings.batchnorm,
+        initial = read_weights(settings.initial_weights)
+        # One flat array per dtype a message (odtd.fleet.packing): Flower moves each array as
+        # an object of its own, one request per hop.
+        packed, layout = pack(initial)
+        train_config = ConfigRecord({"batchnorm": settings.batchnorm, "layout": layout,
                                      "local-epochs": settings.local_epochs or 0,
                                      "learning-rate": settings.learning_rate or 0.0})
-        initial = read_weights(settings.initial_weights)
-        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(initial),
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(packed),
                                 num_rounds=settings.rounds, timeout=settings.round_timeout_s,
                                 train_config=train_config)
         # Flower's result holds no arrays when no round aggregated any (every device declined):
         # then the start stands.
-        final = (result.arrays.to_numpy_ndarrays() if result.arrays is not None else []) or initial
+        got = result.arrays.to_numpy_ndarrays() if result.arrays is not None else []
+        final = unpack(got, layout) if got else initial
         write_weights(settings.output_weights, final)
         log.finish_run(run_id)
         print(f"run {run_id}: {settings.rounds} rounds; global weights in {settings.output_weights}",

@@ -1,7 +1,8 @@
 """The fleet server's YAML: how many rounds, which devices, what each trains, where rounds go.
 
     rounds: 6                 # Flower rounds
-    strategy: fedavg          # fedavg | fedavgm (server momentum: server_momentum)
+    strategy: fedavg          # fedavg | fedavgm (server momentum: server_momentum) | fedprox
+    proximal_mu: 0.01         # fedprox: the proximal term's weight in each device's loss
     fraction: 1.0             # share of the connected devices asked each round
     min_devices: 2            # at least this many asked; a round waits for them to connect
     local_epochs: 1           # each device's epochs per round (None: its policy's admission)
@@ -32,7 +33,8 @@ class FleetSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     rounds: int = Field(3, ge=1)
-    strategy: Literal["fedavg", "fedavgm"] = "fedavg"
+    strategy: Literal["fedavg", "fedavgm", "fedprox"] = "fedavg"
+    proximal_mu: float = Field(0.01, ge=0.0)
     server_momentum: float = Field(0.9, ge=0.0, lt=1.0)
     server_learning_rate: float = Field(1.0, gt=0.0)
     fraction: float = Field(1.0, gt=0.0, le=1.0)

@@ -57,6 +57,8 @@ class FleetSimulation:
         test_per_device: Test images of each device's mix.
         local_epochs: Each device's epochs a round.
         batchnorm: ``fedavg`` or ``fedbn`` (docs/fleet.md).
+        strategy: The server's (``fedavg``, ``fedavgm``, ``fedprox``; ``proximal_mu`` for
+            FedProx), as the server's YAML names it.
         model_file: A user's trained Keras model (``.keras``/``.h5``) as the base, imported as
             ``odtctl init --model-file`` does (no pre-training); None: ``each.model`` pre-trained.
         replay_seed: The base model's own (clean, server-side) images every home gets as
@@ -73,6 +75,8 @@ class FleetSimulation:
     batchnorm: str = "fedavg"
     model_file: Optional[str] = None
     replay_seed: int = 500
+    strategy: str = "fedavg"
+    proximal_mu: float = 0.01
     each: SimulationOptions = field(default_factory=lambda: SimulationOptions(
         days=2, pretrain_samples=1000, pretrain_epochs=3, validation_samples=200))
 
@@ -266,6 +270,7 @@ def simulate_fleet(out: Path, options: FleetSimulation,
             config.write_text(json.dumps({
                 "rounds": 1, "min_devices": options.devices, "local_epochs": options.local_epochs,
                 "batchnorm": options.batchnorm, "round_timeout_s": 3600,
+                "strategy": options.strategy, "proximal_mu": options.proximal_mu,
                 "initial_weights": str(global_weights), "record": str(out / "rounds.db"),
                 "output_weights": str(out / f"global-{r}.npz")}), encoding="utf-8")  # YAML too
             if local.run(config, progress=progress) != 0:

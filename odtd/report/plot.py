@@ -17,7 +17,7 @@ _COLOURS = {"promoted": "#2a9d8f", "rolled_back": "#e9c46a", "failed": "#e76f51"
             "interrupted": "#8d99ae", "skipped": "#d9d9d9"}
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     """Matplotlib's pyplot, drawing to files (no display on a board or in CI)."""
     try:
         import matplotlib
@@ -29,13 +29,23 @@ def _pyplot() -> Any:
     return plt
 
 
+def save_figure(plt: Any, fig: Any, out: Path) -> Path:
+    """Lay ``fig`` out, write it to ``out`` (its suffix names the format) and close it."""
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic.staged(out, durable=False) as staged:  # the suffix stays: it names the format
+        fig.savefig(staged, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def plot_sessions(sessions: list[dict[str, Any]], out: Path, title: str) -> Path:
     """Draw sessions (oldest first) into a PNG with three stacked panels.
 
     Raises:
         OdtdError: matplotlib is missing (``pip install 'odtd[plot]'``) or nothing to plot.
     """
-    plt = _pyplot()
+    plt = pyplot()
     trained = [s for s in sessions if s["outcome"] != "skipped"]
     if not trained:
         raise OdtdError("no sessions to plot yet; run `odtctl train-now` or `odtctl simulate`")
@@ -79,12 +89,7 @@ def plot_sessions(sessions: list[dict[str, Any]], out: Path, title: str) -> Path
     ax_mem.set_xticks(x)
     ax_mem.set_xticklabels(labels, rotation=45, ha="right", fontsize=8)
     ax_mem.set_xlabel("session day")
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic.staged(out, durable=False) as staged:  # the suffix stays: it names the format
-        fig.savefig(staged, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(plt, fig, out)
 
 
 def _percent(value: Any) -> Any:
@@ -126,7 +131,7 @@ def plot_arms(summary: dict[str, Any], out: Path) -> Path:
     Raises:
         OdtdError: matplotlib is missing, or ``summary`` is not a reproduction's summary.
     """
-    plt = _pyplot()
+    plt = pyplot()
     import matplotlib
     import numpy as np
 
@@ -166,9 +171,4 @@ def plot_arms(summary: dict[str, Any], out: Path) -> Path:
     axes[-1].set_ylabel("energy, cumulative (kJ)\n" + ", ".join(sorted(sources)))
     axes[-1].set_xlabel("day")
     axes[-1].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic.staged(out, durable=False) as staged:  # the suffix stays: it names the format
-        fig.savefig(staged, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(plt, fig, out)

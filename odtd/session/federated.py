@@ -43,6 +43,8 @@ class FederatedRound:
         learning_rate: The server's learning rate (None: the policy's).
         batchnorm: ``fedavg`` (train from the server's BatchNorm parameters) or ``fedbn`` (keep
             the served model's: each device its own statistics and scales).
+        proximal_mu: FedProx's weight of the proximal term ``(mu / 2) * ||w - w_global||^2``
+            in the device's loss (0 or None: none, FedAvg's local training).
     """
 
     run_id: str
@@ -52,6 +54,7 @@ class FederatedRound:
     epochs: Optional[int] = None
     learning_rate: Optional[float] = None
     batchnorm: str = "fedavg"
+    proximal_mu: Optional[float] = None
 
     @classmethod
     def from_args(cls, args: Dict[str, Any], exchange: Path) -> FederatedRound:
@@ -66,7 +69,9 @@ class FederatedRound:
                             epochs=None if args.get("epochs") is None else int(args["epochs"]),
                             learning_rate=None if args.get("learning_rate") is None
                             else float(args["learning_rate"]),
-                            batchnorm=str(args.get("batchnorm") or "fedavg"))
+                            batchnorm=str(args.get("batchnorm") or "fedavg"),
+                            proximal_mu=None if args.get("proximal_mu") is None
+                            else float(args["proximal_mu"]))
         except KeyError as exc:
             raise OdtdError(f"federated-session: missing field {exc.args[0]!r}") from None
         except (TypeError, ValueError) as exc:
@@ -76,6 +81,8 @@ class FederatedRound:
                             f"{', '.join(BATCHNORM_CHOICES)}")
         if federated.epochs is not None and federated.epochs < 1:
             raise OdtdError(f"federated-session: epochs {federated.epochs} must be at least 1")
+        if federated.proximal_mu is not None and not federated.proximal_mu >= 0:
+            raise OdtdError(f"federated-session: proximal_mu {federated.proximal_mu} must be >= 0")
         if federated.learning_rate is not None and not federated.learning_rate > 0:
             raise OdtdError(f"federated-session: learning_rate {federated.learning_rate} must be > 0")
         for name in ("weights_in", "weights_out"):

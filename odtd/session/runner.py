@@ -277,6 +277,7 @@ class SessionRunner:
             recalibrate_bn=training.recalibrate_bn, bn_device_share=training.bn_device_share,
             distill=training.distill, trained_share=training.trained_share,
             average_with="start" if record.details.federated else "served",
+            proximal_mu=float((record.details.federated or {}).get("proximal_mu") or 0.0),
             reference_tolerance=None if self.policy.acceptance.reference_tolerance is None
             else self.policy.acceptance.reference_tolerance / 100.0,
             reference_origin=self.store.reference_origin(),

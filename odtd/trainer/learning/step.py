@@ -170,16 +170,24 @@ def make_train_step(tf: Any, model: Any, forward_model: Any, optimizer: Any,
             gradients = optimizer.get_unscaled_gradients(gradients)
         return loss, gradients
 
-    clip_norm = job["clip_norm"]
+    clip_norm, mu = job["clip_norm"], job["proximal_mu"]
+    # FedProx's proximal term (mu / 2) * ||w - w_start||^2: its gradient mu * (w - w_start) is
+    # added to each step's. The start: the weights as the steps begin (a round's global model).
+    anchors = [tf.convert_to_tensor(np.array(v.numpy())) for v in variables] if mu else None
 
     def clipped(gradients: Any) -> Any:
-        """The step's gradients, their global norm clipped to the job's ``clip_norm``."""
+        """The step's gradients, the proximal term's added, their norm clipped to ``clip_norm``."""
+        scale = getattr(optimizer, "dynamic_scale", None) if keras3_scaling else None
+        # Keras 3's float16: scaled gradients, unscaled in apply_gradients.
+        scale = None if scale is None else tf.cast(scale, tf.float32)
+        if anchors is not None:
+            gradients = [g if g is None else g + mu * (v - a) * (1.0 if scale is None else scale)
+                         for g, v, a in zip(gradients, variables, anchors)]
         if not clip_norm:
             return gradients
         norm = tf.constant(clip_norm, tf.float32)
-        scale = getattr(optimizer, "dynamic_scale", None) if keras3_scaling else None
-        if scale is not None:  # Keras 3's float16: scaled gradients, unscaled in apply_gradients
-            norm = norm * tf.cast(scale, tf.float32)
+        if scale is not None:
+            norm = norm * scale
         return tf.clip_by_global_norm(gradients, norm)[0]
 
     @networks.compiled(signature[:4])

@@ -43,6 +43,7 @@ JOB_KEYS = {
     "lr_schedule": ("str", "constant"),
     "momentum": ("float", 0.0),
     "clip_norm": ("positive_float", None),
+    "proximal_mu": ("float", 0.0),  # FedProx: (mu / 2) * ||w - w_start||^2 added to the loss
     "diverged_retries": ("count", 0),
     "diverged_lr_factor": ("share", 0.1),
     "augment": ("bool", False),
