@@ -3,13 +3,16 @@
 Three tinycnn homes, each with its own daemon; two rounds. The third device has its charging
 gate forced closed: it declines each round with that reason and the rounds complete with the
 others. The second device's daemon is killed (SIGKILL) as its session of round 1 starts: it
-declines that round, its home stays intact, and, started again at once, it takes round 2. One fleet
+declines that round, its home stays intact, and, started again at once, it takes round 2. The
+first device's trainer worker is killed (SIGKILL) in round 2: its session fails, it declines
+that round with the reason, and its home keeps the model it served. One fleet
 serves one test (`make test`'s budget: its start and two rounds take about a minute).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -36,6 +39,9 @@ DEVICES = 3
 ROUNDS = 2
 CLOSED = 2  # the device whose gate is closed
 KILLED, KILLED_ROUND = 1, 1  # the device whose daemon is killed, and in which round
+WORKER_KILLED, WORKER_KILLED_ROUND = 0, 2  # the device whose trainer worker is killed, and when
+LOST = {KILLED_ROUND: "the daemon closed the connection",
+        WORKER_KILLED_ROUND: "failed: worker killed by SIGKILL"}
 
 
 def _device(base: Path, root: Path, index: int) -> Path:
@@ -78,8 +84,10 @@ def fleet(_base_home, tmp_path_factory):
             config.write_text(f"rounds: {ROUNDS}\nmin_devices: {DEVICES}\nlocal_epochs: 1\n"
                               f"round_timeout_s: 120\ninitial_weights: {initial}\nrecord: rounds.db\n")
             killer = pool.submit(_kill_and_restart, homes[KILLED], daemons)
+            worker_killer = pool.submit(_kill_worker, homes[WORKER_KILLED])
             status = local.run(config, progress=lines.append, timeout_s=240)
             killer.result(timeout=5)
+            served[WORKER_KILLED] = worker_killer.result(timeout=5)
             yield {"root": root, "homes": homes, "served": served, "status": status, "lines": lines,
                    "record": root / "rounds.db", "initial": initial, "daemons": daemons,
                    "log": (root / "flower" / "run" / "flwr-run.log")}
@@ -94,6 +102,16 @@ def _rows(db: Path, query: str) -> list:
             return connection.execute(query).fetchall()
     except sqlite3.Error:  # not created yet
         return []
+
+
+def _kill_worker(home: Path) -> str:
+    """SIGKILL the device's trainer worker in its session of the round; the version it served."""
+    query = ("SELECT worker_pid FROM sessions WHERE trigger = 'fleet' AND worker_pid IS NOT NULL "
+             f"AND details LIKE '%\"round\": {WORKER_KILLED_ROUND},%'")
+    wait_for(lambda: _rows(home / "odtd.db", query), 180, 0.05)
+    served = (home / "models/tinycnn/current").read_text()  # what round 1 left it serving
+    os.kill(_rows(home / "odtd.db", query)[0][0], signal.SIGKILL)
+    return served
 
 
 def _kill_and_restart(home: Path, daemons: list) -> None:
@@ -122,12 +140,10 @@ def _check_rounds_with_declining_and_killed_devices(fleet):
     rounds = report["rounds"]
     assert [r["round"] for r in rounds] == list(range(1, ROUNDS + 1))
     for r in rounds:
-        killed = r["round"] == KILLED_ROUND
-        assert (r["asked"], r["trained"], r["declined"], r["no_reply"]) == \
-            (DEVICES, DEVICES - 1 - killed, 1 + killed, 0)
+        assert (r["asked"], r["trained"], r["declined"], r["no_reply"]) == (DEVICES, 1, 2, 0)
         reasons = [d["reason"] for d in r["devices"] if d["outcome"] == "declined"]
         assert sum("gate charging closed" in reason for reason in reasons) == 1
-        assert sum("the daemon closed the connection" in reason for reason in reasons) == killed
+        assert sum(LOST[r["round"]] in reason for reason in reasons) == 1, reasons
         trained = [d for d in r["devices"] if d["outcome"] == "trained"]
         for device in trained:
             assert device["metrics"]["num-examples"] > 0
@@ -138,7 +154,7 @@ def _check_rounds_with_declining_and_killed_devices(fleet):
         assert 0 <= r["flower_share"] <= r["outside_share"] < 1
         assert set(r["metrics"]) >= {"accuracy-before", "accuracy-after"}
     # The server's progress lines, as `odtctl fleet run` prints them.
-    assert any(line.startswith(f"round {ROUNDS}:") and "2 trained, 1 declined" in line
+    assert any(line.startswith(f"round {ROUNDS}:") and "1 trained, 2 declined" in line
                for line in fleet["lines"])
     # The global weights moved away from the initial ones.
     with np.load(fleet["initial"]) as start, np.load(fleet["record"].with_name("rounds-global.npz")) as end:
@@ -152,10 +168,15 @@ def _check_each_round_is_a_session_row_marked_federated(fleet):
         sessions = [s for s in odtctl_json("history", home=home) if s["trigger"] == "fleet"
                     and s["details"]["federated"]["run_id"] == run_id]  # not the tests' own requests
         assert sorted(s["details"]["federated"]["round"] for s in sessions) == list(range(1, ROUNDS + 1))
+        outcomes = {s["details"]["federated"]["round"]: s["outcome"] for s in sessions}
         if index == KILLED:  # the killed session is interrupted; the others trained
-            outcomes = {s["details"]["federated"]["round"]: s["outcome"] for s in sessions}
             assert outcomes.pop(KILLED_ROUND) == "interrupted"
             assert set(outcomes.values()) <= {"promoted", "rolled_back"}
+            assert odtctl_json("status", home=home)["samples"]["pending"] > 0
+        elif index == WORKER_KILLED:  # failed; it serves what round 1 left, its samples wait
+            assert outcomes.pop(WORKER_KILLED_ROUND) == "failed"
+            assert set(outcomes.values()) <= {"promoted", "rolled_back"}
+            assert (home / "models/tinycnn/current").read_text() == fleet["served"][index]
             assert odtctl_json("status", home=home)["samples"]["pending"] > 0
         elif index == CLOSED:  # nothing trained; the served model is the one it had
             assert {s["outcome"] for s in sessions} == {"skipped"}
