@@ -82,6 +82,7 @@ def fleet(_base_home, tmp_path_factory):
             initial = _base_home / "models/tinycnn" / served[0].strip() / "weights.npz"
             config = root / "fleet.yaml"
             config.write_text(f"rounds: {ROUNDS}\nmin_devices: {DEVICES}\nlocal_epochs: 1\n"
+                              "evaluate_fraction: 1.0\n"
                               f"round_timeout_s: 120\ninitial_weights: {initial}\nrecord: rounds.db\n")
             killer = pool.submit(_kill_and_restart, homes[KILLED], daemons)
             worker_killer = pool.submit(_kill_worker, homes[WORKER_KILLED])
@@ -153,9 +154,18 @@ def _check_rounds_with_declining_and_killed_devices(fleet):
         assert r["seconds"] >= r["device_s_max"] >= r["session_s_max"] > 0
         assert 0 <= r["flower_share"] <= r["outside_share"] < 1
         assert set(r["metrics"]) >= {"accuracy-before", "accuracy-after"}
+        # The evaluate round after it: every device, its gate closed or not, scored the round's
+        # model on its own samples (a measurement: nothing trained).
+        evaluated = r["evaluation"]["devices"]
+        assert [d["outcome"] for d in evaluated] == ["evaluated"] * DEVICES, evaluated
+        for device in evaluated:
+            assert device["metrics"]["num-examples"] > 0
+            assert 0 <= device["metrics"]["accuracy"] <= 1
+        assert 0 <= r["evaluation"]["metrics"]["accuracy"] <= 1
     # The server's progress lines, as `odtctl fleet run` prints them.
     assert any(line.startswith(f"round {ROUNDS}:") and "1 trained, 2 declined" in line
                for line in fleet["lines"])
+    assert any(line.startswith(f"round {ROUNDS}: evaluated on {DEVICES} devices") for line in fleet["lines"])
     # The global weights moved away from the initial ones.
     with np.load(fleet["initial"]) as start, np.load(fleet["record"].with_name("rounds-global.npz")) as end:
         assert sorted(start.files) == sorted(end.files)

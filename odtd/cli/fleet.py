@@ -24,18 +24,23 @@ def _figure(value: Any, fmt: str) -> str:
 
 
 def status_table(report: dict[str, Any]) -> str:
-    """The text form of ``fleet status``: one line a round, then each device that did not train."""
+    """The text form of ``fleet status``: one line a round, then each device that did not train.
+
+    ``global``: the round's model on the devices' own samples, where an evaluate round scored it.
+    """
     run = report["run"]
     lines = [f"run {run['run_id']} started {run['started_at']}, "
              + (f"finished {run['finished_at']}" if run["finished_at"] else "not finished"),
              f"{'round':>5} {'asked':>5} {'trained':>7} {'declined':>8} {'silent':>6} "
-             f"{'acc before':>10} {'acc after':>9} {'joules':>8} {'seconds':>7} {'outside':>7} "
-             f"{'flower':>6}"]
+             f"{'acc before':>10} {'acc after':>9} {'global':>6} {'joules':>8} {'seconds':>7} "
+             f"{'outside':>7} {'flower':>6}"]
     for r in report["rounds"]:
         m = r["metrics"]
+        evaluated = (r.get("evaluation") or {}).get("metrics") or {}
         lines.append(f"{r['round']:>5} {r['asked']:>5} {r['trained']:>7} {r['declined']:>8} "
                      f"{r['no_reply']:>6} {_figure(m.get('accuracy-before'), '10.3f')} "
-                     f"{_figure(m.get('accuracy-after'), '9.3f')} {_figure(r['joules'], '8.1f')} "
+                     f"{_figure(m.get('accuracy-after'), '9.3f')} "
+                     f"{_figure(evaluated.get('accuracy'), '6.3f')} {_figure(r['joules'], '8.1f')} "
                      f"{r['seconds']:>7.1f} {_figure(r['outside_share'], '7.1%')} "
                      f"{_figure(r.get('flower_share'), '6.1%')}")
     for r in report["rounds"]:

@@ -6,7 +6,8 @@ One request per connection, one JSON object per line each way:
     <- {"v": 1, "ok": true, "result": {...}}   or   {"v": 1, "ok": false, "error": "..."}
 
 Every request gets a reply, errors included. Operations: ping, status, train-now, pause,
-resume, reload, federated-session (a Flower round's session: odtd.session.federated).
+resume, reload, federated-session (a Flower round's session: odtd.session.federated),
+federated-evaluate (a Flower evaluate round: odtd.session.federated_evaluation).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from odtd.home.paths import Home
 logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
-OPERATIONS = ("ping", "status", "train-now", "pause", "resume", "reload", "federated-session")
+OPERATIONS = ("ping", "status", "train-now", "pause", "resume", "reload", "federated-session",
+              "federated-evaluate")
 MAX_REQUEST_BYTES = 64 * 1024
 CLIENT_TIMEOUT_S = 10.0  # a client must send its request line within this long
 REPLY_TIMEOUT_S = 10.0
@@ -209,3 +211,17 @@ def request_federated_session(socket_path: Path, args: dict[str, Any],
         OdtdError: The daemon refused (a session already running, bad request fields).
     """
     return request(socket_path, "federated-session", args, timeout_s=timeout_s)
+
+
+def request_federated_evaluate(socket_path: Path, args: dict[str, Any],
+                               timeout_s: Optional[float] = None) -> dict[str, Any]:
+    """Ask the daemon to score a round's weights (``FederatedRound``'s fields) on its own set.
+
+    Returns:
+        ``odtd.session.federated_evaluation.evaluate_round``'s metrics.
+
+    Raises:
+        DaemonUnavailable: No daemon answers on ``socket_path``.
+        OdtdError: The daemon refused (a session running, weights that do not fit, no set).
+    """
+    return request(socket_path, "federated-evaluate", args, timeout_s=timeout_s)

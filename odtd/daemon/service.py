@@ -308,6 +308,30 @@ class Daemon:
             thread.start()
             return thread
 
+    def evaluate_round(self, args: dict[str, Any]) -> Any:
+        """Score a Flower round's weights on the device's set, in the session's slot.
+
+        Never beside a session, and no session starts while it runs.
+
+        Raises:
+            SessionBusy: a session is running.
+            OdtdError: the task refused (its one line) or died.
+        """
+        with self._session_guard:
+            if self._session_thread is not None and self._session_thread.is_alive():
+                raise SessionBusy("a session is running; the evaluation waits for the next round")
+            if self._shutdown.is_set():
+                raise SessionBusy("the daemon is stopping")
+            process = self._spawn("federated-evaluate", "--federated", json.dumps(args))
+            done: list = []
+            thread = threading.Thread(target=lambda: done.append(process.communicate("")),
+                                      name="federated-evaluate", daemon=True)
+            self._session_thread, self._session_process = thread, process
+            thread.start()
+        thread.join()
+        out = done[0][0] if done else ""
+        return self._result("federated-evaluate", process.returncode, out)
+
     def _session_body(self, process: subprocess.Popen) -> None:
         self.notifier.status("training")
         try:
@@ -339,6 +363,8 @@ class Daemon:
             if self._last_session and "error" in self._last_session:
                 raise OdtdError(self._last_session["error"])
             return self._last_session
+        if op == "federated-evaluate":
+            return self.evaluate_round(args)
         if op == "pause":
             self.paused = True
             self.scheduler.pause()

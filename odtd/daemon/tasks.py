@@ -13,6 +13,9 @@ one JSON line on stdout and exits.
                                     moved into the store or quarantine. Prints the ingest report.
     recover                         sessions a dead process left running become interrupted.
     status [--limit N]              the `odtctl status --json` object.
+    federated-evaluate --federated JSON
+                                    a Flower evaluate round: the round's weights scored on the
+                                    device's evaluation set (odtd.session.federated_evaluation).
 
 A child dies with the daemon (PR_SET_PDEATHSIG, as the trainer worker does with its parent).
 """
@@ -94,7 +97,20 @@ def _status(home: Home, args: argparse.Namespace) -> dict[str, Any]:
         store.close()
 
 
-TASKS = {"session": _session, "ingest": _ingest, "recover": _recover, "status": _status}
+def _federated_evaluate(home: Home, args: argparse.Namespace) -> dict[str, Any]:
+    from odtd.session.federated_evaluation import evaluate_round
+
+    if not args.federated:
+        raise OdtdError("federated-evaluate needs --federated JSON")
+    store = home.open_store()
+    try:
+        return evaluate_round(home, store, home.load_config(), json.loads(args.federated))
+    finally:
+        store.close()
+
+
+TASKS = {"session": _session, "ingest": _ingest, "recover": _recover, "status": _status,
+         "federated-evaluate": _federated_evaluate}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from odtd.fleet.device import train_round
+from odtd.fleet.device import evaluate_round, train_round
 
 DEFAULT_SOCKET = "/var/lib/odtd/run/odtd.sock"  # the packaged unit's home (deploy/odtd.service)
 
@@ -32,3 +32,14 @@ def train(msg: Message, context: Context) -> Message:
                                    int(config.get("server-round", 0)), arrays, config)
     content = RecordDict({"arrays": ArrayRecord(trained), "metrics": MetricRecord(metrics)})
     return Message(content=content, reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """An evaluate round: the global weights scored on this device's own samples, nothing trained."""
+    socket_path = Path(str(context.node_config.get("socket", DEFAULT_SOCKET)))
+    config = dict(msg.content["config"]) if "config" in msg.content else {}
+    metrics = evaluate_round(socket_path, str(msg.metadata.run_id),
+                             int(config.get("server-round", 0)),
+                             msg.content["arrays"].to_numpy_ndarrays(), config)
+    return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from odtd.daemon.control import request_federated_session
+from odtd.daemon.control import request_federated_evaluate, request_federated_session
 from odtd.errors import OdtdError
 from odtd.fleet.packing import pack, unpack
 from odtd.session.federated import EXCHANGE_DIR, read_weights, write_weights
@@ -106,3 +106,38 @@ def train_round(socket_path: Path, run_id: str, server_round: int, arrays: List[
     finally:
         for path in (weights_in, weights_out):
             path.unlink(missing_ok=True)
+
+
+# An evaluate round's reply: the round's model on the device's own set (the same keys always).
+EVALUATE_KEYS = ("num-examples", "accuracy", "validation-accuracy", "holdout-accuracy",
+                 "reference-accuracy", "device-seconds")
+
+
+def evaluate_round(socket_path: Path, run_id: str, server_round: int, arrays: List[np.ndarray],
+                   config: Dict[str, Any]) -> Dict[str, float]:
+    """Score one round's global weights on the device behind ``socket_path``; nothing trains.
+
+    Args and packing as ``train_round``.
+
+    Returns:
+        ``EVALUATE_KEYS``: the held-out samples' count (FedAvg's weight) and the accuracies.
+
+    Raises:
+        Declined: The device did not evaluate (why, in the daemon's words).
+    """
+    exchange = Path(socket_path).parent / EXCHANGE_DIR
+    weights_in = exchange / f"{run_id}-{server_round}-evaluate.npz"
+    layout = config.get("layout")
+    try:
+        if layout:
+            arrays = unpack(arrays, list(layout))
+        exchange.mkdir(parents=True, exist_ok=True)
+        write_weights(weights_in, arrays)
+        result = request_federated_evaluate(Path(socket_path), {
+            "run_id": str(run_id), "round": int(server_round), "weights_in": str(weights_in),
+            "weights_out": str(weights_in), "batchnorm": str(config.get("batchnorm") or "fedavg")})
+        return {key: float(result.get(key, float("nan"))) for key in EVALUATE_KEYS}
+    except (OdtdError, OSError) as exc:
+        raise Declined(str(exc)) from None
+    finally:
+        weights_in.unlink(missing_ok=True)

@@ -23,6 +23,8 @@ CREATE TABLE IF NOT EXISTS rounds (
     run_id TEXT, round INTEGER, started_at TEXT, seconds REAL, asked INTEGER, trained INTEGER,
     declined INTEGER, no_reply INTEGER, joules REAL, session_s_max REAL, outside_share REAL,
     metrics TEXT, PRIMARY KEY (run_id, round));
+CREATE TABLE IF NOT EXISTS evaluations (
+    run_id TEXT, round INTEGER, metrics TEXT, devices TEXT, PRIMARY KEY (run_id, round));
 CREATE TABLE IF NOT EXISTS devices (
     run_id TEXT, round INTEGER, node_id TEXT, outcome TEXT, reason TEXT, metrics TEXT,
     PRIMARY KEY (run_id, round, node_id));
@@ -62,6 +64,9 @@ class RoundRecord:
         flower_share: The share outside the longest device's whole part (``device-seconds``):
             Flower's alone (``outside_share`` less the devices' own set-up).
         metrics: The strategy's aggregate of the trained devices' metrics (weighted by examples).
+        evaluation: The round's evaluate round, where the server asked for one: ``metrics``
+            (the round's global model on the devices' own sets, weighted by their held-out
+            samples) and ``devices`` (each one's reply, or why it declined).
     """
 
     run_id: str
@@ -70,6 +75,7 @@ class RoundRecord:
     seconds: float
     devices: List[DeviceReply]
     metrics: Dict[str, float] = field(default_factory=dict)
+    evaluation: Optional[Dict[str, Any]] = None
 
     def count(self, outcome: str) -> int:
         """How many devices ended the round so."""
@@ -178,6 +184,14 @@ class RoundLog:
                 (record.run_id, record.round, d.node_id, d.outcome, d.reason,
                  json.dumps(d.metrics, sort_keys=True)) for d in record.devices])
 
+    def add_evaluation(self, run_id: str, server_round: int, metrics: Dict[str, float],
+                       devices: List[DeviceReply]) -> None:
+        """Record a round's evaluate round (after its training round), in one transaction."""
+        with self.db:
+            self.db.execute("INSERT OR REPLACE INTO evaluations VALUES (?, ?, ?, ?)", (
+                run_id, server_round, json.dumps(metrics, sort_keys=True),
+                json.dumps([asdict(d) for d in devices], sort_keys=True)))
+
     def runs(self) -> List[Dict[str, Any]]:
         """Every run, the latest first."""
         rows = self.db.execute("SELECT run_id, started_at, finished_at, settings FROM runs "
@@ -194,6 +208,11 @@ class RoundLog:
                        for d in self.db.execute(
                            "SELECT node_id, outcome, reason, metrics FROM devices WHERE run_id = ? "
                            "AND round = ? ORDER BY node_id", (run_id, row[0])).fetchall()]
+            evaluated = self.db.execute("SELECT metrics, devices FROM evaluations WHERE run_id = ? "
+                                        "AND round = ?", (run_id, row[0])).fetchone()
             out.append(RoundRecord(run_id=run_id, round=row[0], started_at=row[1], seconds=row[2],
-                                   devices=devices, metrics=json.loads(row[3] or "{}")))
+                                   devices=devices, metrics=json.loads(row[3] or "{}"),
+                                   evaluation=None if evaluated is None else {
+                                       "metrics": json.loads(evaluated[0]),
+                                       "devices": json.loads(evaluated[1])}))
         return out

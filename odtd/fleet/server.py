@@ -13,7 +13,7 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterable, Optional, Tuple
+from typing import Any, Iterable, List, Optional, Tuple
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.serverapp import Grid, ServerApp
@@ -70,11 +70,31 @@ class _Recording:
                              seconds=time.monotonic() - self._started[0], devices=devices,
                              metrics=dict(metrics) if metrics is not None else {})
         self.log.add_round(record)
-        declined = "; ".join(f"{d.node_id}: {d.reason}" for d in devices if d.outcome != "trained")
+        declined = _declined(devices)
         print(f"round {server_round}: {record.count('trained')} trained, {record.count('declined')} "
               f"declined, {record.count('no reply')} silent in {record.seconds:.1f} s"
               + (f" ({declined})" if declined else ""), flush=True)
         return arrays, metrics
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> Optional[MetricRecord]:
+        replies = list(replies)
+        metrics = super().aggregate_evaluate(server_round, replies)  # type: ignore[misc]
+        devices = [DeviceReply(str(r.metadata.src_node_id), "declined", _reason(r.error.reason))
+                   if r.has_error() else DeviceReply(str(r.metadata.src_node_id), "evaluated",
+                                                     metrics=dict(r.content["metrics"]))
+                   for r in replies]
+        self.log.add_evaluation(self.run_id, server_round,
+                                dict(metrics) if metrics is not None else {}, devices)
+        accuracy = (dict(metrics) if metrics is not None else {}).get("accuracy")
+        print(f"round {server_round}: evaluated on {sum(d.outcome == 'evaluated' for d in devices)} "
+              "devices' own samples" + (f", accuracy {accuracy:.3f}" if accuracy is not None else "")
+              + (f" ({_declined(devices)})" if _declined(devices) else ""), flush=True)
+        return metrics
+
+
+def _declined(devices: List[DeviceReply]) -> str:
+    """The devices that did not take part, with why, for a progress line."""
+    return "; ".join(f"{d.node_id}: {d.reason}" for d in devices if d.outcome in ("declined", "no reply"))
 
 
 class RecordingFedAvg(_Recording, FedAvg):
@@ -90,9 +110,15 @@ class RecordingFedProx(_Recording, FedProx):
 
 
 def make_strategy(settings: FleetSettings, log: RoundLog, run_id: str) -> FedAvg:
-    """The settings' strategy; the devices' own sessions judge their models (no evaluate round)."""
-    common: dict[str, Any] = dict(fraction_train=settings.fraction, fraction_evaluate=0.0,
+    """The settings' strategy.
+
+    Each round trains; with ``evaluate_fraction`` an evaluate round after it scores the global
+    model on the devices' own samples.
+    """
+    common: dict[str, Any] = dict(fraction_train=settings.fraction,
+                                  fraction_evaluate=settings.evaluate_fraction,
                                   min_train_nodes=settings.min_devices,
+                                  min_evaluate_nodes=settings.min_devices * (settings.evaluate_fraction > 0),
                                   min_available_nodes=settings.min_devices)
     if settings.strategy == "fedavgm":
         strategy: FedAvg = RecordingFedAvgM(server_learning_rate=settings.server_learning_rate,
@@ -124,7 +150,9 @@ def main(grid: Grid, context: Context) -> None:
                                      "learning-rate": settings.learning_rate or 0.0})
         result = strategy.start(grid=grid, initial_arrays=ArrayRecord(packed),
                                 num_rounds=settings.rounds, timeout=settings.round_timeout_s,
-                                train_config=train_config)
+                                train_config=train_config,
+                                evaluate_config=ConfigRecord({"batchnorm": settings.batchnorm,
+                                                              "layout": layout}))
         # Flower's result holds no arrays when no round aggregated any (every device declined):
         # then the start stands.
         got = result.arrays.to_numpy_ndarrays() if result.arrays is not None else []

@@ -4,6 +4,8 @@
     strategy: fedavg          # fedavg | fedavgm (server momentum: server_momentum) | fedprox
     proximal_mu: 0.01         # fedprox: the proximal term's weight in each device's loss
     fraction: 1.0             # share of the connected devices asked each round
+    evaluate_fraction: 0.0    # share asked, after each round, to score its model on their own
+                              # samples (Flower's evaluate round); 0: none
     min_devices: 2            # at least this many asked; a round waits for them to connect
     local_epochs: 1           # each device's epochs per round (None: its policy's admission)
     learning_rate: null       # the devices' rate (None: each policy's)
@@ -38,6 +40,7 @@ class FleetSettings(BaseModel):
     server_momentum: float = Field(0.9, ge=0.0, lt=1.0)
     server_learning_rate: float = Field(1.0, gt=0.0)
     fraction: float = Field(1.0, gt=0.0, le=1.0)
+    evaluate_fraction: float = Field(0.0, ge=0.0, le=1.0)
     min_devices: int = Field(2, ge=1)
     local_epochs: Optional[int] = Field(1, ge=1)
     learning_rate: Optional[float] = Field(None, gt=0.0)

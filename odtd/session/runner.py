@@ -29,6 +29,7 @@ from odtd.home.spec import ModelSpec
 from odtd.home.versions import ModelRepo
 from odtd.policy import Policy
 from odtd.session.admission import SKIP, admit_session
+from odtd.session.evalset import write_evaluation_set
 from odtd.session.federated import FederatedRound, hand_back, refused_start
 from odtd.session.gates import (
     FORCE_CLOSED_FILE,
@@ -255,7 +256,8 @@ class SessionRunner:
         if not train.exists():
             x, y = load_sample_arrays(self.home, rows, self.classes)
             np.savez(train, x=x, y=y, **self._device_images(rows, record.samples_new))
-        record.details.evaluation_set, validation = self._write_evaluation_set(job_dir)
+        record.details.evaluation_set, validation = write_evaluation_set(
+            self.home, self.store, self.classes, job_dir)
         training = self.policy.training
         plan = record.details.admission or {}  # the plan admission chose for the batch
         served_path = str(self.repo.weights_path(current))
@@ -315,31 +317,6 @@ class SessionRunner:
         else:
             extra = np.zeros((0,) + tuple(self.input_shape), dtype=np.uint8)
         return {"device": mask, "device_x": extra}
-
-    def _write_evaluation_set(self, job_dir: Path) -> tuple[str, Optional[Path]]:
-        """Write the evaluation ``.npz``: validation, held-out samples, reference set.
-
-        Groups 0, 1 and 2. Acceptance uses group 0 when it exists, else group 1; group 2 guards
-        the original domain.
-        """
-        parts = []
-        if self.home.validation_file().exists():
-            with np.load(self.home.validation_file(), allow_pickle=False) as data:
-                parts.append((data["x"], data["y"], GROUP_VALIDATION))
-        holdout = self.store.samples("holdout")
-        if holdout:
-            hx, hy = load_sample_arrays(self.home, holdout, self.classes)
-            parts.append((hx, hy, GROUP_HOLDOUT))
-        if parts and self.home.reference_file().exists():
-            with np.load(self.home.reference_file(), allow_pickle=False) as data:
-                parts.append((data["x"], data["y"], GROUP_REFERENCE))
-        if not parts:
-            return "none", None
-        path = job_dir / "evaluation.npz"
-        np.savez(path, x=np.concatenate([p[0] for p in parts]),
-                 y=np.concatenate([p[1] for p in parts]),
-                 group=np.concatenate([np.full(len(p[1]), p[2], dtype=np.int64) for p in parts]))
-        return ("validation" if parts[0][2] == GROUP_VALIDATION else "holdout"), path
 
     def _follow_worker(self, record: SessionRecord, job_dir: Path, job_path: Path,
                        stop: StopRequest) -> WorkerEnd:
