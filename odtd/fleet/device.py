@@ -57,6 +57,18 @@ def round_metrics(session: Dict[str, Any], device_seconds: float = float("nan"))
     }
 
 
+def write_global(path: Path, arrays: List[np.ndarray], layout: Optional[List[str]]) -> None:
+    """Write a round's global weights (packed where ``layout`` is given) as a weights file.
+
+    Raises:
+        OdtdError: packed weights that do not fit their layout.
+    """
+    if layout:
+        arrays = unpack(arrays, list(layout))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_weights(path, arrays)
+
+
 def train_round(socket_path: Path, run_id: str, server_round: int, arrays: List[np.ndarray],
                 config: Dict[str, Any]) -> Tuple[List[np.ndarray], Dict[str, float]]:
     """Run one round's federated session on the device behind ``socket_path``.
@@ -82,10 +94,7 @@ def train_round(socket_path: Path, run_id: str, server_round: int, arrays: List[
     weights_in, weights_out = exchange / f"{stem}-global.npz", exchange / f"{stem}-trained.npz"
     layout = config.get("layout")
     try:
-        if layout:
-            arrays = unpack(arrays, list(layout))
-        exchange.mkdir(parents=True, exist_ok=True)
-        write_weights(weights_in, arrays)
+        write_global(weights_in, arrays, layout)
         epochs, rate = config.get("local-epochs"), config.get("learning-rate")
         session = request_federated_session(Path(socket_path), {
             "run_id": str(run_id), "round": int(server_round), "weights_in": str(weights_in),
@@ -127,12 +136,8 @@ def evaluate_round(socket_path: Path, run_id: str, server_round: int, arrays: Li
     """
     exchange = Path(socket_path).parent / EXCHANGE_DIR
     weights_in = exchange / f"{run_id}-{server_round}-evaluate.npz"
-    layout = config.get("layout")
     try:
-        if layout:
-            arrays = unpack(arrays, list(layout))
-        exchange.mkdir(parents=True, exist_ok=True)
-        write_weights(weights_in, arrays)
+        write_global(weights_in, arrays, config.get("layout"))
         result = request_federated_evaluate(Path(socket_path), {
             "run_id": str(run_id), "round": int(server_round), "weights_in": str(weights_in),
             "weights_out": str(weights_in), "batchnorm": str(config.get("batchnorm") or "fedavg")})
