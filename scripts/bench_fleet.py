@@ -11,8 +11,9 @@ Goals, each with the figure it is judged on:
 - federated odtd beats each device alone on the devices' own (shifted) test images by more than
   2 standard errors of the paired difference over devices;
 - it beats AdaBN there by at least 5 points;
-- no device serves a model below its day 0 (the base), on its own images or clean ones (judged
-  on the last day only: the simulation scores each arm once, at the end);
+- no device serves a model below its day 0 (the base), on its own images or clean ones, on any
+  day (``odtd.fleet.daily``: every day's served version of each device's fleet home scored
+  after the run; ``--days-of DIR`` does only that, for a run already made with these options);
 - joules per device per round reported; Flower's messaging and aggregation under 5% of a round
   (``flower_share``: the round outside the longest device's whole part, ``device-seconds``;
   ``outside_share`` also counts the devices' own set-up around their sessions).
@@ -28,14 +29,15 @@ from pathlib import Path
 
 import numpy as np
 
+from odtd.fleet.daily import score_days
 from odtd.fleet.simulate import FleetSimulation, simulate_fleet
 from odtd.sim.simulate import SimulationOptions
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def goals(result: dict) -> dict:
-    """The issue's goals judged on a simulation's result."""
+def goals(result: dict, daily: dict) -> dict:
+    """The issue's goals judged on a simulation's result and its days' scores."""
     domain = result["domain"]
     rows = result["devices"]
 
@@ -48,8 +50,8 @@ def goals(result: dict) -> dict:
                 "se_points": None if se is None else round(se, 2)}
 
     alone, adabn = paired(points("fleet", "alone")), paired(points("fleet", "adabn"))
-    below = [r["device"] for r in rows
-             if any(r["accuracy"]["fleet"][d] < r["accuracy"]["base"][d] for d in r["accuracy"]["base"])]
+    below = sorted({device for device, arm, _, _ in daily["below_day0"] if arm == "fleet"})
+    alone_below = sorted({device for device, arm, _, _ in daily["below_day0"] if arm == "alone"})
     trained = [r for r in result["rounds"] if r["trained"]]
     per_device = [r["joules"] / r["trained"] for r in trained if r["joules"] is not None]
     outside = [r["outside_share"] for r in trained if r["outside_share"] is not None]
@@ -58,7 +60,9 @@ def goals(result: dict) -> dict:
         "fleet_vs_alone": {**alone, "met": alone["se_points"] is not None
                            and alone["mean_points"] > 2 * alone["se_points"]},
         "fleet_vs_adabn": {**adabn, "met": adabn["mean_points"] >= 5},
-        "devices_serving_below_day0": {"devices": below, "met": not below},
+        "devices_serving_below_day0": {"devices": below, "met": not below,
+                                       "days": [d for d in daily["below_day0"] if d[1] == "fleet"],
+                                       "alone_for_comparison": alone_below},
         "joules_per_device_per_round": round(float(np.mean(per_device)), 1) if per_device else None,
         # The goal: Flower's messaging and aggregation, the round outside the devices' parts.
         "flower_share": {"per_round": flower, "mean": round(float(np.mean(flower)), 4) if flower
@@ -71,7 +75,7 @@ def goals(result: dict) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="a new directory for the run")
+    parser.add_argument("--out", help="a new directory for the run (required without --days-of)")
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--per-day", type=int, default=64)
@@ -89,6 +93,9 @@ def main() -> int:
     parser.add_argument("--replay-seed", type=int, default=500,
                         help="clean images each home gets as init --replay (the reference set)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--days-of", metavar="DIR",
+                        help="only score every day's served models of the run in DIR (made with "
+                             "these options) and print them")
     args = parser.parse_args()
     each = SimulationOptions(days=args.rounds, per_day=args.per_day, model=args.model,
                              dataset=args.dataset, pretrain_samples=args.pretrain_samples,
@@ -98,13 +105,22 @@ def main() -> int:
                               batchnorm=args.batchnorm, model_file=args.model_file,
                               replay_seed=args.replay_seed, strategy=args.strategy,
                               proximal_mu=args.proximal_mu, each=each)
-    result = simulate_fleet(Path(args.out), options, progress=lambda line: print(line, file=sys.stderr))
+    def log(line: str) -> None:
+        print(line, file=sys.stderr)
+
+    if args.days_of:
+        print(json.dumps(score_days(Path(args.days_of), options, log), indent=2))
+        return 0
+    if not args.out:
+        parser.error("--out DIR is required (a new directory for the run)")
+    result = simulate_fleet(Path(args.out), options, progress=log)
+    daily = score_days(Path(args.out), options, log)
     machine = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                     if line.startswith("model name")), None)
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip() or None
     print(json.dumps({"machine": machine, "commit": commit, "options": vars(args),
-                      "goals": goals(result), "scale": result["scale"],
+                      "goals": goals(result, daily), "scale": result["scale"], "days": daily,
                       "fleet_minus_alone": result["fleet_minus_alone"], "devices": result["devices"],
                       "rounds": result["rounds"], "table": result["table"]}, indent=2, default=str))
     return 0

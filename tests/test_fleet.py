@@ -437,3 +437,21 @@ def test_packed_weights_that_do_not_fit_their_layout_are_refused(damage, said):
         unpack(damage(packed), layout)
     with pytest.raises(OdtdError, match="layout entry 'x:1' is not dtype:shape"):
         unpack(packed, ["x:1"])
+
+
+def test_served_by_day_follows_promotions_and_keeps_what_was_served(_base_home, tmp_path):
+    from odtd.fleet.daily import served_by_day
+    from odtd.home.paths import Home
+    from odtd.store.records import SessionRecord
+
+    shutil.copytree(_base_home, tmp_path / "home", symlinks=True)
+    home = Home(tmp_path / "home")
+    store = home.open_store()
+    for outcome, before, after in (("promoted", 0, 1), ("rolled_back", 1, 2), ("skipped", None, None),
+                                   ("promoted", 1, 3), ("failed", 3, None)):
+        record = SessionRecord(day="2026-11-29", trigger="fleet")
+        store.start_session(record)
+        record.outcome, record.model_version_before, record.model_version_after = outcome, before, after
+        store.finish_session(record)
+    store.close()
+    assert served_by_day(home, 7) == [1, 1, 1, 3, 3, None, None]

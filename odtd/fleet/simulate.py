@@ -140,6 +140,20 @@ class DevicePools:
         return x, np.full(len(x), label, dtype=np.int64)
 
 
+def device_tests(options: FleetSimulation, source: DataSource, pools: DevicePools, trial: Trial,
+                 device: int) -> ScoringSets:
+    """Device ``device``'s test images: its class mix, shifted like its camera, and clean.
+
+    Drawn first, for every device in turn, before any day's images: a run's test sets can be
+    drawn again from its options alone (``odtd.fleet.daily``).
+    """
+    x, y = pools.draw(device, options.test_per_device, "test")
+    shift = source.shift
+    images = {"shifted": shift(x, seed=[options.each.seed, 10_000 + device]), "clean": x} if shift \
+        else {"clean": x}
+    return ScoringSets(trial, images, y, np.arange(len(y)), source.validation(), name=f"score-{device}")
+
+
 def _start_daemon(home: Home, log: Path) -> subprocess.Popen:
     """``odtd run`` on ``home``; returns once its control socket answers."""
     out = open(log, "w", encoding="utf-8")  # noqa: SIM115 - the process's log
@@ -229,14 +243,11 @@ def simulate_fleet(out: Path, options: FleetSimulation,
     trial.work.mkdir()
     devices = []
     for i in range(options.devices):
-        x, y = pools.draw(i, options.test_per_device, "test")
-        images = {"shifted": shift(x, seed=[sim.seed, 10_000 + i]), "clean": x} if shift \
-            else {"clean": x}
         devices.append({
             "fleet": link_home(base.root, out / f"fleet-{i}"),
             "alone": link_home(base.root, out / f"alone-{i}"),
             "adabn": AdaBnArm(trial, base_weights, out / "work" / f"adabn-{i}.npz", batch_size=32),
-            "tests": ScoringSets(trial, images, y, np.arange(len(y)), source.validation()),
+            "tests": device_tests(options, source, pools, trial, i),
             "mix": [round(float(p), 3) for p in pools.mix[i]]})
         progress(f"device {i}: classes " + ", ".join(
             f"{source.classes[c]} {p:.0%}" for c, p in enumerate(pools.mix[i]) if p >= 0.05))

@@ -66,13 +66,14 @@ class ScoringSets:
         daily: indices of the subset scored every day.
         validation: the device's validation set (x, y).
         batch_size: the evaluation batch.
+        name: the scoring files' stem in ``trial.work`` (sets that share a trial need their own).
     """
 
     def __init__(self, trial: Trial, images: dict[str, np.ndarray], y: np.ndarray,
                  daily: np.ndarray, validation: tuple[np.ndarray, np.ndarray],
-                 batch_size: int = 250) -> None:
+                 batch_size: int = 250, name: str = "score") -> None:
         self.trial, self.images, self.y, self.daily = trial, images, y, np.asarray(daily)
-        self.validation, self.batch_size = validation, batch_size
+        self.validation, self.batch_size, self.name = validation, batch_size, name
         self.domains = list(images)
         self._cache: dict[tuple[str, bool], Scores] = {}
         self._files: dict[tuple[bool, bool], Path] = {}
@@ -91,7 +92,8 @@ class ScoringSets:
             tests = count - (len(self.validation[1]) if validation else 0)
             group = np.full(count, VALIDATION_GROUP, np.int64)
             group[:tests] = np.arange(tests)
-            path = self.trial.work / f"score-{'all' if full else 'daily'}{'-val' if validation else ''}.npz"
+            stem = f"{self.name}-{'all' if full else 'daily'}{'-val' if validation else ''}"
+            path = self.trial.work / f"{stem}.npz"
             np.savez(path, x=np.concatenate(x), y=np.concatenate(y), group=group)
             self._files[key] = path
         return self._files[key]
