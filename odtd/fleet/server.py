@@ -79,6 +79,8 @@ class _Recording:
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> Optional[MetricRecord]:
         replies = list(replies)
         metrics = super().aggregate_evaluate(server_round, replies)  # type: ignore[misc]
+        if not replies:  # no evaluate round asked for (evaluate_fraction 0): nothing to record
+            return metrics
         devices = [DeviceReply(str(r.metadata.src_node_id), "declined", _reason(r.error.reason))
                    if r.has_error() else DeviceReply(str(r.metadata.src_node_id), "evaluated",
                                                      metrics=dict(r.content["metrics"]))
