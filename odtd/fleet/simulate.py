@@ -335,16 +335,19 @@ def _scored(out: Path, devices: List[Dict[str, Any]], model: str, base_weights: 
 def _table(rows: List[Dict[str, Any]], rounds: List[Dict[str, Any]], domain: str, mean: float,
            se: Optional[float]) -> List[str]:
     arms = ("base", "alone", "adabn", "fleet", "global")
-    lines = [f"accuracy (%) on each device's own test images, {domain} / clean"
+    domains = [domain] + (["clean"] if domain != "clean" else [])  # a shifted camera: both
+
+    def cell(values: Dict[str, List[float]]) -> str:
+        return "/".join(f"{100 * np.mean(values[d]):.1f}" for d in domains).center(13)
+
+    lines = [f"accuracy (%) on each device's own test images, {' / '.join(domains)}"
              " (base: day 0; global: the fleet's last weights, unguarded):",
-             f"{'device':>6} " + " ".join(f"{arm:>13}" for arm in arms)]
+             f"{'device':>6} " + " ".join(f"{arm:^13}" for arm in arms)]
     for row in rows:
-        acc = row["accuracy"]
         lines.append(f"{row['device']:>6} " + " ".join(
-            f"{100 * acc[a][domain]:>6.1f}/{100 * acc[a]['clean']:<6.1f}" for a in arms))
+            cell({d: [row["accuracy"][a][d]] for d in domains}) for a in arms))
     lines.append(f"{'mean':>6} " + " ".join(
-        f"{100 * np.mean([r['accuracy'][a][domain] for r in rows]):>6.1f}/"
-        f"{100 * np.mean([r['accuracy'][a]['clean'] for r in rows]):<6.1f}" for a in arms))
+        cell({d: [r["accuracy"][a][d] for r in rows] for d in domains}) for a in arms))
     lines.append(f"fleet - alone ({domain}, paired over devices): {100 * mean:+.2f} points"
                  + (f" (standard error {100 * se:.2f})" if se is not None else ""))
     def share(value: Optional[float]) -> str:
