@@ -455,3 +455,38 @@ def test_served_by_day_follows_promotions_and_keeps_what_was_served(_base_home, 
         store.finish_session(record)
     store.close()
     assert served_by_day(home, 7) == [1, 1, 1, 3, 3, None, None]
+
+
+def test_a_fleet_round_is_not_held_back_by_a_local_refusals_backoff(home, tmp_path):
+    # After a refused session the policy's backoff makes the next local session wait for twice
+    # its new samples. A round starts from the fleet's new model, not from what was refused: it
+    # trains on what is pending (the policy's minimum still holds).
+    from odtd.home.paths import Home
+    from odtd.policy import load_policy
+    from odtd.session.federated import FederatedRound
+    from odtd.session.runner import SessionRunner
+    from odtd.store.records import SessionRecord
+
+    assert "schedule:" not in (home / "policy.yaml").read_text()
+    with open(home / "policy.yaml", "a") as policy:
+        policy.write("\nschedule:\n  backoff: 4\n")
+    write_images(tmp_path / "images", per_class=3, seed=5)
+    odtctl("ingest", str(tmp_path / "images"), home=home)
+    h = Home(home)
+    store = h.open_store()
+    refused = SessionRecord(day="2026-11-28", trigger="schedule", samples_new=50)
+    store.start_session(refused)
+    refused.outcome, refused.reason = "rolled_back", "refused"
+    store.finish_session(refused)
+    runner = SessionRunner(h, store, h.load_config(), load_policy(h.policy_path(h.load_config())))
+    local = runner.run(trigger="socket")
+    assert local.outcome == "skipped" and "waiting for 200 new samples" in local.reason
+    _, served, arrays = _served(home)
+    exchange = home / "run" / "fleet"
+    exchange.mkdir(parents=True, exist_ok=True)
+    np.savez(exchange / "global.npz", **arrays)
+    round_ = runner.run(trigger="fleet", federated=FederatedRound(
+        "run", 1, str(exchange / "global.npz"), str(exchange / "out.npz")))
+    store.close()
+    assert round_.outcome in ("promoted", "rolled_back"), round_.reason
+    assert round_.samples_new > 0 and (exchange / "out.npz").exists()

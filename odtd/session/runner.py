@@ -145,7 +145,9 @@ class SessionRunner:
             return self._finish(record, "failed", refusal)  # before anything else
         if not pending:
             return self._finish(record, "skipped", "no pending samples")
-        last = self.store.last_judged_session()
+        # A fleet's round starts from the fleet's new model, not from the start a refusal was
+        # of: the backoff after one does not hold it back (the policy's minimum still does).
+        last = None if federated else self.store.last_judged_session()
         wanted = samples_wanted(policy.schedule, last, policy.training.max_samples_per_session)
         if len(pending) < wanted and not force:
             why = f" (after refused session {last.id})" if last and last.outcome == "rolled_back" else ""
