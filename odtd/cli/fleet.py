@@ -213,7 +213,8 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     m.add_argument("--replay-seed", type=int, default=500,
                    help="the base model's own clean images each home gets as `init --replay` "
                         "(every tenth is the reference set guarding the clean domain; default 500)")
-    m.add_argument("--local-epochs", type=int, default=1, help="each device's epochs a round (default 1)")
+    m.add_argument("--local-epochs", type=int,
+                   help="each device's epochs a round (default: its policy's, as alone)")
     m.add_argument("--batchnorm", choices=("fedavg", "fedbn"), default="fedavg",
                    help="BatchNorm parameters averaged (fedavg) or kept per device (fedbn)")
     m.add_argument("--strategy", choices=("fedavg", "fedavgm", "fedprox"), default="fedavg",

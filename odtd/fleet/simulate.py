@@ -55,7 +55,8 @@ class FleetSimulation:
         devices: How many devices.
         alpha: The Dirichlet concentration of their class mixes.
         test_per_device: Test images of each device's mix.
-        local_epochs: Each device's epochs a round.
+        local_epochs: Each device's epochs a round; None: its policy's, as the device alone
+            trains (so the arms differ only in where a round starts).
         batchnorm: ``fedavg`` or ``fedbn`` (docs/fleet.md).
         strategy: The server's (``fedavg``, ``fedavgm``, ``fedprox``; ``proximal_mu`` for
             FedProx), as the server's YAML names it.
@@ -71,7 +72,7 @@ class FleetSimulation:
     devices: int = 3
     alpha: float = 0.5
     test_per_device: int = 200
-    local_epochs: int = 1
+    local_epochs: Optional[int] = None
     batchnorm: str = "fedavg"
     model_file: Optional[str] = None
     replay_seed: int = 500
