@@ -78,3 +78,33 @@ def test_a_mixed_sample_has_the_mix_counts():
     picked = mixed_sample(LABELS, 200, mix, seed=0, exclude=range(100))
     assert np.array_equal(np.bincount(LABELS[picked], minlength=10), [100, 50, 25, 25] + [0] * 6)
     assert not set(picked) & set(range(100))
+
+
+def test_odtctl_simulates_a_devices_mix_and_runs_from_a_labelled_set(tmp_path):
+    from conftest import odtctl
+
+    from odtd.sim import datasets
+    from odtd.sim.simulate import DataSource, SimulationOptions
+
+    for split, seed in (("train", 1), ("test", 2)):
+        x, y = datasets.synthetic(400, "server", seed=seed)
+        datasets.write_image_folder(x, y, datasets.CLASSES, tmp_path / "set" / split)
+    common = dict(dataset=str(tmp_path / "set"), per_day=16, pretrain_samples=20, seed=4)
+    source = DataSource(SimulationOptions(priors="dirichlet:0.1", stream="runs:8", **common))
+    labels = np.array([label for _, label in source.dataset.files("train")])
+    days = [labels[source._day_indices(day)] for day in range(4)]
+    assert all(len(day) == 16 for day in days)
+    stream = np.concatenate(days)
+    assert np.sort(np.bincount(stream, minlength=10))[-2:].sum() >= 0.6 * len(stream)  # a few classes
+    assert _runs(stream) > 3  # in runs
+    # Day 2's draw does not depend on how many days were drawn before it.
+    assert np.array_equal(source._day_indices(2), DataSource(SimulationOptions(
+        priors="dirichlet:0.1", stream="runs:8", **common))._day_indices(2))
+    even = DataSource(SimulationOptions(**common))
+    assert np.bincount(np.concatenate([labels[even._day_indices(d)] for d in range(4)]),
+                       minlength=10).max() <= 8  # 64 images, every class 6 or 7 times
+    with pytest.raises(ConfigError, match="--priors and --stream draw a device's days from a labelled"):
+        DataSource(SimulationOptions(priors="dirichlet:0.1"))
+    refused = odtctl("simulate", "--priors", "uniform", home=tmp_path / "home", check=False)
+    assert refused.returncode != 0 and "--priors 'uniform': give dirichlet:NUMBER" in refused.stderr
+    assert not (tmp_path / "home").exists()

@@ -16,7 +16,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         days=args.days, per_day=args.per_day, model=args.model, dataset=args.dataset,
         pretrain_samples=args.pretrain_samples, pretrain_epochs=args.pretrain_epochs,
         validation_samples=args.validation_samples, fresh=args.fresh, seed=args.seed,
-        policy=args.policy, shift=args.shift,
+        policy=args.policy, shift=args.shift, priors=args.priors, stream=args.stream,
     )
     result = simulate(home_of(args), options, progress=progress)
     emit(args, result, None if args.json else "\n".join(result["table"]))
@@ -42,6 +42,12 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     p.add_argument("--fresh", action="store_true", help="re-create the home first (deletes its state)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data draws")
     p.add_argument("--policy", help="policy file to install when the home is created")
+    p.add_argument("--priors", metavar="dirichlet:ALPHA",
+                   help="the device sees the classes unevenly: its mix a Dirichlet draw of "
+                        "concentration ALPHA (fixed per --seed; small: a few classes); needs --dataset")
+    p.add_argument("--stream", metavar="runs:MEAN",
+                   help="the device's images arrive in runs of one class of mean length MEAN, in "
+                        "order and across days; needs --dataset")
     p.add_argument("--shift", metavar="NAME",
                    help="the device's camera differs from the server's: a named camera shift "
                         "('--shift help' lists them), your own (FILE.py:NAME, a function of a "

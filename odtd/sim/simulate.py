@@ -29,6 +29,7 @@ from odtd.policy import load_policy
 from odtd.report.status import energy_text, pct, sessions_table
 from odtd.session.runner import SessionRunner
 from odtd.sim import datasets
+from odtd.sim.scenario import Scenario, stream_draws
 from odtd.sim.shifts import Shift, get_shift
 from odtd.store.database import Store
 from odtd.telemetry.meter import SessionEnergyMeter, running_sampler
@@ -54,6 +55,8 @@ class SimulationOptions:
     policy: Optional[str] = None
     start_day: Optional[str] = None
     shift: Optional[str] = None
+    priors: Optional[str] = None  # dirichlet:ALPHA: the device's class mix (odtd.sim.scenario)
+    stream: Optional[str] = None  # runs:MEAN: its images in runs of one class
 
 
 class DataSource:
@@ -66,11 +69,15 @@ class DataSource:
     def __init__(self, options: SimulationOptions) -> None:
         self.options = options
         self.shift: Optional[Shift] = get_shift(options.shift) if options.shift else None
+        self.scenario = Scenario.parse(options.priors, options.stream)
         self.classes = list(datasets.CLASSES)
         synthetic = options.dataset == "synthetic"
         self.dataset = None if synthetic else datasets.open_dataset(Path(options.dataset))
         if self.dataset is not None:
             self.classes = list(self.dataset.classes)
+        elif not self.scenario.even:
+            raise ConfigError("--priors and --stream draw a device's days from a labelled data "
+                              "set: give --dataset (a <split>/<class>/ folder or the CIFAR-10 archive)")
 
     def server(self, n: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
         """Pre-training data: the synthetic server domain, or the dataset's first train images.
@@ -125,6 +132,9 @@ class DataSource:
             labels, -(-self.options.pretrain_samples // len(self.classes)), seed=self.options.seed
         )[: self.options.pretrain_samples])
         try:
+            if not self.scenario.even:  # the device's mix and runs, the stream going on day by day
+                return stream_draws(labels, day_number + 1, k, self.scenario, self.options.seed,
+                                    exclude=sorted(used))[day_number][0]
             draws = datasets.daily_draws(labels, day_number + 1, k, seed=self.options.seed,
                                          exclude=sorted(used))
         except ValueError as error:  # the home's earlier days count: day_number is since init
