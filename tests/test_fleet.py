@@ -327,14 +327,19 @@ def test_fleet_plot_draws_a_run_and_refuses_an_empty_record(tmp_path):
     for number in (1, 2):
         log.add_round(RoundRecord("7", number, "2026-11-29T00:00:00+00:00", 30.0 + number, [
             DeviceReply("1", "trained", metrics={"seconds": 20.0, "device-seconds": 25.0,
-                                                 "joules": 100.0}),
+                                                 "joules": 100.0, "num-examples": 10,
+                                                 "accuracy-after": 0.6}),
+            DeviceReply("3", "trained", metrics={"seconds": 10.0, "num-examples": 30,
+                                                 "accuracy-after": float("nan")}),
             DeviceReply("2", "declined", "gate charging closed")],
-            metrics={"accuracy-before": 0.5, "accuracy-after": 0.6}))
+            metrics={"accuracy-before": 0.5, "accuracy-after": float("nan")}))
     log.close()
     text = odtctl("fleet", "status", "--record", str(tmp_path / "rounds.db")).stdout
     # Round 2: 32 s, the device's part 25 s of it: Flower's share 7/32.
-    row = next(line.split() for line in text.splitlines() if line.split()[:2] == ["2", "2"])
+    row = next(line.split() for line in text.splitlines() if line.split()[:2] == ["2", "3"])
     assert row[-1] == f"{7 / 32:.1%}" and row[-2] == f"{12 / 32:.1%}"  # Flower's; outside
+    # Flower's NaN (one device did not measure it): the mean of those that did.
+    assert row[5:8] == ["0.500", "0.600", "-"]
     out = odtctl_json("fleet", "plot", "--record", str(tmp_path / "rounds.db"),
                       "--out", str(tmp_path / "plot.png"))
     assert out == {"out": str(tmp_path / "plot.png"), "run": "7", "rounds": 2}

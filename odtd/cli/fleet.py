@@ -23,6 +23,21 @@ def _figure(value: Any, fmt: str) -> str:
     return format(value, fmt)
 
 
+def _aggregate(r: dict[str, Any], key: str) -> Any:
+    """The round's aggregate of ``key`` (Flower's, weighted by examples).
+
+    Where one device's NaN (a figure it did not measure) made Flower's NaN: the same mean over
+    the devices that measured it.
+    """
+    value = r["metrics"].get(key)
+    if value is None or not (isinstance(value, float) and math.isnan(value)):
+        return value
+    pairs = [(d["metrics"].get("num-examples") or 0, d["metrics"].get(key)) for d in r["devices"]
+             if d["outcome"] == "trained"]
+    pairs = [(n, v) for n, v in pairs if v is not None and not math.isnan(v) and n > 0]
+    return sum(n * v for n, v in pairs) / sum(n for n, _ in pairs) if pairs else None
+
+
 def status_table(report: dict[str, Any]) -> str:
     """The text form of ``fleet status``: one line a round, then each device that did not train.
 
@@ -35,11 +50,10 @@ def status_table(report: dict[str, Any]) -> str:
              f"{'acc before':>10} {'acc after':>9} {'global':>6} {'joules':>8} {'seconds':>7} "
              f"{'outside':>7} {'flower':>6}"]
     for r in report["rounds"]:
-        m = r["metrics"]
         evaluated = (r.get("evaluation") or {}).get("metrics") or {}
         lines.append(f"{r['round']:>5} {r['asked']:>5} {r['trained']:>7} {r['declined']:>8} "
-                     f"{r['no_reply']:>6} {_figure(m.get('accuracy-before'), '10.3f')} "
-                     f"{_figure(m.get('accuracy-after'), '9.3f')} "
+                     f"{r['no_reply']:>6} {_figure(_aggregate(r, 'accuracy-before'), '10.3f')} "
+                     f"{_figure(_aggregate(r, 'accuracy-after'), '9.3f')} "
                      f"{_figure(evaluated.get('accuracy'), '6.3f')} {_figure(r['joules'], '8.1f')} "
                      f"{r['seconds']:>7.1f} {_figure(r['outside_share'], '7.1%')} "
                      f"{_figure(r.get('flower_share'), '6.1%')}")
