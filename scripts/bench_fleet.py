@@ -108,6 +108,9 @@ def main() -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr)
 
+    # The code a run measures is the code it started with (Flower's processes import odtd afresh).
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip() or None
     if args.days_of:
         print(json.dumps(score_days(Path(args.days_of), options, log), indent=2))
         return 0
@@ -117,8 +120,6 @@ def main() -> int:
     daily = score_days(Path(args.out), options, log)
     machine = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                     if line.startswith("model name")), None)
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip() or None
     print(json.dumps({"machine": machine, "commit": commit, "options": vars(args),
                       "goals": goals(result, daily), "scale": result["scale"], "days": daily,
                       "fleet_minus_alone": result["fleet_minus_alone"], "devices": result["devices"],
