@@ -288,6 +288,10 @@ def simulate_fleet(out: Path, options: FleetSimulation,
             if local.run(config, progress=progress) != 0:
                 raise OdtdError(f"round {r}: flwr run failed; see {out / 'flower' / 'run' / 'flwr-run.log'}")
             global_weights = out / f"global-{r}.npz"
+            if not global_weights.exists():  # `flwr run --stream` exits 0 when its run dies
+                raise OdtdError(f"round {r}: Flower's run ended without aggregating the round; see "
+                                f"{out / 'flower' / 'run' / 'flwr-run.log'} and "
+                                f"{out / 'flower' / 'superlink.log'}")
             days.append(day)
         superlink_mb = read_proc_mb("VmHWM", Path(f"/proc/{local.superlink.pid}/status"))
     finally:
