@@ -146,7 +146,7 @@ class LocalFleet:
     """A SuperLink and SuperNodes on localhost, each logging to a file in ``work``.
 
     Args:
-        work: The directory of their logs, FLWR_HOME and the SuperLink's state database.
+        work: The directory of their logs and FLWR_HOME.
     """
 
     def __init__(self, work: Path) -> None:
@@ -169,9 +169,10 @@ class LocalFleet:
 
     def start_superlink(self) -> None:
         """Start the SuperLink (insecure, localhost) and wait until it listens."""
+        # Its state in memory (Flower's default): with a state file, 16 devices' replies coming
+        # back together met "database is locked" and the round was never aggregated.
         self.superlink = self._start("superlink", [
             str(flower_bin() / "flower-superlink"), "--insecure", "--port", str(self.port),
-            "--database", str(self.work / "superlink-state.db"),
             "--disable-runtime-dependency-installation"])
         wait_listening(self.port, self.superlink, "flower-superlink")
 
