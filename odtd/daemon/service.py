@@ -294,10 +294,7 @@ class Daemon:
         if self.health.problem:
             raise StorageError(f"no session while the home cannot be written: {self.health.problem}")
         with self._session_guard:
-            if self._session_thread is not None and self._session_thread.is_alive():
-                raise SessionBusy("a session is already running; wait for it (odtctl status)")
-            if self._shutdown.is_set():
-                raise SessionBusy("the daemon is stopping")
+            self._claim_session_slot("a session is already running; wait for it (odtctl status)")
             self._last_session = None
             extra = ["--trigger", trigger] + (["--force"] if force else []) + \
                 (["--federated", json.dumps(federated)] if federated is not None else [])
@@ -307,6 +304,19 @@ class Daemon:
             self._session_thread = thread
             thread.start()
             return thread
+
+    def _claim_session_slot(self, busy: str) -> None:
+        """Check, under ``_session_guard``, that the session's slot is free.
+
+        Free: no session (or evaluation) runs and the daemon is not stopping.
+
+        Raises:
+            SessionBusy: ``busy`` when one runs; the daemon is stopping.
+        """
+        if self._session_thread is not None and self._session_thread.is_alive():
+            raise SessionBusy(busy)
+        if self._shutdown.is_set():
+            raise SessionBusy("the daemon is stopping")
 
     def evaluate_round(self, args: dict[str, Any]) -> Any:
         """Score a Flower round's weights on the device's set, in the session's slot.
@@ -318,10 +328,7 @@ class Daemon:
             OdtdError: the task refused (its one line) or died.
         """
         with self._session_guard:
-            if self._session_thread is not None and self._session_thread.is_alive():
-                raise SessionBusy("a session is running; the evaluation waits for the next round")
-            if self._shutdown.is_set():
-                raise SessionBusy("the daemon is stopping")
+            self._claim_session_slot("a session is running; the evaluation waits for the next round")
             process = self._spawn("federated-evaluate", "--federated", json.dumps(args))
             done: list = []
             thread = threading.Thread(target=lambda: done.append(process.communicate("")),

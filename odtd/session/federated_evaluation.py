@@ -23,6 +23,7 @@ from odtd.errors import OdtdError
 from odtd.home.paths import Home
 from odtd.home.spec import ModelSpec
 from odtd.home.versions import ModelRepo
+from odtd.policy import load_policy
 from odtd.session.evalset import write_evaluation_set
 from odtd.session.federated import EXCHANGE_DIR, FederatedRound, write_start_weights
 from odtd.session.lock import SessionLock
@@ -30,8 +31,6 @@ from odtd.session.result import GROUP_HOLDOUT, GROUP_REFERENCE, GROUP_VALIDATION
 from odtd.store.database import Store
 from odtd.trainer.protocol.job import make_job
 from odtd.trainer.protocol.launch import TrainerFailed, run_job
-
-EVALUATE_BATCH = 64  # inference only: a batch that fits every board odtd trains on
 
 
 def evaluate_round(home: Home, store: Store, config: Config, args: Dict[str, Any]) -> Dict[str, Any]:
@@ -61,15 +60,18 @@ def evaluate_round(home: Home, store: Store, config: Config, args: Dict[str, Any
         current = repo.current()
         start = write_start_weights(federated, repo.weights_path(current),
                                     repo.manifest(current).get("weight_names"), job_dir)
-        judged, evaluation = write_evaluation_set(home, store, spec.classes, job_dir)
+        _, evaluation = write_evaluation_set(home, store, spec.classes, job_dir)
         if evaluation is None:
             raise OdtdError("no validation set and no held-out samples to score the round's "
                             "model on: give the home --validation or ingest more images")
         with np.load(evaluation, allow_pickle=False) as data:
             counts = np.bincount(data["group"], minlength=GROUP_REFERENCE + 1)
+        # The policy's batches, as its sessions evaluate: the device's memory cap holds.
+        policy = load_policy(home.policy_path(config))
         job = make_job("evaluate", spec.name, spec.classes, spec.input_shape,
                        weights_in=str(start), validation_data=str(evaluation),
-                       batch_size=EVALUATE_BATCH, **spec.job_keys(home))
+                       batch_size=policy.batch.size, eval_batch_size=policy.training.eval_batch_size,
+                       **spec.job_keys(home))
         try:
             result, _, _ = run_job(config.trainer.command(), job, job_dir / "job")
         except TrainerFailed as exc:
@@ -86,4 +88,4 @@ def evaluate_round(home: Home, store: Store, config: Config, args: Dict[str, Any
             "validation-accuracy": accuracy(GROUP_VALIDATION),
             "holdout-accuracy": accuracy(GROUP_HOLDOUT),
             "reference-accuracy": accuracy(GROUP_REFERENCE),
-            "device-seconds": time.monotonic() - started, "judged-on": judged}
+            "device-seconds": time.monotonic() - started}
