@@ -116,8 +116,8 @@ def main() -> int:
         return 0
     if not args.out:
         parser.error("--out DIR is required (a new directory for the run)")
-    result = simulate_fleet(Path(args.out), options, progress=log)
-    daily = score_days(Path(args.out), options, log)
+    result = simulate_fleet(Path(args.out), options, progress=log, every_day=True)
+    daily = result["days_scored"]
     machine = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                     if line.startswith("model name")), None)
     print(json.dumps({"machine": machine, "commit": commit, "options": vars(args),

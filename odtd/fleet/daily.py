@@ -47,13 +47,16 @@ def served_by_day(home: Home, days: int) -> List[Optional[int]]:
     return served + [None] * (days - len(served))
 
 
-def score_days(out: Path, options: Any, progress: Callable[[str], None] = print) -> Dict[str, Any]:
+def score_days(out: Path, options: Any, progress: Callable[[str], None] = print,
+               tests: Optional[List[Any]] = None) -> Dict[str, Any]:
     """Score every day's served model of each device's fleet and alone homes in run ``out``.
 
     Args:
         out: The run's directory (``fleet simulate --out``).
         options: The run's ``FleetSimulation`` (the same as it ran with).
         progress: Called with a line per device, and the scoring's own lines.
+        tests: The devices' ``ScoringSets`` where the run has them still (``simulate_fleet``:
+            what it scored at the end is not scored again); None: drawn again.
 
     Returns:
         ``devices``: per device, ``base`` (its day 0) and per arm a list of days, each with the
@@ -62,23 +65,25 @@ def score_days(out: Path, options: Any, progress: Callable[[str], None] = print)
     """
     from odtd.fleet.simulate import DevicePools, device_tests
 
-    source = DataSource(options.each)
     base = Home(out / "base")
     store = base.open_store()
     try:
         spec = ModelSpec.from_store(store)
     finally:
         store.close()
-    trial = Trial(spec.name, source.classes, spec.input_shape,
-                  load_policy(base.policy_path(base.load_config())).training.precision,
-                  out / "work-days", log=progress, model_keys=spec.job_keys(base))
-    trial.work.mkdir(exist_ok=True)
-    pools = DevicePools(options, source)
+    if tests is None:
+        source = DataSource(options.each)
+        trial = Trial(spec.name, source.classes, spec.input_shape,
+                      load_policy(base.policy_path(base.load_config())).training.precision,
+                      out / "work-days", log=progress, model_keys=spec.job_keys(base))
+        trial.work.mkdir(exist_ok=True)
+        pools = DevicePools(options, source)
+        tests = [device_tests(options, source, pools, trial, i)  # in the run's order
+                 for i in range(options.devices)]
     days = options.each.days
     rows, below = [], []
-    for i in range(options.devices):
-        tests = device_tests(options, source, pools, trial, i)  # drawn in the run's order
-        day0 = tests.score(ModelRepo(base.models, spec.name).weights_path(0), full=True).accuracy()
+    for i, sets in enumerate(tests):
+        day0 = sets.score(ModelRepo(base.models, spec.name).weights_path(0), full=True).accuracy()
         row: Dict[str, Any] = {"device": i, "base": day0}
         for arm in ARMS:
             home = Home(out / f"{arm}-{i}")
@@ -88,7 +93,7 @@ def score_days(out: Path, options: Any, progress: Callable[[str], None] = print)
                 if version is None:
                     row[arm].append({"day": day, "version": None, "accuracy": None})
                     continue
-                accuracy = tests.score(repo.weights_path(version), full=True).accuracy()
+                accuracy = sets.score(repo.weights_path(version), full=True).accuracy()
                 row[arm].append({"day": day, "version": version, "accuracy": accuracy})
                 below += [[i, arm, day, domain] for domain, value in accuracy.items()
                           if value < day0[domain]]

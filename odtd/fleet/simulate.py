@@ -201,9 +201,12 @@ def _served(home: Home, model: str) -> Path:
     return repo.weights_path(repo.current())
 
 
-def simulate_fleet(out: Path, options: FleetSimulation,
-                   progress: Callable[[str], None] = print) -> Dict[str, Any]:
+def simulate_fleet(out: Path, options: FleetSimulation, progress: Callable[[str], None] = print,
+                   every_day: bool = False) -> Dict[str, Any]:
     """Run the simulation in ``out`` (created; an existing one is refused) and return its result.
+
+    ``every_day``: also score each day's served model of every device (``daily.score_days``,
+    in the result's ``days_scored``); the last day's, scored for the table already, is not scored again.
 
     Raises:
         ConfigError: a bad count, an unknown shift or data set, too few images.
@@ -301,6 +304,10 @@ def simulate_fleet(out: Path, options: FleetSimulation,
         for process in daemons:
             process.wait(timeout=60)
     result = _scored(out, devices, spec.name, base_weights, global_weights, days, progress)
+    if every_day:
+        from odtd.fleet.daily import score_days
+
+        result["days_scored"] = score_days(out, options, progress, [d["tests"] for d in devices])
     with np.load(base_weights) as data:
         weights = {"arrays": len(data.files), "values": int(sum(data[k].size for k in data.files)),
                    "bytes": int(sum(data[k].nbytes for k in data.files))}
