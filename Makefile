@@ -24,12 +24,13 @@ install: $(STAMP)
 # daemon); tests/conftest.py gives the TensorFlow workers they start one thread per pool.
 # `--dist worksteal`: a pytest worker that runs out of tests takes some of another's queue, so
 # the run does not end on one worker working through a batch of slow tests alone.
+# The fleet's test (tests/test_fleet.py, marked `fleet`) is dealt first (tests/conftest.py): a
+# minute, most of it Flower's processes polling, beside the others.
 test: $(STAMP)
 	@$(BIN)/python -m compileall -q odtd
-	$(BIN)/python -m pytest -q -n 3 --dist worksteal -m "not fleet"
+	$(BIN)/python -m pytest -q -n 3 --dist worksteal
 
-# A fleet of three devices through Flower's real SuperLink, SuperNodes and `flwr run` (about a
-# minute of both cores: kept out of `make test`'s five minutes; .ci/run runs it).
+# The fleet's test alone: three devices through Flower's real SuperLink, SuperNodes and `flwr run`.
 test-fleet: $(STAMP)
 	$(BIN)/python -m pytest -q -m fleet tests/test_fleet.py
 

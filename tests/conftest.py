@@ -60,9 +60,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.trains)
     cache = getattr(config, "cache", None)
     known = cache.get(DURATIONS_KEY, {}) if cache is not None else {}
-    # Without a last run: the tests that start a TensorFlow worker first (the long ones).
+    # Without a last run: the fleet's test first (a minute, most of it waiting on Flower's polls,
+    # so it overlaps the others), then the tests that start a TensorFlow worker (the long ones).
     items[:] = dealt_longest_first(items, lambda item: known.get(
-        item.nodeid, 1.0 if item.get_closest_marker("trains") else 0.0),
+        item.nodeid, 60.0 if item.get_closest_marker("fleet")
+        else 1.0 if item.get_closest_marker("trains") else 0.0),
         getattr(config, "workerinput", {}).get("workercount", 1))
 
 

@@ -124,7 +124,7 @@ def _kill_and_restart(home: Path, daemons: list) -> None:
     daemons[KILLED] = start_daemon(home)  # up again long before the next round reaches it
 
 
-@pytest.mark.fleet  # `make test-fleet`: Flower's processes take a minute of two cores
+@pytest.mark.fleet  # dealt first in `make test` (tests/conftest.py); alone: `make test-fleet`
 def test_a_fleet_of_three_devices(fleet, tmp_path):
     """One fleet, every check on it: pytest-xdist would start a module-scoped fixture once per
     worker that runs one of its tests, so the checks are one test."""
