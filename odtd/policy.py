@@ -143,6 +143,12 @@ class TrainingPolicy(_Strict):
         "average of the days' candidates; auto = try 0.25, 0.5, 0.75 and 1 on the evaluation "
         "set and keep the best on validation that loses at most "
         "acceptance.reference_tolerance on the reference set; 1 = the trained weights as they are")
+    prior_correction: bool = Field(
+        default=False, description="estimate the device's class priors from its images (EM on "
+        "the candidate's outputs, calibrated on the reference set, else on the rehearsed "
+        "images; labelled images counted by their labels) and keep them with the version as "
+        "an offset on its logits: the device's images are scored with it, the reference set "
+        "without; guarded like any candidate (docs/priors.md)")
     trainable: Union[Literal["all", "head", "batchnorm"], PositiveInt] = Field(
         default="all", description="what trains: all, head (the last layer that holds weights), "
         "batchnorm (the BatchNorm layers' scale and offset alone), or the last N layers that "

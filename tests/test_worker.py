@@ -805,3 +805,61 @@ def test_distillation_holds_the_served_models_predictions_on_rehearsed_images(tm
         changed[weight] = result["paired_by_group"]["0"]["lost"]
     assert changed[0.0] >= 12  # the rotated labels won without distillation
     assert changed[1.0] <= 3
+
+
+def _skewed(path, count, seed, share=0.9, device=None):
+    """``count`` random images, ``share`` of them class 0, the rest spread over the others."""
+    rng = np.random.default_rng(seed)
+    y = np.where(rng.random(count) < share, 0, rng.integers(1, len(CLASSES), count))
+    x = rng.integers(0, 256, (count, 32, 32, 3), dtype=np.uint8)
+    arrays = {"x": x, "y": y.astype(np.int64)}
+    if device is not None:
+        arrays["device"] = device
+    np.savez(path, **arrays)
+    return y
+
+
+def test_prior_correction_raises_the_devices_accuracy_and_leaves_the_reference_alone(tmp_path, initial):
+    # The device sees class 0 nine times in ten; its held-out images too (group 1). The
+    # reference (group 2) is evenly mixed. The same training, with the option and without.
+    device = np.array([True] * 60 + [False] * 60)
+    rng = np.random.default_rng(3)
+    train_y = np.concatenate([np.where(rng.random(60) < 0.9, 0, rng.integers(1, 3, 60)),
+                              np.arange(60) % 3])  # the rehearsed images: evenly mixed
+    np.savez(tmp_path / "train.npz", x=rng.integers(0, 256, (120, 32, 32, 3), dtype=np.uint8),
+             y=train_y.astype(np.int64), device=device)
+    holdout_y = _skewed(tmp_path / "holdout.npz", 60, seed=4)
+    with np.load(tmp_path / "holdout.npz") as held:
+        reference_x = np.random.default_rng(5).integers(0, 256, (30, 32, 32, 3), dtype=np.uint8)
+        np.savez(tmp_path / "val.npz", x=np.concatenate([held["x"], reference_x]),
+                 y=np.concatenate([holdout_y, np.arange(30) % 3]).astype(np.int64),
+                 group=np.array([1] * 60 + [2] * 30))
+    results = {}
+    for on in (True, False):
+        name = "on" if on else "off"
+        code, events, stderr = run_worker(write_job(
+            tmp_path, name, weights_in=str(initial[0]), weights_out=str(tmp_path / f"{name}.npz"),
+            epochs=1, learning_rate=0.001, train_data=str(tmp_path / "train.npz"),
+            validation_data=str(tmp_path / "val.npz"), prior_correction=on))
+        assert code == 0, stderr
+        results[name] = events[-1]
+    on, off = results["on"], results["off"]
+    assert off["logit_offset_after"] is None and off["priors"] is None
+    assert on["priors"]["status"] == "estimated" and on["priors"]["calibrated_on"] == "reference"
+    assert on["priors"]["labelled"] == 60
+    assert on["priors"]["device"][0] > 0.7  # the labelled images' share of class 0
+    offset = on["logit_offset_after"]
+    assert len(offset) == len(CLASSES) and np.argmax(offset) == 0
+    # The device's images gain; the reference is scored without the offset: as without it.
+    assert on["by_group_after"]["1"] >= off["by_group_after"]["1"] + 0.2, (on, off)
+    assert on["by_group_after"]["2"] == off["by_group_after"]["2"]
+    # An evaluate job applies a model's offset to the rows its file names.
+    rows = np.zeros(90, dtype=bool)
+    rows[:60] = True
+    with np.load(tmp_path / "val.npz") as val:
+        np.savez(tmp_path / "rows.npz", x=val["x"], y=val["y"], group=val["group"], offset=rows)
+    code, events, stderr = run_worker(write_job(
+        tmp_path, "evaluate", mode="evaluate", weights_in=str(tmp_path / "on.npz"),
+        validation_data=str(tmp_path / "rows.npz"), logit_offset=offset))
+    assert code == 0, stderr
+    assert events[-1]["by_group_after"] == on["by_group_after"]

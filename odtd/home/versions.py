@@ -183,12 +183,14 @@ class ModelRepo:
         session_id: Optional[int] = None,
         metrics: Optional[dict[str, Any]] = None,
         weight_names: Optional[list[str]] = None,
+        logit_offset: Optional[list[float]] = None,
         move: bool = False,
     ) -> tuple[int, dict[str, Any]]:
         """Store ``weights`` as the next version (not yet current) and return (version, manifest).
 
         The version directory is assembled under a temporary name and renamed into place, so a
-        half-written version is never visible.
+        half-written version is never visible. ``logit_offset``: the device's class priors as
+        an offset on the model's logits (``training.prior_correction``), kept in the manifest.
         """
         check_weights_file(weights)
         existing = self.versions()
@@ -213,6 +215,8 @@ class ModelRepo:
                 "metrics": metrics or {},
                 "weight_names": weight_names or [],
             }
+            if logit_offset is not None:
+                manifest["logit_offset"] = list(logit_offset)
             (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True),
                                                  encoding="utf-8")
         logger.info("stored %s v%d (parent %s)", self.name, version, parent)

@@ -85,7 +85,8 @@ class Promotion:
         version, manifest = self.repo.add_version(
             candidate, classes=self.store.meta("classes"), input_shape=self.store.meta("input_shape"),
             param_count=result.get("param_count"), parent=current, session_id=record.id,
-            metrics={"accuracy": after}, weight_names=result.get("weight_names"), move=True)
+            metrics={"accuracy": after}, weight_names=result.get("weight_names"),
+            logit_offset=result.get("logit_offset_after"), move=True)
         record.outcome = "promoted"
         record.reason = "accepted" if before is not None else "no evaluation data: promoted unguarded"
         record.model_version_after = version

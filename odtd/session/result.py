@@ -42,6 +42,7 @@ def read_result(record: SessionRecord, result: dict[str, Any], classes: list[str
     details.tf_peak_memory_mb = result.get("tf_peak_memory_mb")
     details.learning_rate = result.get("learning_rate", details.learning_rate)
     details.lr_attempts = result.get("lr_attempts") or None
+    details.priors = result.get("priors")
 
 
 def throughput_sps(steps: list[dict[str, Any]]) -> Optional[float]:

@@ -280,6 +280,8 @@ class SessionRunner:
             freeze_bn=training.freeze_bn,
             recalibrate_bn=training.recalibrate_bn, bn_device_share=training.bn_device_share,
             distill=training.distill, trained_share=training.trained_share,
+            prior_correction=training.prior_correction,
+            logit_offset=self.repo.manifest(current).get("logit_offset"),
             average_with="start" if record.details.federated else "served",
             proximal_mu=float((record.details.federated or {}).get("proximal_mu") or 0.0),
             reference_tolerance=None if self.policy.acceptance.reference_tolerance is None
@@ -306,7 +308,8 @@ class SessionRunner:
         session trained on before (not the replay seed's) and, in ``device_x``, earlier days'
         images not drawn this time, the newest first, up to ``DEVICE_IMAGES`` in all.
         """
-        if self.policy.training.bn_device_share is None and not self.policy.training.distill:
+        training = self.policy.training
+        if training.bn_device_share is None and not training.distill and not training.prior_correction:
             return {}
         mask = np.array([i < new_count or bool(row.get("session_id")) for i, row in enumerate(rows)],
                         dtype=bool)

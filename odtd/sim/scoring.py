@@ -15,12 +15,14 @@ joules per point gained on validation); `combine_runs` pools the last day of sev
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
+from odtd.home.versions import MANIFEST_NAME
 from odtd.report.efficiency import joules_per_point
 from odtd.sim.arms import Trial
 
@@ -94,7 +96,10 @@ class ScoringSets:
             group[:tests] = np.arange(tests)
             stem = f"{self.name}-{'all' if full else 'daily'}{'-val' if validation else ''}"
             path = self.trial.work / f"{stem}.npz"
-            np.savez(path, x=np.concatenate(x), y=np.concatenate(y), group=group)
+            # A version's logit offset (its class priors) applies to every image here: each is
+            # its own group, so the worker's default (all but group "2") would not do.
+            np.savez(path, x=np.concatenate(x), y=np.concatenate(y), group=group,
+                     offset=np.ones(count, dtype=bool))
             self._files[key] = path
         return self._files[key]
 
@@ -113,13 +118,25 @@ class ScoringSets:
                        + (f" and {len(self.validation[1]):,} validation images" if validation else ""))
         result, _ = self.trial.run(self.trial.job(
             "evaluate", weights_in=str(weights), validation_data=str(path), batch_size=self.batch_size,
-            eval_batch_size=self.batch_size))
+            eval_batch_size=self.batch_size, logit_offset=version_logit_offset(weights)))
         by_group = result["by_group_after"]
         hits = np.array([by_group[str(g)] > 0.5 for g in range(size * len(self.domains))])
         scores = Scores({domain: hits[n * size:(n + 1) * size] for n, domain in enumerate(self.domains)},
                         full, by_group.get(str(VALIDATION_GROUP)))
         self._cache[(sha, full)] = scores
         return scores
+
+
+def version_logit_offset(weights: Path) -> Optional[list[float]]:
+    """The logit offset a model version keeps beside its weights (``training.prior_correction``).
+
+    Read from the ``manifest.json`` next to ``weights`` where there is one: a version scored
+    is scored as it serves.
+    """
+    manifest = weights.with_name(MANIFEST_NAME)
+    if not manifest.is_file():
+        return None
+    return json.loads(manifest.read_text(encoding="utf-8")).get("logit_offset")
 
 
 def paired_difference(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from odtd.policy import load_policy
 from odtd.report.status import energy_text, pct, sessions_table
 from odtd.session.runner import SessionRunner
 from odtd.sim import datasets
-from odtd.sim.scenario import Scenario, stream_draws
+from odtd.sim.scenario import Scenario, mixed_sample, stream_draws
 from odtd.sim.shifts import Shift, get_shift
 from odtd.store.database import Store
 from odtd.telemetry.meter import SessionEnergyMeter, running_sampler
@@ -94,15 +94,22 @@ class DataSource:
         return self.dataset.load_arrays("train", indices)
 
     def validation(self) -> tuple[np.ndarray, np.ndarray]:
-        """The fixed validation set: device-domain images, or the dataset's test split (shifted)."""
+        """The fixed validation set: device-domain images, or the dataset's test split (shifted).
+
+        Drawn with the device's class mix under ``--priors``, as its days are.
+        """
         n = self.options.validation_samples
         if self.dataset is None:
             x, y = datasets.synthetic(n, "device", seed=self.options.seed + 1)
         else:
             files = self.dataset.files("test")
             labels = np.array([label for _, label in files])
-            indices = datasets.take_per_class(labels, -(-n // len(self.classes)),
-                                              seed=self.options.seed)[:n]
+            if self.scenario.priors is not None:  # the device's own mix, as its days
+                indices = mixed_sample(labels, n, self.scenario.mix(len(self.classes), self.options.seed),
+                                       self.options.seed)
+            else:
+                indices = datasets.take_per_class(labels, -(-n // len(self.classes)),
+                                                  seed=self.options.seed)[:n]
             x, y = self.dataset.load_arrays("test", indices)
         return (x if self.shift is None else self.shift(x, seed=[self.options.seed, 0])), y
 

@@ -35,7 +35,8 @@ _OMITTED_AT_DEFAULT = {"attempts": [], "kept_for_resume": False,
                        "bn_device_weight": None,
                        "bn_weights_tried": None, "trained_share": None,
                        "trained_shares_tried": None, "learning_rate": None,
-                       "lr_attempts": None, "precision_reason": None, "federated": None}
+                       "lr_attempts": None, "precision_reason": None, "federated": None,
+                       "priors": None}
 
 
 @dataclass
@@ -85,6 +86,10 @@ class SessionDetails:
         federated: A Flower round's session (trigger ``fleet``; docs/fleet.md): ``run_id``,
             ``round``, what the server asked (``epochs``, ``learning_rate``, ``batchnorm``) and
             ``handed_back`` (the trained weights went back to the server); None otherwise.
+        priors: The device's class priors the candidate was scored with
+            (``training.prior_correction``): ``status`` (``estimated`` or ``skipped`` and
+            ``reason``), ``device`` and ``source`` priors, ``temperature``, ``calibrated_on``,
+            the images counted (``labelled``, ``unlabelled``); None with the option off.
         extra: Keys of a stored row this release does not know, kept as they were.
     """
 
@@ -117,6 +122,7 @@ class SessionDetails:
     learning_rate: Optional[float] = None
     lr_attempts: Optional[List[Dict[str, Any]]] = None
     federated: Optional[Dict[str, Any]] = None
+    priors: Optional[Dict[str, Any]] = None
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:

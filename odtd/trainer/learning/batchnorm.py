@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import numpy as np
 
-from odtd.trainer.learning.evaluation import acceptance_group, score_group, score_rest
+from odtd.trainer.learning.evaluation import REFERENCE_GROUP, acceptance_group, score_group, score_rest
 from odtd.trainer.models.imported import batchnorm_layers
 
 Moments = List[Tuple[np.ndarray, np.ndarray]]
@@ -181,7 +181,6 @@ def domain_moments(tf: Any, model: Any, job: Any, device_x: np.ndarray,
     return None if device is None else (layers, device, rehearsal)
 
 
-REFERENCE_GROUP = "2"  # the evaluation set's groups: docs/worker-protocol.md, validation_data
 
 class Adapted(NamedTuple):
     """What ``adapt_batchnorm`` did."""

@@ -16,9 +16,22 @@ from odtd.trainer.learning import evalcache
 from odtd.trainer.protocol.digest import file_sha256
 from odtd.trainer.protocol.paired import acceptance_margin, loss_margin
 
+REFERENCE_GROUP = "2"  # the evaluation set's groups: docs/worker-protocol.md, validation_data
+
+
+class Stopped(Exception):
+    """A stop was requested during one of a job's steps: the job ends ``interrupted``."""
+
+
+def unless_stopped(value: Any) -> Any:
+    """``value``; ``Stopped`` where a step said None (a stop was requested meanwhile)."""
+    if value is None:
+        raise Stopped()
+    return value
+
 
 def make_eval_step(tf: Any, model: Any, job: Dict[str, Any]) -> Callable[[Any, Any], Any]:
-    """Return a compiled ``(images, labels) -> (per-sample losses, predicted classes)``.
+    """Return a compiled ``(images, labels) -> (per-sample losses, logits)``.
 
     The model runs pooling first where it can (``pool_first.pooling_first``).
     """
@@ -32,7 +45,7 @@ def make_eval_step(tf: Any, model: Any, job: Dict[str, Any]) -> Callable[[Any, A
     def eval_step(images: Any, labels: Any) -> Any:
         logits = networks.forward(forward_model, images, input_scale, output, training=False)
         losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
-        return losses, tf.argmax(logits, axis=-1)
+        return losses, logits
 
     return eval_step
 
@@ -40,12 +53,15 @@ def make_eval_step(tf: Any, model: Any, job: Dict[str, Any]) -> Callable[[Any, A
 def evaluate(eval_step: Callable[[Any, Any], Any], x: np.ndarray, y: np.ndarray,
              num_classes: int, batch_size: int, should_stop: Callable[[], bool],
              groups: Optional[np.ndarray] = None,
-             cached: Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]] = None
+             cached: Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]] = None,
+             offset: Optional[Tuple[np.ndarray, np.ndarray]] = None
              ) -> Optional[Dict[str, Any]]:
     """Evaluate in batches of ``batch_size``; None if a stop was requested meanwhile.
 
     With ``cached`` (``(known, correct, losses)`` per sample, from ``evalcache.lookup``) the
     known samples' results are taken from it and only the others run through the model.
+    With ``offset`` (``(vector, rows)``: the model's logit offset, ``priors``, and the samples
+    it applies to) those samples are scored on their logits plus the vector.
 
     Returns:
         ``accuracy``, ``loss`` (mean), ``per_class`` (accuracy per class, None for a class
@@ -66,9 +82,12 @@ def evaluate(eval_step: Callable[[Any, Any], Any], x: np.ndarray, y: np.ndarray,
         if should_stop():
             return None
         batch = todo[begin:begin + batch_size]
-        batch_losses, predicted = eval_step(x[batch], y[batch])
-        losses[batch] = batch_losses.numpy()
-        correct[batch] = predicted.numpy() == y[batch]
+        batch_losses, logits = eval_step(x[batch], y[batch])
+        batch_losses, logits = batch_losses.numpy(), logits.numpy()
+        if offset is not None:
+            batch_losses = _with_offset(batch_losses, logits, y[batch], offset[0], offset[1][batch])
+        losses[batch] = batch_losses
+        correct[batch] = np.argmax(logits, axis=-1) == y[batch]
     totals = np.bincount(y, minlength=num_classes)
     hits = np.bincount(y[correct], minlength=num_classes)
     return {
@@ -83,6 +102,33 @@ def evaluate(eval_step: Callable[[Any, Any], Any], x: np.ndarray, y: np.ndarray,
         "correct": correct,
         "losses": losses,
     }
+
+
+def offset_rows(groups: Optional[np.ndarray], rows: Optional[np.ndarray], count: int
+                ) -> np.ndarray:
+    """The samples a model's logit offset applies to.
+
+    ``rows`` (a validation file's ``offset``) if given, else every group but the reference
+    (the device's images, not the original domain's), else all.
+    """
+    if rows is not None:
+        return rows
+    if groups is None:
+        return np.ones(count, dtype=bool)
+    return groups.astype(str) != REFERENCE_GROUP
+
+
+def _with_offset(losses: np.ndarray, logits: np.ndarray, labels: np.ndarray, vector: np.ndarray,
+                 rows: np.ndarray) -> np.ndarray:
+    """``logits`` plus ``vector`` on ``rows`` (in place); the losses, those rows' recomputed."""
+    if not rows.any():
+        return losses
+    logits[rows] += vector
+    shifted = logits[rows] - logits[rows].max(axis=1, keepdims=True)
+    losses = np.array(losses, np.float64)
+    losses[rows] = np.log(np.exp(shifted).sum(axis=1)) - shifted[np.arange(len(shifted)),
+                                                                  labels[rows]]
+    return losses
 
 
 def paired_counts(before: np.ndarray, after: np.ndarray, groups: Optional[np.ndarray]

@@ -2,7 +2,7 @@
 
 ``train_and_evaluate`` is one ``train`` or ``profile`` job's work, as named steps with typed
 results: score the model the candidate must beat, train, recalibrate or adapt BatchNorm, average
-with the served model, score the candidate.
+with the served model, estimate the device's class priors (``priors``), score the candidate.
 Every model is called through ``networks.forward``, so built-in and imported models are trained
 alike.
 
@@ -16,26 +16,29 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tu
 
 import numpy as np
 
-from odtd.trainer.learning import evalcache
+from odtd.trainer.learning import evalcache, priors
 from odtd.trainer.learning.averaging import average_with_served
 from odtd.trainer.learning.batchnorm import (
     AUTO,
     AUTO_WEIGHT_BEFORE,
-    REFERENCE_GROUP,
     adapt_batchnorm,
     batchnorm_layers,
     recalibrate_batchnorm,
 )
 from odtd.trainer.learning.distill import Teacher, teacher_targets
 from odtd.trainer.learning.evaluation import (
+    REFERENCE_GROUP,
     OpenCache,
+    Stopped,
     evaluate,
     make_eval_step,
+    offset_rows,
     open_eval_cache,
     paired_counts,
     reference_check,
     refusal_check,
     score_candidate,
+    unless_stopped,
 )
 from odtd.trainer.learning.step import Emit, Trained, iterate_batches, release_free_heap, train_steps
 from odtd.trainer.models.imported import leaf_layers
@@ -56,17 +59,6 @@ def serving(model: Any, served_weights: Optional[List[np.ndarray]]) -> Iterator[
         model.set_weights(start_weights)
 
 
-class Stopped(Exception):
-    """A stop was requested during one of a job's steps: the job ends ``interrupted``."""
-
-
-def _unless_stopped(value: Any) -> Any:
-    """``value``; ``Stopped`` where a step said None (a stop was requested meanwhile)."""
-    if value is None:
-        raise Stopped()
-    return value
-
-
 class Validation(NamedTuple):
     """The validation set as one job scores it."""
 
@@ -75,6 +67,11 @@ class Validation(NamedTuple):
     groups: Optional[np.ndarray]  # each image's group (acceptance, reference), if any
     score: Callable[..., Optional[Dict[str, Any]]]  # ``evaluate(cached)`` over it; None: stopped
     cache: Optional[OpenCache]  # the model to beat's cached results, with ``eval_cache``
+    # The logit offset (``priors``) ``score`` applies to the device's images (every group but
+    # the reference): ``offset["vector"]``, None for none. The served model's, then the
+    # candidate's once ``priors.correct_priors`` has estimated it.
+    offset: Dict[str, Optional[np.ndarray]]
+    eval_step: Callable[[Any, Any], Any]  # ``make_eval_step``'s: (losses, logits) of a batch
 
 
 class Before(NamedTuple):
@@ -97,7 +94,8 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     """Evaluate before, train, evaluate after; return the result fields this produces.
 
     The steps, in order: ``prepare_model``, ``score_before``, ``distillation_targets``,
-    ``adapt_before``, ``train``, ``settle_batchnorm``, ``average``, ``score_after``. A stop
+    ``adapt_before``, ``train``, ``settle_batchnorm``, ``average``, ``priors.correct_priors``,
+    ``score_after``. A stop
     requested during any of them ends the job ``interrupted`` with the fields so far.
 
     With ``served_weights`` (the job's ``served_weights`` arrays) the "before" figures are that
@@ -126,6 +124,8 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
                                  should_stop, fields)
         if served is not None:  # the candidate: the trained weights averaged with the served
             after = average(job, model, served, validation, before, fields)
+        if priors.correct_priors(job, data, validation, should_stop, fields):
+            after = None  # any chooser's scores were without the candidate's offset
         if validation is not None:
             score_after(job, validation, before, after, emit, fields, scored_after)
         fields["status"] = "ok"
@@ -169,12 +169,17 @@ def validation_set(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     # Evaluating at the training batch size (the default) keeps the session's memory within
     # what the profile measured for that size.
     eval_batch_size = job["eval_batch_size"] or job["batch_size"]
+    offset = {"vector": None if job["logit_offset"] is None
+              else np.asarray(job["logit_offset"], np.float32)}
+    device_rows = offset_rows(groups, data.get("validation_offset_rows"), len(y))
 
     def score(cached: Any = None) -> Optional[Dict[str, Any]]:
+        vector = offset["vector"]
         return evaluate(eval_step, x, y, len(job["classes"]), eval_batch_size, should_stop,
-                        groups, cached)
+                        groups, cached, None if vector is None else (vector, device_rows))
 
-    return Validation(x, y, groups, score, open_eval_cache(job, precision, (x, y)))
+    return Validation(x, y, groups, score, open_eval_cache(job, precision, (x, y)), offset,
+                      eval_step)
 
 
 def score_before(job: Dict[str, Any], model: Any, precision: str, validation: Validation,
@@ -183,7 +188,7 @@ def score_before(job: Dict[str, Any], model: Any, precision: str, validation: Va
     """Score the model to beat (kept in the eval cache); its figures go to ``fields``."""
     cache = validation.cache
     with serving(model, served_weights):
-        before = _unless_stopped(validation.score(cache and cache.cached))
+        before = unless_stopped(validation.score(cache and cache.cached))
     correct, losses = before.pop("correct"), before.pop("losses")
     if cache is not None:
         evalcache.save(job["eval_cache"], cache.weights_sha256, precision, cache.keys, correct,
@@ -213,7 +218,7 @@ def distillation_targets(tf: Any, job: Dict[str, Any], model: Any, data: Dict[st
     x_train, y_train = data["train_data"]
     if job["distill"] and data.get("rehearsed") is not None and job["mode"] != "profile":
         with serving(model, served_weights):  # before any adaptation
-            teacher = _unless_stopped(teacher_targets(tf, model, job, x_train, data["rehearsed"],
+            teacher = unless_stopped(teacher_targets(tf, model, job, x_train, data["rehearsed"],
                                                       _forward_batch(job), should_stop))
         fields["distill_images"] = int(np.count_nonzero(teacher.weights))
         return teacher
@@ -231,7 +236,7 @@ def adapt_before(tf: Any, job: Dict[str, Any], model: Any,
                  ) -> float:
     """BatchNorm's statistics set to the device's mixture before training; the seconds taken."""
     weight = job["bn_device_share"]
-    adapted = _unless_stopped(adapt_batchnorm(
+    adapted = unless_stopped(adapt_batchnorm(
         tf, model, job, device_split[0], device_split[1], _forward_batch(job), should_stop,
         AUTO_WEIGHT_BEFORE if weight == AUTO else weight))
     return adapted.seconds
@@ -286,7 +291,7 @@ def settle_batchnorm(tf: Any, job: Dict[str, Any], model: Any, data: Dict[str, A
         weight = job["bn_device_share"]
         if validation is None and weight == AUTO:
             weight = AUTO_WEIGHT_BEFORE  # nothing to choose by
-        adapted = _unless_stopped(adapt_batchnorm(
+        adapted = unless_stopped(adapt_batchnorm(
             tf, model, job, device_split[0], device_split[1], _forward_batch(job), should_stop,
             weight, validation and validation.score, _reference_bar(job, fields),
             validation and validation.groups, before and before.refused,
@@ -296,7 +301,7 @@ def settle_batchnorm(tf: Any, job: Dict[str, Any], model: Any, data: Dict[str, A
             fields["bn_device_share"], fields["bn_shares_tried"] = adapted.weight, adapted.tried
             return adapted.scores
     elif job["recalibrate_bn"] and not job["freeze_bn"]:  # in profile mode too: its memory counts
-        fields["recalibrate_seconds"] = _unless_stopped(recalibrate_batchnorm(
+        fields["recalibrate_seconds"] = unless_stopped(recalibrate_batchnorm(
             tf, model, job, data["train_data"][0], _forward_batch(job), should_stop))
     return None
 
@@ -310,7 +315,7 @@ def average(job: Dict[str, Any], model: Any, served: List[np.ndarray],
         The candidate's evaluation where ``auto`` chose the share by scoring it, else None (a
         mixture's earlier score is stale now).
     """
-    averaged = _unless_stopped(average_with_served(
+    averaged = unless_stopped(average_with_served(
         model, served, job["trained_share"], validation and validation.score,
         validation and validation.groups, _reference_bar(job, fields), job["reference_tolerance"],
         before and before.refused, before and before.spared))
@@ -326,7 +331,7 @@ def score_after(job: Dict[str, Any], validation: Validation, before: Before,
     """Score the candidate (unless a chooser did); its figures and paired counts to ``fields``."""
     groups = validation.groups
     if after is None:
-        after = _unless_stopped(score_candidate(validation.score, groups, before.refused))
+        after = unless_stopped(score_candidate(validation.score, groups, before.refused))
     correct_after, losses_after = after.pop("correct"), after.pop("losses")
     # A refused candidate's evaluation may hold the acceptance group alone.
     fields["paired_by_group"] = {

@@ -53,6 +53,11 @@ JOB_KEYS = {
     "distill": ("float", 0.0),
     "trained_share": ("share_or_auto", 1.0),
     "average_with": ("str", "served"),  # what trained_share averages with: served or start weights
+    # The device's class priors as an offset on the candidate's logits (learning/priors.py);
+    # ``logit_offset``: the loaded (served) model's, applied where the model is scored on the
+    # device's images (a validation file's ``offset`` rows; else every group but the reference).
+    "prior_correction": ("bool", False),
+    "logit_offset": ("vector", None),
     "reference_tolerance": ("share", None),
     "reference_origin": ("share", None),
     "acceptance_tolerance": ("share", None),
@@ -136,6 +141,7 @@ _KINDS = {
                 and all(isinstance(name, str) for name in v)),
     "scope": ("all, head, batchnorm, or a positive number of layers",
               lambda v: v in ("all", "head", "batchnorm") or (_is_int(v) and v > 0)),
+    "vector": ("a list of numbers", lambda v: isinstance(v, list) and all(_is_number(x) for x in v)),
     "size": ("[height, width] of positive integers",
              lambda v: isinstance(v, list) and len(v) == 2
              and all(_is_int(size) and size > 0 for size in v)),
@@ -196,6 +202,9 @@ def load_job(path: str) -> Dict[str, Any]:
     for key, allowed in choices.items():
         if job[key] not in allowed:
             raise BadJob("{}={!r} is not one of {}".format(key, job[key], list(allowed)))
+    if job["logit_offset"] is not None and len(job["logit_offset"]) != len(job["classes"]):
+        raise BadJob("logit_offset holds {} numbers for {} classes".format(
+            len(job["logit_offset"]), len(job["classes"])))
     if job["protocol"] != PROTOCOL_VERSION:
         raise BadJob("protocol={} is not supported; this worker speaks protocol {}".format(
             job["protocol"], PROTOCOL_VERSION))

@@ -4,13 +4,14 @@ Read by the worker before TensorFlow is imported, so a bad file fails fast with 
 naming the key, the file and the fix. Standard library and numpy only; Python 3.6-compatible.
 """
 
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from odtd.trainer.protocol.job import BadJob
 
 REHEARSAL_IMAGES = 1024  # the most rehearsed images BatchNorm adaptation measures
+PRIOR_IMAGES = 4096  # the most images without a label the class priors' EM reads
 
 
 def load_dataset(key: str, path: str, input_shape: List[int], num_classes: int
@@ -72,6 +73,43 @@ def load_device_mask(path: str, count: int) -> Optional[np.ndarray]:
         raise BadJob("train_data: device in {} must be {} booleans, got {} {}".format(
             path, count, mask.dtype, mask.shape))
     return mask
+
+
+def load_offset_rows(path: str, count: int) -> Optional[np.ndarray]:
+    """A validation ``.npz``'s optional ``offset`` array: the rows the logit offset applies to."""
+    with np.load(path, allow_pickle=False) as arrays:
+        if "offset" not in arrays.files:
+            return None
+        rows = arrays["offset"]
+    if rows.shape != (count,) or rows.dtype != np.bool_:
+        raise BadJob("validation_data: offset in {} must be {} booleans, got {} {}".format(
+            path, count, rows.dtype, rows.shape))
+    return rows
+
+
+def load_prior_data(path: str, x: np.ndarray, y: np.ndarray, mask: np.ndarray
+                    ) -> Dict[str, Any]:
+    """What ``prior_correction`` estimates the device's class priors from, in a train ``.npz``.
+
+    Returns:
+        ``labels``: the device's images' labels (``mask``); ``unlabelled``: its other images,
+        ``device_x`` (earlier days') and ``unlabelled_x`` (images without a label), at most
+        ``PRIOR_IMAGES``, the file's order; ``calibration``: the rehearsed images of the
+        original domain and their labels, at most ``REHEARSAL_IMAGES``, evenly spaced.
+    """
+    with np.load(path, allow_pickle=False) as arrays:
+        parts = [arrays[key] for key in ("device_x", "unlabelled_x") if key in arrays.files]
+    for part in parts:
+        if part.dtype != np.uint8 or part.shape[1:] != x.shape[1:]:
+            raise BadJob("train_data: device_x and unlabelled_x in {} must be uint8 (N, {}), got "
+                         "{} {}".format(path, ", ".join(map(str, x.shape[1:])), part.dtype,
+                                        part.shape))
+    unlabelled = np.concatenate([x[:0]] + parts)[:PRIOR_IMAGES]
+    rehearsed = np.flatnonzero(~mask)
+    if len(rehearsed) > REHEARSAL_IMAGES:
+        rehearsed = rehearsed[np.linspace(0, len(rehearsed) - 1, REHEARSAL_IMAGES).astype(np.int64)]
+    return {"labels": y[mask], "unlabelled": unlabelled,
+            "calibration": (x[rehearsed], y[rehearsed])}
 
 
 def load_device_split(path: str, x: np.ndarray, mask: np.ndarray

@@ -29,14 +29,21 @@ import numpy as np
 
 from odtd import atomic
 from odtd.trainer.learning import evalcache
-from odtd.trainer.learning.evaluation import evaluate, make_eval_step
+from odtd.trainer.learning.evaluation import evaluate, make_eval_step, offset_rows
 from odtd.trainer.learning.training import train_and_evaluate
 from odtd.trainer.plans.precision import resolve_precision
 from odtd.trainer.protocol.digest import file_sha256
 from odtd.trainer.protocol.job import BadJob, load_job
 from odtd.trainer.protocol.procfs import peak_rss_mb, watch_parent
 from odtd.trainer.worker import forkserver
-from odtd.trainer.worker.data import load_dataset, load_device_mask, load_device_split, load_groups
+from odtd.trainer.worker.data import (
+    load_dataset,
+    load_device_mask,
+    load_device_split,
+    load_groups,
+    load_offset_rows,
+    load_prior_data,
+)
 
 EXIT_ERROR = 2
 _STARTED_AT = time.monotonic()
@@ -226,8 +233,12 @@ def _evaluate_only(tf: Any, job: Dict[str, Any], model: Any,
     """Score the loaded weights once on ``validation_data`` (reported as the "after" figures)."""
     x, y = data["validation_data"]
     groups = data["validation_groups"]
+    offset = None if job["logit_offset"] is None else (
+        np.asarray(job["logit_offset"], np.float32),
+        offset_rows(groups, data.get("validation_offset_rows"), len(y)))
     scores = evaluate(make_eval_step(tf, model, job), x, y, len(job["classes"]),
-                      job["eval_batch_size"] or job["batch_size"], should_stop, groups)
+                      job["eval_batch_size"] or job["batch_size"], should_stop, groups,
+                      offset=offset)
     if scores is None:
         return {"status": "interrupted"}
     scores.pop("correct")
@@ -344,11 +355,16 @@ def main(argv: Optional[List[str]] = None,
                     data[key] = load_dataset(key, job[key], job["input_shape"],
                                              len(job["classes"]))
             if "validation_data" in data:  # each image's group (acceptance, reference), if any
-                data["validation_groups"] = load_groups(job["validation_data"],
-                                                        len(data["validation_data"][1]))
-            mask = None  # which training images the device saw (BatchNorm, distillation)
-            if (job["bn_device_share"] is not None or job["distill"]) and job["train_data"]:
+                count = len(data["validation_data"][1])
+                data["validation_groups"] = load_groups(job["validation_data"], count)
+                data["validation_offset_rows"] = load_offset_rows(job["validation_data"], count)
+            mask = None  # which training images the device saw (BatchNorm, distillation, priors)
+            if (job["bn_device_share"] is not None or job["distill"] or job["prior_correction"]) \
+                    and job["train_data"]:
                 mask = load_device_mask(job["train_data"], len(data["train_data"][1]))
+            if mask is not None and job["prior_correction"]:
+                data["priors"] = load_prior_data(job["train_data"], data["train_data"][0],
+                                                 data["train_data"][1], mask)
             if mask is not None and job["bn_device_share"] is not None:
                 data["device_split"] = load_device_split(job["train_data"],
                                                          data["train_data"][0], mask)

@@ -1,0 +1,234 @@
+"""The device's class priors, estimated from its images, as an offset added to the model's logits.
+
+A device's camera sees its classes in its own proportions (a doorbell: mostly people and
+cars). A model trained on evenly mixed images predicts as if every class were as likely; under
+label shift alone the right classifier adds ``log(pi_device / pi_source)`` to its calibrated
+logits (Saerens, Latinne and Decaestecker 2002). The device knows the labels of the images it
+was given and has many more without labels; ``estimate_priors`` is their EM (Saerens et al.'s),
+the labelled images counted by their labels, the others by the model's calibrated posteriors.
+Calibration is bias-corrected temperature scaling (Alexandari, Kundaje and Shrikumar, ICML 2020):
+a temperature and a bias per class fitted on labelled images of the original domain (the home's
+reference set, else the rehearsed replay images), whose class frequencies are ``pi_source``.
+
+The result, ``logit_offset``, is a vector in the model's own logit units (for a softmax model,
+its log-probabilities): adding it to the model's output changes which class wins where the
+device's mix says so. It is kept with the model version and applied when the device's images
+are scored (its acceptance and hold-out groups), never on the reference set, whose images are
+evenly mixed by construction: the reference guard still judges the features, not the prior.
+
+Numpy only. Python 3.6-compatible.
+"""
+
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from odtd.trainer.learning.evaluation import REFERENCE_GROUP, unless_stopped
+
+SMOOTHING = 1.0  # a Dirichlet pseudo-count per class: no class's prior is ever 0
+_CALIBRATION_ROUNDS = 10  # turns of temperature, then biases
+_BIAS_STEPS = 50
+_CALIBRATION_RATE = 0.5
+_BIAS_PENALTY = 0.01  # ridge on the bias: a small calibration set cannot fit ten biases freely
+EM_STEPS = 200
+EM_TOLERANCE = 1e-7
+
+
+class Calibration(NamedTuple):
+    """Bias-corrected temperature scaling: ``calibrated = logits / temperature + bias``."""
+
+    temperature: float
+    bias: np.ndarray  # one per class
+
+
+class PriorEstimate(NamedTuple):
+    """What ``logit_offset`` found, for the session's record."""
+
+    offset: np.ndarray  # added to the model's logits (its own units)
+    device: np.ndarray  # the device's class priors (EM)
+    source: np.ndarray  # the calibration set's class frequencies, smoothed
+    temperature: float
+    labelled: int  # the device's images counted by their labels
+    unlabelled: int  # and by the model's posteriors
+    em_steps: int
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    exp = np.exp(shifted)
+    return exp / exp.sum(axis=1, keepdims=True)
+
+
+def _nll(logits: np.ndarray, onehot: np.ndarray, scale: float, bias: np.ndarray) -> float:
+    calibrated = scale * logits + bias
+    top = calibrated.max(axis=1, keepdims=True)
+    log_norm = np.log(np.exp(calibrated - top).sum(axis=1)) + top[:, 0]
+    return float(np.mean(log_norm - np.sum(onehot * calibrated, axis=1)))
+
+
+def _best_log_scale(logits: np.ndarray, onehot: np.ndarray, bias: np.ndarray) -> float:
+    """The log of the scale that minimises the NLL (convex in the scale): golden-section search."""
+    low, high = -6.0, 4.0
+    ratio = (np.sqrt(5.0) - 1) / 2
+    for _ in range(60):
+        left, right = high - ratio * (high - low), low + ratio * (high - low)
+        if _nll(logits, onehot, np.exp(left), bias) <= _nll(logits, onehot, np.exp(right), bias):
+            high = right
+        else:
+            low = left
+    return (low + high) / 2
+
+
+def calibrate(logits: np.ndarray, labels: np.ndarray) -> Calibration:
+    """Fit a temperature and per-class biases to labelled images, minimising their NLL.
+
+    In turns: the temperature by a line search (the NLL is convex in ``1 / temperature``),
+    then the biases by gradient steps (each component of their gradient lies in [-1, 1]).
+    The biases carry a small ridge penalty, so a few images per class move them little.
+    """
+    logits = np.asarray(logits, np.float64)
+    classes = logits.shape[1]
+    onehot = np.eye(classes)[np.asarray(labels, np.int64)]
+    bias = np.zeros(classes)
+    log_scale = 0.0
+    for _ in range(_CALIBRATION_ROUNDS):
+        log_scale = _best_log_scale(logits, onehot, bias)
+        scale = np.exp(log_scale)
+        for _ in range(_BIAS_STEPS):
+            error = _softmax(scale * logits + bias) - onehot  # d NLL / d calibrated logits
+            bias = bias - _CALIBRATION_RATE * (error.mean(axis=0) + 2 * _BIAS_PENALTY * bias)
+    return Calibration(float(np.exp(-log_scale)), bias)
+
+
+def estimate_priors(posteriors: np.ndarray, labels: np.ndarray, source: np.ndarray
+                    ) -> Tuple[np.ndarray, int]:
+    """EM for the device's class priors (Saerens et al. 2002), labelled images at their labels.
+
+    Args:
+        posteriors: Calibrated posteriors (rows sum to 1) of the device's unlabelled images,
+            under the source priors.
+        labels: The device's labelled images' classes.
+        source: The priors the posteriors hold (the calibration set's).
+
+    Returns:
+        ``(priors, steps)``.
+    """
+    classes = len(source)
+    counted = np.bincount(np.asarray(labels, np.int64), minlength=classes).astype(np.float64)
+    total = len(labels) + len(posteriors) + SMOOTHING * classes
+    priors = np.array(source, np.float64)
+    steps = 0
+    while steps < EM_STEPS:
+        steps += 1
+        if len(posteriors):
+            weighted = posteriors * (priors / source)
+            weighted /= weighted.sum(axis=1, keepdims=True)
+            expected = weighted.sum(axis=0)
+        else:
+            expected = np.zeros(classes)
+        updated = (counted + expected + SMOOTHING) / total
+        done = float(np.abs(updated - priors).max()) < EM_TOLERANCE
+        priors = updated
+        if done or not len(posteriors):
+            break
+    return priors, steps
+
+
+def logit_offset(calibration_logits: Optional[np.ndarray], calibration_labels: Optional[np.ndarray],
+                 labelled_labels: np.ndarray, unlabelled_logits: np.ndarray,
+                 classes: int) -> Optional[PriorEstimate]:
+    """The offset that turns the model's logits into the device's prior-corrected ones.
+
+    ``temperature * (bias + log(pi_device / pi_source))``: the calibrated, corrected logits
+    times the temperature, which ranks the classes as they do. Without calibration images
+    (``calibration_labels`` None) the model is taken as calibrated on evenly mixed classes.
+    None without an image of the device's.
+    """
+    if len(labelled_labels) + len(unlabelled_logits) == 0:
+        return None
+    if calibration_labels is None or len(calibration_labels) == 0:
+        calibration = Calibration(1.0, np.zeros(classes))
+        source = np.full(classes, 1.0 / classes)
+    else:
+        calibration = calibrate(calibration_logits, calibration_labels)
+        source = np.bincount(np.asarray(calibration_labels, np.int64), minlength=classes) + SMOOTHING
+        source = source / source.sum()
+    posteriors = _softmax(np.asarray(unlabelled_logits, np.float64) / calibration.temperature
+                          + calibration.bias) if len(unlabelled_logits) else \
+        np.zeros((0, classes))
+    device, steps = estimate_priors(posteriors, labelled_labels, source)
+    offset = calibration.temperature * (calibration.bias + np.log(device / source))
+    return PriorEstimate(offset - offset.mean(), device, source, calibration.temperature,
+                         int(len(labelled_labels)), int(len(unlabelled_logits)), steps)
+
+
+def correct_priors(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
+                   should_stop: Callable[[], bool], fields: Dict[str, Any]) -> bool:
+    """A training job's step: the candidate's logit offset (job key ``prior_correction``).
+
+    Estimated on the trained model (``logit_offset``): calibrated on the validation set's
+    reference group where it holds an image per class, else on the rehearsed images of the
+    original domain (``data["priors"]``, ``worker.data.load_prior_data``), else not (a home
+    with neither: the model taken as calibrated on even classes); the device's images
+    of the session counted by their labels, its other images (earlier days', unlabelled ones)
+    by the model's posteriors. ``fields`` get ``logit_offset_after`` (None: no offset) and
+    ``priors`` (what was estimated, or why not); ``validation`` (``training.Validation``)
+    then scores the candidate with it. Without ``prior_correction`` the candidate has none.
+
+    Returns:
+        Whether the candidate's offset differs from the one its tries were scored with (the
+        served model's): a chooser's scores are then stale.
+    """
+    had = None if validation is None else validation.offset["vector"]
+    offset, fields["priors"] = None, None
+    sets = data.get("priors")
+    if job["prior_correction"] and (sets is None or validation is None):
+        fields["priors"] = {"status": "skipped", "reason": "no device images or no validation set"}
+    elif job["prior_correction"]:
+        logits_of = _logits(job, validation.eval_step, should_stop)
+        groups = validation.groups
+        reference = np.zeros(len(validation.y), dtype=bool) if groups is None else \
+            groups.astype(str) == REFERENCE_GROUP
+        classes = len(job["classes"])
+        if int(np.sum(reference)) >= classes:
+            calibration, calibrated_on = (validation.x[reference], validation.y[reference]), "reference"
+        elif len(sets["calibration"][1]) >= classes:
+            calibration, calibrated_on = sets["calibration"], "rehearsed"
+        else:  # no image of the original domain: the model taken as calibrated, classes as even
+            calibration, calibrated_on = None, "none"
+        estimate = logit_offset(
+            None if calibration is None else unless_stopped(logits_of(calibration[0])),
+            None if calibration is None else calibration[1], sets["labels"],
+            unless_stopped(logits_of(sets["unlabelled"])), classes)
+        if estimate is None:
+            fields["priors"] = {"status": "skipped", "reason": "no image of the device's"}
+        else:
+            offset = estimate.offset.astype(np.float32)
+            fields["priors"] = {
+                "status": "estimated", "calibrated_on": calibrated_on,
+                "calibration_images": 0 if calibration is None else int(len(calibration[1])),
+                "device": [round(float(p), 5) for p in estimate.device],
+                "source": [round(float(p), 5) for p in estimate.source],
+                "temperature": round(estimate.temperature, 4), "labelled": estimate.labelled,
+                "unlabelled": estimate.unlabelled, "em_steps": estimate.em_steps}
+    fields["logit_offset_after"] = None if offset is None else [round(float(v), 6) for v in offset]
+    if validation is not None:
+        validation.offset["vector"] = offset
+    return (had is None) != (offset is None) or (had is not None and not np.array_equal(had, offset))
+
+
+def _logits(job: Dict[str, Any], eval_step: Callable[[Any, Any], Any],
+            should_stop: Callable[[], bool]) -> Callable[[np.ndarray], Optional[np.ndarray]]:
+    """The model's logits on images, in batches of the evaluation batch (None on a stop)."""
+    batch_size = job["eval_batch_size"] or job["batch_size"]
+
+    def logits_of(x: np.ndarray) -> Optional[np.ndarray]:
+        out = [np.zeros((0, len(job["classes"])), np.float32)]
+        for begin in range(0, len(x), batch_size):
+            if should_stop():
+                return None
+            images = x[begin:begin + batch_size]
+            out.append(eval_step(images, np.zeros(len(images), np.int64))[1].numpy())
+        return np.concatenate(out)
+
+    return logits_of

@@ -1,0 +1,83 @@
+"""The device's class priors (``training.prior_correction``): EM, the worker's offset, the version.
+
+The numpy part (calibration, EM) and a session's record run here; the worker's part is in
+tests/test_worker.py (the real worker on tinycnn, the option on and off, the same images).
+"""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import CLASSES as HOME_CLASSES
+from conftest import odtctl, odtctl_json, write_images
+
+from odtd.trainer.learning.priors import calibrate, estimate_priors, logit_offset
+
+
+def _logits(rng, labels, classes, signal=2.5, noise=1.5):
+    """Logits a noisy classifier gives images of ``labels``: its class's logit raised."""
+    return signal * np.eye(classes)[labels] + noise * rng.standard_normal((len(labels), classes))
+
+
+def test_em_recovers_a_skewed_prior_and_the_offset_raises_accuracy_on_it():
+    rng = np.random.default_rng(0)
+    classes = 10
+    source_y = rng.integers(0, classes, 400)  # the reference set: evenly mixed
+    device = rng.dirichlet([0.3] * classes)
+    device_y = rng.choice(classes, 3000, p=device)
+    target = _logits(rng, device_y, classes)
+    estimate = logit_offset(_logits(rng, source_y, classes), source_y, np.array([], np.int64),
+                            target, classes)
+    assert np.abs(estimate.device - device).sum() < 0.3  # total variation below 0.15
+    plain = np.mean(target.argmax(axis=1) == device_y)
+    corrected = np.mean((target + estimate.offset).argmax(axis=1) == device_y)
+    assert corrected > plain + 0.05, (plain, corrected)
+
+
+def test_labelled_images_count_by_their_labels_and_unlabelled_ones_by_the_posteriors():
+    source = np.full(3, 1 / 3)
+    priors, steps = estimate_priors(np.zeros((0, 3)), np.array([0] * 8 + [1] * 2), source)
+    assert steps == 1
+    assert np.allclose(priors, np.array([9, 3, 1]) / 13.0)  # one pseudo-count per class
+    # Unlabelled images the model is sure are class 2 move the estimate there.
+    sure = np.tile([0.01, 0.01, 0.98], (40, 1))
+    priors, _ = estimate_priors(sure, np.array([0] * 8 + [1] * 2), source)
+    assert priors.argmax() == 2 and priors[2] > 0.7
+
+
+def test_calibration_finds_the_temperature_of_overconfident_logits():
+    rng = np.random.default_rng(1)
+    y = rng.integers(0, 5, 2000)
+    logits = _logits(rng, y, 5)
+    assert calibrate(logits, y).temperature == pytest.approx(1.0, abs=0.15)
+    assert calibrate(4 * logits, y).temperature == pytest.approx(4.0, rel=0.15)
+
+
+def test_without_calibration_images_the_labels_alone_set_the_offset():
+    assert logit_offset(None, None, np.array([], np.int64), np.zeros((0, 3)), 3) is None
+    estimate = logit_offset(None, None, np.array([0] * 8 + [1] * 2), np.zeros((0, 3)), 3)
+    assert estimate.temperature == 1.0
+    assert np.allclose(estimate.offset, np.log([9, 3, 1]) - np.log([9, 3, 1]).mean())
+
+
+@pytest.mark.trains
+def test_a_promoted_version_keeps_its_offset_in_its_manifest(home, tmp_path):
+    policy = (home / "policy.yaml").read_text()
+    (home / "policy.yaml").write_text(policy.replace("training:\n", "training:\n  prior_correction: true\n"))
+    write_images(tmp_path / "day", per_class=2, seed=21)
+    write_images(tmp_path / "day", per_class=24, classes=HOME_CLASSES[:1], seed=22)
+    odtctl("ingest", str(tmp_path / "day"), home=home)
+    odtctl("train-now", "--foreground", "--force", home=home)
+    session = odtctl_json("history", home=home)[0]
+    priors = session["details"]["priors"]
+    # No reference set, no replay seed: the model is taken as calibrated on even classes.
+    assert priors["status"] == "estimated" and priors["calibrated_on"] == "none", priors
+    airplane = HOME_CLASSES.index("airplane")
+    assert np.argmax(priors["device"]) == airplane  # the class the device sees most
+    # The held-out images are mostly airplanes too: the candidate, scored with its offset, wins.
+    assert session["outcome"] == "promoted", session["reason"]
+    models = home / "models" / "tinycnn"
+    current = (models / "current").read_text().strip()
+    assert current == f"v{session['model_version_after']}"
+    offset = json.loads((models / current / "manifest.json").read_text())["logit_offset"]
+    assert len(offset) == len(HOME_CLASSES) and np.argmax(offset) == airplane
