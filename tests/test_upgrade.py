@@ -41,14 +41,15 @@ def release_home(tmp_path: Path) -> tuple[Path, dict]:
 
 def without_clock(status: dict) -> dict:
     """The status object less what changes with the wall clock and the home's path, and what
-    later releases add: the disk (``storage``), the count of pruned samples, a daemon alive
-    but silent."""
+    later releases add: the disk (``storage``), the counts of pruned and unlabelled samples, a
+    daemon alive but silent."""
     status = json.loads(json.dumps(status))
     status["daemon"].pop("heartbeat_age_s")
     status["daemon"].pop("silent_pid", None)
     status.pop("home")
     status.pop("storage", None)
     status["samples"].pop("pruned", None)
+    status["samples"].pop("unlabelled", None)
     return status
 
 

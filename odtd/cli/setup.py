@@ -78,12 +78,16 @@ def _check_installed_policy(home: Home) -> PolicyCheck:
 
 @command("ingest")
 def cmd_ingest(args: argparse.Namespace) -> int:
-    """Ingest images as pending samples."""
-    from odtd.home.ingest import Ingestor, discover
+    """Ingest images as pending samples, or with ``--unlabelled`` as unlabelled ones."""
+    from odtd.home.ingest import Ingestor, discover, discover_unlabelled
 
     home = home_of(args)
     day = _check_day(args.day)
-    files = discover(Path(args.path), args.label)
+    if args.unlabelled and args.label:
+        raise ConfigError("ingest: --label names the images' class, --unlabelled says they have "
+                          "none: give one of them")
+    files = discover_unlabelled(Path(args.path)) if args.unlabelled else \
+        discover(Path(args.path), args.label)
     store = home.open_store()
     try:
         ingestor = Ingestor.for_home(home, store)
@@ -93,7 +97,12 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     finally:
         store.close()
     data = report.as_dict()
-    lines = [f"accepted {report.accepted} ({report.holdout} held out for evaluation), "
+    notes = [] if args.unlabelled else [f"{report.holdout} held out for evaluation"]
+    if report.unlabelled or args.unlabelled:
+        notes.append(f"{report.unlabelled} unlabelled")
+    if report.labelled_later:
+        notes.append(f"{report.labelled_later} stored unlabelled before, labelled now")
+    lines = [f"accepted {report.accepted} ({'; '.join(notes)}), "
              f"duplicates {report.duplicates}, rejected {report.rejected}"]
     lines += [f"  rejected {item['path']}: {item['reason']}" for item in report.rejected_files]
     emit(args, data, "\n".join(lines))
@@ -166,8 +175,15 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
                    help="do not check the installed policy")
 
     p = sub.add_parser("ingest", parents=[reader], help="add images as pending samples",
-                       description="Add images: a file (with --label), a <label>/<file> directory, "
-                                   "or a CSV manifest 'path,label'. Bad files are quarantined.")
+                       description="Add images: a file (with --label), a <label>/<file> directory "
+                                   "(its _unlabelled/ folder's images without a label), or a CSV "
+                                   "manifest 'path,label'; with --unlabelled, images without a "
+                                   "label. Bad files are quarantined.")
     p.add_argument("path", help="image file, directory or .csv manifest")
     p.add_argument("--label", help="label for a single file (or loose files in a directory)")
+    p.add_argument("--unlabelled", action="store_true",
+                   help="PATH is images without a label (a folder, walked to any depth, or one "
+                        "image): stored as unlabelled samples, counted apart, never trained or "
+                        "evaluated on; the same image ingested later with a label becomes a "
+                        "labelled sample")
     p.add_argument("--day", help="YYYY-MM-DD the samples belong to (default: today)")

@@ -1,5 +1,9 @@
 """The inbox watcher: files dropped under ``inbox/<label>/`` become samples.
 
+Files under ``inbox/_unlabelled/`` (``home.paths.UNLABELLED_FOLDER``, any depth) carry that
+folder's name as their label, as every folder's files do: ingest stores them as unlabelled
+samples. ``init`` refuses the name as a class, so it is never taken for one.
+
 A file is ingested only once its size and modification time have not changed between two
 scans, so a file still being copied in is left for the next scan. Ingested files leave the
 inbox: accepted ones are stored under ``samples/``, rejected ones move to ``quarantine/``. The
@@ -48,6 +52,7 @@ class InboxWatcher:
         files: Files = []
         for path in sorted(stable):
             relative = path.relative_to(self.inbox)
-            # inbox/<label>/<file>; a file directly in inbox/ has no label and is quarantined.
+            # inbox/<label>/<file> at any depth (inbox/_unlabelled/: stored unlabelled); a file
+            # directly in inbox/ has no label and is quarantined.
             files.append((path, relative.parts[0] if len(relative.parts) > 1 else None))
         return files

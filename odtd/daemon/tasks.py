@@ -71,8 +71,8 @@ def _ingest(home: Home, args: argparse.Namespace) -> dict[str, Any]:
         report = Ingestor.for_home(home, store).ingest(files, day=args.day, move=True)
     finally:
         store.close()
-    logger.info("inbox: accepted %d, duplicates %d, rejected %d", report.accepted,
-                report.duplicates, report.rejected)
+    logger.info("inbox: accepted %d (%d unlabelled), duplicates %d, rejected %d", report.accepted,
+                report.unlabelled, report.duplicates, report.rejected)
     return report.as_dict()
 
 

@@ -15,7 +15,7 @@ from odtd.config import Config, default_config_text
 from odtd.errors import ConfigError, IngestError, ModelError, TrainerFailed
 from odtd.home.image_sets import decode_labelled, load_validation_dir
 from odtd.home.ingest import Ingestor, discover
-from odtd.home.paths import REFERENCE_EVERY, Home
+from odtd.home.paths import REFERENCE_EVERY, UNLABELLED_FOLDER, Home
 from odtd.home.replay_buffer import update_buffer
 from odtd.home.spec import (
     ARCHITECTURE_NAME,
@@ -164,6 +164,9 @@ def check_request(home: Home, request: InitRequest) -> tuple[str, Optional[list[
         file: its own is read from it).
     """
     check_conventions(request.input_scale, request.output)
+    if UNLABELLED_FOLDER in request.classes:
+        raise ConfigError(f"--classes: {UNLABELLED_FOLDER!r} is reserved for images without a "
+                          f"label (inbox/{UNLABELLED_FOLDER}/); name that class otherwise")
     shape = None
     if request.model_file is not None:
         if not request.model_file.is_file():

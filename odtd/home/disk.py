@@ -10,8 +10,8 @@ Before refusing, odtd prunes what ``storage.prune`` allows, in this order, until
 fits: ``runs`` (the oldest ``runs/`` folders: job files and worker logs of finished sessions
 and profiles), ``versions`` (model versions beyond the policy's ``models.keep_versions``),
 ``samples`` (the oldest trained samples that neither the replay buffer nor a session's
-BatchNorm adaptation reads). Never the served model, its parent, a pending or held-out sample,
-or the replay buffer. Pruning holds the session lock: it never runs beside a session.
+BatchNorm adaptation reads). Never the served model, its parent, a pending, held-out or
+unlabelled sample, or the replay buffer. Pruning holds the session lock: it never runs beside a session.
 Each pruning is an event (``kind = 'pruned'``) that ``odtctl status`` and the metrics show.
 """
 

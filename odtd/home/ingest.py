@@ -5,6 +5,12 @@ model's channels and input size. A sample is stored twice under ``samples/<aa>/`
 bytes (``<sha256>.<ext>``, never modified) and the decoded pixels (``<sha256>.npy``, uint8
 height x width x channels) the trainer reads. One bad file never stops a batch: it is
 quarantined with its reason.
+
+A file whose label is ``UNLABELLED_FOLDER`` (``inbox/_unlabelled/``, ``odtctl ingest
+--unlabelled``) is read, checked and stored alike, as an unlabelled sample (``odtd.store.
+samples``): never trained on nor evaluated on. The same image ingested later with a label
+becomes a labelled sample (pending, or held out by its hash as any other); one stored with a
+label keeps it when it comes again unlabelled (a duplicate).
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ from odtd.errors import STORAGE_ERRNOS, IngestError, StorageError, storage_error
 from odtd.home.disk import check_room_for_ingest
 from odtd.home.images import BadImage, check_fit, decode_image
 from odtd.home.lock import ingest_lock
-from odtd.home.paths import Home
+from odtd.home.paths import UNLABELLED_FOLDER, Home
 from odtd.store.database import Store, utc_now
+from odtd.store.schema import UNLABELLED
 
 logger = logging.getLogger(__name__)
 
@@ -40,18 +47,31 @@ DEFAULT_HOLDOUT_EVERY = 8
 
 @dataclass
 class IngestReport:
-    """What one ingest did; ``as_dict`` is the ``--json`` output of ``odtctl ingest``."""
+    """What one ingest did; ``as_dict`` is the ``--json`` output of ``odtctl ingest``.
+
+    Attributes:
+        accepted: samples stored, and unlabelled samples this ingest gave a label.
+        duplicates: files whose image was stored already (or pruned), with nothing to add.
+        rejected: files quarantined (``rejected_files``: each one's path and reason).
+        holdout: of ``accepted``, the labelled samples held out for evaluation.
+        unlabelled: of ``accepted``, the samples stored without a label.
+        labelled_later: of ``accepted``, samples stored unlabelled before that this ingest
+            labelled.
+    """
 
     accepted: int = 0
     duplicates: int = 0
     rejected: int = 0
     holdout: int = 0
+    unlabelled: int = 0
+    labelled_later: int = 0
     rejected_files: list[dict[str, str]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """Return the JSON contract of ``odtctl ingest --json``."""
         return {"accepted": self.accepted, "duplicates": self.duplicates,
                 "rejected": self.rejected, "holdout": self.holdout,
+                "unlabelled": self.unlabelled, "labelled_later": self.labelled_later,
                 "rejected_files": self.rejected_files}
 
 
@@ -72,6 +92,30 @@ def discover(path: Path, label: Optional[str]) -> list[tuple[Path, Optional[str]
     if not label:
         raise IngestError(f"{path}: a single file needs --label (one of the model's classes)")
     return [(path, label)]
+
+
+def discover_unlabelled(path: Path) -> list[tuple[Path, Optional[str]]]:
+    """List (file, ``UNLABELLED_FOLDER``) pairs: one image, or a folder's files at any depth.
+
+    Raises:
+        IngestError: the path does not exist or cannot be read, or is a CSV manifest (which
+            gives labels).
+    """
+    if not path.exists():
+        raise IngestError(f"{path}: no such file or directory")
+    if not os.access(path, os.R_OK):
+        raise IngestError(f"{path}: permission denied")
+    if path.is_file():
+        if path.suffix.lower() == ".csv":
+            raise IngestError(f"{path}: a CSV manifest gives labels; --unlabelled takes a folder "
+                              "of images or one image")
+        return [(path, UNLABELLED_FOLDER)]
+    try:
+        files = sorted(item for item in path.rglob("*") if item.is_file() and not any(
+            part.startswith(".") for part in item.relative_to(path).parts))
+    except OSError as exc:
+        raise IngestError(f"{path}: cannot list directory ({exc.strerror})") from None
+    return [(item, UNLABELLED_FOLDER) for item in files]
 
 
 def _discover_dir(path: Path, label: Optional[str]) -> list[tuple[Path, Optional[str]]]:
@@ -189,7 +233,7 @@ class Ingestor:
         """Ingest (file, label) pairs stamped with ``day`` (default: today, local time).
 
         Args:
-            files: pairs from ``discover``.
+            files: pairs from ``discover`` or ``discover_unlabelled``.
             day: YYYY-MM-DD the samples belong to.
             move: remove each source after it is stored or quarantined (the inbox);
                 otherwise sources are left untouched (``odtctl ingest``).
@@ -227,14 +271,15 @@ class Ingestor:
         except OSError as exc:
             self._reject(path, f"cannot read ({exc.strerror})", move, report)
             return
-        if label not in self.classes:
+        unlabelled = label == UNLABELLED_FOLDER
+        if not unlabelled and label not in self.classes:
             known = ", ".join(self.class_list)
             reason = f"unknown label {label!r} (known: {known})" if label else "no label"
             self._reject(path, reason, move, report, data)
             return
         sha = hashlib.sha256(data).hexdigest()
         if self.store.has_sample(sha):
-            report.duplicates += 1
+            self._stored_before(sha, None if unlabelled else label, report)
             if move:
                 path.unlink()
             return
@@ -255,21 +300,39 @@ class Ingestor:
                 stored.unlink(missing_ok=True)
                 array.unlink(missing_ok=True)
             raise OSError(exc.errno, exc.strerror, exc.filename or str(folder)) from None
-        holdout = self.holdout_every and int(sha[:8], 16) % self.holdout_every == 0
+        status = UNLABELLED if unlabelled else self._labelled_status(sha)
         added = self.store.add_sample({
-            "sha256": sha, "label": label, "day": day,
-            "status": "holdout" if holdout else "pending",
+            "sha256": sha, "label": None if unlabelled else label, "day": day, "status": status,
             "original_path": str(path), "stored_path": str(stored.relative_to(self.home.root)),
             "array_path": str(array.relative_to(self.home.root)),
             "width": pixels.shape[1], "height": pixels.shape[0], "ingested_at": utc_now(),
         })
         if not added:  # a concurrent ingest stored the same content first
-            report.duplicates += 1
+            self._stored_before(sha, None if unlabelled else label, report)
         else:
             report.accepted += 1
-            report.holdout += bool(holdout)
+            report.holdout += status == "holdout"
+            report.unlabelled += status == UNLABELLED
         if move:
             path.unlink()
+
+    def _labelled_status(self, sha: str) -> str:
+        """``holdout`` for one labelled sample in ``holdout_every`` (by hash: stable), else pending."""
+        held_out = self.holdout_every and int(sha[:8], 16) % self.holdout_every == 0
+        return "holdout" if held_out else "pending"
+
+    def _stored_before(self, sha: str, label: Optional[str], report: IngestReport) -> None:
+        """Count an image stored before: labelled now, or a duplicate.
+
+        Labelled now when it was stored without a label and ``label`` is a class.
+        """
+        status = self._labelled_status(sha)
+        if label is not None and self.store.label_sample(sha, label, status):
+            report.accepted += 1
+            report.labelled_later += 1
+            report.holdout += status == "holdout"
+        else:
+            report.duplicates += 1
 
     def _reject(self, path: Path, reason: str, move: bool, report: IngestReport,
                 data: Optional[bytes] = None) -> None:

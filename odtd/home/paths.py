@@ -15,6 +15,12 @@ if TYPE_CHECKING:  # the daemon reads paths without loading the store (sqlite-ut
 REFERENCE_EVERY = 10
 """``odtctl init --replay``: every 10th image is held out as the reference set (default)."""
 
+UNLABELLED_FOLDER = "_unlabelled"
+"""The folder of images without a label, beside the ``<label>/`` folders: ``inbox/_unlabelled/``
+(and in a directory ``odtctl ingest`` reads). As every folder's name, it is the label its files
+carry in ``(file, label)`` pairs, which ingest stores as unlabelled samples; never a class
+(``init`` refuses the name)."""
+
 class Home:
     """Paths of one ODTD_HOME; nothing is created or opened until asked.
 
@@ -28,6 +34,7 @@ class Home:
         self.config_path = Path(config_path) if config_path else self.root / CONFIG_NAME
         self.db_path = self.root / "odtd.db"
         self.inbox = self.root / "inbox"
+        self.unlabelled_inbox = self.inbox / UNLABELLED_FOLDER
         self.samples = self.root / "samples"
         self.quarantine = self.root / "quarantine"
         self.models = self.root / "models"

@@ -108,6 +108,7 @@ def remove_orphan_samples(home: Home, store: Store) -> int:
         if not alone:
             return 0
         known = set()
+        # Every sample's files, labelled or not, pending or trained.
         for row in store.iter_query("SELECT stored_path, array_path FROM samples"):
             known.add(row["stored_path"])
             known.add(row["array_path"])

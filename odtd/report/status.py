@@ -254,8 +254,9 @@ def render_status(data: dict[str, Any]) -> str:
         lines.append(f"         learning rate {rate['rate']:g}: the policy's "
                      f"{rate['policy_rate']:g} diverged on this model ({rate['found_by']}); "
                      "sessions start at the lower rate until training.learning_rate changes")
-    lines.append(f"samples  total {s['total']}  pending {s['pending']}  trained {s['trained']}  "
-                 f"holdout {s['holdout']}  quarantined {s['quarantined']}" +
+    lines.append(f"samples  labelled {s['total']} (pending {s['pending']}  trained {s['trained']}  "
+                 f"holdout {s['holdout']})  unlabelled {s['unlabelled']}  "
+                 f"quarantined {s['quarantined']}" +
                  (f"  pruned {s['pruned']}" if s.get("pruned") else ""))
     if data.get("storage"):
         lines.extend(storage_lines(data["storage"]))

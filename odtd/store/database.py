@@ -16,7 +16,7 @@ import sqlite3
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import sqlite_utils
 from sqlite_utils.db import NotFoundError
@@ -26,6 +26,7 @@ from odtd.store.liveness import open_database, utc_now
 from odtd.store.profiles import ProfileRows
 from odtd.store.pruned import PrunedRows
 from odtd.store.records import JUDGED, OUTCOMES, SessionRecord
+from odtd.store.samples import SampleRows
 from odtd.store.schema import MIGRATIONS
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class _SavepointConnection(sqlite3.Connection):
         return False
 
 
-class Store(ProfileRows, PrunedRows):
+class Store(SampleRows, ProfileRows, PrunedRows):
     """Typed access to ``odtd.db``; the only module that imports sqlite_utils.
 
     Args:
@@ -90,21 +91,40 @@ class Store(ProfileRows, PrunedRows):
         return self.db.execute("PRAGMA user_version").fetchone()[0]
 
     def migrate(self) -> None:
-        """Apply the migrations this database has not seen, each in its own transaction."""
+        """Apply the migrations this database has not seen, each in its own transaction.
+
+        Foreign keys are off meanwhile (SQLite's way to rebuild a table others reference:
+        https://www.sqlite.org/lang_altertable.html#otheralter) and checked before each commit.
+
+        Raises:
+            StoreError: the database is newer than this odtd, or a migration left a reference
+                without its row (rolled back).
+        """
         current = self.schema_version
         if current > len(MIGRATIONS):
             raise StoreError(
                 f"{self.path}: schema version {current} is newer than this odtd knows "
                 f"({len(MIGRATIONS)}); upgrade odtd"
             )
-        for number, script in enumerate(MIGRATIONS[current:], start=current + 1):
-            logger.info("migrating %s to schema version %d", self.path, number)
-            statements = [s.strip() for s in script.split(";") if s.strip()]
-            with self.transaction():
-                for statement in statements:
-                    self.db.execute(statement)
-                # PRAGMA takes no bound parameters; number is an int from enumerate.
-                self.db.execute(f"PRAGMA user_version = {number}")
+        if current == len(MIGRATIONS):
+            return
+        self.db.execute("PRAGMA foreign_keys=OFF")  # a no-op inside a transaction: before it
+        try:
+            for number, script in enumerate(MIGRATIONS[current:], start=current + 1):
+                logger.info("migrating %s to schema version %d", self.path, number)
+                statements = [s.strip() for s in script.split(";") if s.strip()]
+                with self.transaction():
+                    for statement in statements:
+                        self.db.execute(statement)
+                    broken = self.db.execute("PRAGMA foreign_key_check").fetchall()
+                    if broken:
+                        raise StoreError(f"{self.path}: migration {number} left {len(broken)} "
+                                         f"references without their row (first: {broken[0]}); "
+                                         "it was rolled back: report this with the database")
+                    # PRAGMA takes no bound parameters; number is an int from enumerate.
+                    self.db.execute(f"PRAGMA user_version = {number}")
+        finally:
+            self.db.execute("PRAGMA foreign_keys=ON")
 
     def close(self) -> None:
         """Close the connection (checkpointing the WAL)."""
@@ -184,65 +204,6 @@ class Store(ProfileRows, PrunedRows):
         """Return a stored setting, or ``default``."""
         row = self._get("meta", key)
         return json.loads(row["value"]) if row else default
-
-    # -- samples --------------------------------------------------------------------------
-
-    def has_sample(self, sha256: str) -> bool:
-        """Whether a sample with this content hash is already stored (or was, and was pruned)."""
-        return bool(self._query("SELECT EXISTS (SELECT 1 FROM samples WHERE sha256 = ?) OR "
-                                "EXISTS (SELECT 1 FROM pruned_samples WHERE sha256 = ?) AS known",
-                                [sha256, sha256])[0]["known"])
-
-    def add_sample(self, row: dict[str, Any]) -> bool:
-        """Insert a sample row; return False when its sha256 is already there (a duplicate)."""
-        with self.transaction():  # BEGIN IMMEDIATE: no other writer between the check and the insert
-            if self.has_sample(row["sha256"]):
-                return False
-            self.db["samples"].insert(row)
-        return True
-
-    def add_quarantine(self, original_path: str, stored_path: Optional[str], reason: str) -> None:
-        """Record a rejected input."""
-        with self.transaction():
-            self.db["quarantine"].insert(
-                {"at": utc_now(), "original_path": original_path, "stored_path": stored_path,
-                 "reason": reason})
-
-    def samples(self, status: str, limit: Optional[int] = None) -> list[dict[str, Any]]:
-        """Return samples in a status, oldest day first."""
-        return self._rows("samples", "status = ?", [status],
-                          order_by="day, ingested_at, sha256", limit=limit)
-
-    def samples_by_sha(self, shas: Iterable[str]) -> list[dict[str, Any]]:
-        """Return the sample rows for these hashes (unknown hashes are skipped)."""
-        # One JSON array parameter, not one ``?`` per hash: SQLite caps bound parameters.
-        return self._rows("samples", "sha256 IN (SELECT value FROM json_each(?))",
-                          [json.dumps(list(shas))])
-
-    def device_samples(self, limit: int) -> list[dict[str, Any]]:
-        """Return samples sessions trained on (not the replay seed's), the newest first."""
-        return self._rows("samples", "status = 'trained' AND session_id > 0", [],
-                          order_by="day DESC, ingested_at DESC, sha256", limit=limit)
-
-    def mark_trained(self, shas: Iterable[str], session_id: int) -> None:
-        """Mark pending samples as trained by a session."""
-        with self.transaction():
-            self.db.execute(
-                "UPDATE samples SET status = 'trained', session_id = ? WHERE status = 'pending'"
-                " AND sha256 IN (SELECT value FROM json_each(?))",
-                [session_id, json.dumps(list(shas))],
-            )
-
-    def sample_counts(self) -> dict[str, int]:
-        """Return counts: total, pending, trained, holdout, quarantined, pruned."""
-        counts = {"total": 0, "pending": 0, "trained": 0, "holdout": 0}
-        for row in self._query("SELECT status, count(*) AS n FROM samples GROUP BY status"):
-            counts[row["status"]] = row["n"]
-            counts["total"] += row["n"]
-        with self._lock:
-            counts["quarantined"] = self.db["quarantine"].count
-        counts["pruned"] = self.pruned_totals()["samples"]
-        return counts
 
     # -- sessions -------------------------------------------------------------------------
 

@@ -26,8 +26,8 @@ class PrunedRows:
         """Trained samples no one reads any more, the oldest first.
 
         Not in the replay buffer, and not among the ``keep_device`` newest samples sessions
-        trained on (a session's BatchNorm adaptation and distillation read those). Pending and
-        held-out samples are never prunable.
+        trained on (a session's BatchNorm adaptation and distillation read those). Pending,
+        held-out and unlabelled samples are never prunable.
         """
         return self._query(
             "SELECT sha256, label, day, session_id, stored_path, array_path FROM samples "

@@ -6,6 +6,12 @@ a device upgraded in the field has run the earlier ones.
 
 from __future__ import annotations
 
+LABELLED_STATUSES: tuple[str, ...] = ("pending", "trained", "holdout")
+"""A labelled sample's statuses: waiting for a session, trained on, held out for evaluation."""
+UNLABELLED = "unlabelled"
+"""The status of a sample stored without a label (its ``label`` is NULL): never trained on,
+drawn for replay, evaluated on or pruned (migration 8)."""
+
 MIGRATIONS: list[str] = [
     # 1: the session path.
     """
@@ -230,5 +236,37 @@ MIGRATIONS: list[str] = [
         size_bytes INTEGER NOT NULL,
         pruned_at TEXT NOT NULL
     );
+    """,
+    # 8: a sample may be unlabelled (``odtctl ingest --unlabelled``, ``inbox/_unlabelled/``):
+    # status 'unlabelled' and a NULL label, the one implying the other. A status of its own,
+    # not a flag beside 'pending': every reader of samples asks for a status (a session's
+    # pending ones, the held-out set, the trained ones replay and pruning read), so none of
+    # them sees an unlabelled sample, and a label column that is NULL cannot pass for a class.
+    # SQLite changes neither a CHECK nor NOT NULL in place: the table is rebuilt, its rows kept
+    # (replay_buffer's references to it stay valid: ``Store.migrate`` turns the foreign keys
+    # off around a migration and checks them before it commits).
+    """
+    CREATE TABLE samples_v8 (
+        sha256 TEXT PRIMARY KEY,
+        label TEXT,
+        day TEXT NOT NULL,
+        status TEXT NOT NULL
+            CHECK (status IN ('pending', 'trained', 'holdout', 'unlabelled')),
+        original_path TEXT NOT NULL,
+        stored_path TEXT NOT NULL,
+        array_path TEXT NOT NULL,
+        width INTEGER NOT NULL,
+        height INTEGER NOT NULL,
+        ingested_at TEXT NOT NULL,
+        session_id INTEGER,
+        CHECK ((label IS NULL) = (status = 'unlabelled'))
+    );
+    INSERT INTO samples_v8 (sha256, label, day, status, original_path, stored_path, array_path,
+        width, height, ingested_at, session_id)
+    SELECT sha256, label, day, status, original_path, stored_path, array_path, width, height,
+        ingested_at, session_id FROM samples;
+    DROP TABLE samples;
+    ALTER TABLE samples_v8 RENAME TO samples;
+    CREATE INDEX samples_status ON samples (status, day);
     """,
 ]
