@@ -81,3 +81,19 @@ def test_a_promoted_version_keeps_its_offset_in_its_manifest(home, tmp_path):
     assert current == f"v{session['model_version_after']}"
     offset = json.loads((models / current / "manifest.json").read_text())["logit_offset"]
     assert len(offset) == len(HOME_CLASSES) and np.argmax(offset) == airplane
+
+
+@pytest.mark.trains
+def test_unlabelled_images_count_in_the_priors(home, tmp_path):
+    # The labelled day is even; the images without a label go to the EM by their posteriors.
+    policy = (home / "policy.yaml").read_text()
+    (home / "policy.yaml").write_text(policy.replace("training:\n", "training:\n  prior_correction: true\n"))
+    write_images(tmp_path / "day", per_class=3, seed=31)
+    odtctl("ingest", str(tmp_path / "day"), home=home)
+    write_images(tmp_path / "seen", per_class=5, seed=32)
+    report = odtctl_json("ingest", "--unlabelled", str(tmp_path / "seen"), home=home)
+    assert report["unlabelled"] == 5 * len(HOME_CLASSES)
+    odtctl("train-now", "--foreground", "--force", home=home)
+    priors = odtctl_json("history", home=home)[0]["details"]["priors"]
+    assert priors["status"] == "estimated" and priors["unlabelled"] == 5 * len(HOME_CLASSES), priors
+    assert priors["em_steps"] > 1  # the posteriors of the images without a label were iterated

@@ -64,6 +64,7 @@ def _accuracies(evaluation: dict[str, Any]) -> str:
 
 _PROGRESS_ROW_S = 2.0
 DEVICE_IMAGES = 512  # the most device images BatchNorm adaptation measures (bn_device_share)
+UNLABELLED_IMAGES = 2048  # the most images without a label the class priors' EM reads
 
 
 class SessionRunner:
@@ -302,11 +303,13 @@ class SessionRunner:
         return write_job(job, job_dir)
 
     def _device_images(self, rows: list[dict[str, Any]], new_count: int) -> dict[str, np.ndarray]:
-        """The train file's ``device`` mask and ``device_x`` (``bn_device_share``, ``distill``).
+        """The train file's ``device`` mask, ``device_x`` and ``unlabelled_x``, as the policy needs.
 
         The device's images are the day's (the first ``new_count`` rows), rehearsed ones a
         session trained on before (not the replay seed's) and, in ``device_x``, earlier days'
-        images not drawn this time, the newest first, up to ``DEVICE_IMAGES`` in all.
+        images not drawn this time, the newest first, up to ``DEVICE_IMAGES`` in all
+        (``bn_device_share``, ``distill``, ``prior_correction``); ``unlabelled_x``, the newest
+        images without a label (``prior_correction``).
         """
         training = self.policy.training
         if training.bn_device_share is None and not training.distill and not training.prior_correction:
@@ -321,7 +324,13 @@ class SessionRunner:
             extra = load_sample_arrays(self.home, earlier, self.classes)[0]
         else:
             extra = np.zeros((0,) + tuple(self.input_shape), dtype=np.uint8)
-        return {"device": mask, "device_x": extra}
+        arrays = {"device": mask, "device_x": extra}
+        if training.prior_correction:  # the newest images without a label, for the priors' EM
+            unlabelled = self.store.unlabelled_samples(UNLABELLED_IMAGES)
+            arrays["unlabelled_x"] = np.stack(
+                [np.load(self.home.root / row.array_path, allow_pickle=False) for row in unlabelled]
+            ) if unlabelled else np.zeros((0,) + tuple(self.input_shape), dtype=np.uint8)
+        return arrays
 
     def _follow_worker(self, record: SessionRecord, job_dir: Path, job_path: Path,
                        stop: StopRequest) -> WorkerEnd:
