@@ -19,13 +19,14 @@ def _score(x, y, groups, predictions, ran):
         ran.append(len(labels))
         index = images[:, 0].astype(np.int64)
 
-        class Tensor:  # what eval_step returns: tensors with .numpy()
+        class Tensor:  # what eval_step returns (losses, logits): tensors with .numpy()
             def __init__(self, value):
                 self.value = value
 
             def numpy(self):
                 return self.value
-        return Tensor(np.zeros(len(labels))), Tensor(predictions[index])
+        # logits whose largest is the prediction
+        return Tensor(np.zeros(len(labels))), Tensor(np.eye(3)[predictions[index]])
 
     def score(cached=None):
         return evaluate(eval_step, x, y, 3, 16, lambda: False, groups, cached)
