@@ -93,6 +93,10 @@ def main() -> int:
     parser.add_argument("--replay-seed", type=int, default=500,
                         help="clean images each home gets as init --replay (the reference set)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policy", help="the devices' policy file (default: the model's recipe)")
+    parser.add_argument("--device-validation", type=int, default=0, metavar="N",
+                        help="each device's validation set: N test images of its own class mix "
+                             "(default 0: the base's, shared)")
     parser.add_argument("--days-of", metavar="DIR",
                         help="only score every day's served models of the run in DIR (made with "
                              "these options) and print them")
@@ -100,11 +104,12 @@ def main() -> int:
     each = SimulationOptions(days=args.rounds, per_day=args.per_day, model=args.model,
                              dataset=args.dataset, pretrain_samples=args.pretrain_samples,
                              pretrain_epochs=args.pretrain_epochs, validation_samples=200,
-                             seed=args.seed, shift=args.shift)
+                             seed=args.seed, shift=args.shift, policy=args.policy)
     options = FleetSimulation(devices=args.devices, alpha=args.alpha, test_per_device=args.test_images,
                               batchnorm=args.batchnorm, model_file=args.model_file,
                               replay_seed=args.replay_seed, strategy=args.strategy,
-                              proximal_mu=args.proximal_mu, each=each)
+                              proximal_mu=args.proximal_mu,
+                              device_validation=args.device_validation, each=each)
     def log(line: str) -> None:
         print(line, file=sys.stderr)
 

@@ -139,7 +139,8 @@ def fleet_simulate(args: argparse.Namespace) -> int:
     options = FleetSimulation(devices=args.devices, alpha=args.alpha, test_per_device=args.test_images,
                               local_epochs=args.local_epochs, batchnorm=args.batchnorm,
                               model_file=args.model_file, replay_seed=args.replay_seed,
-                              strategy=args.strategy, proximal_mu=args.proximal_mu, each=each)
+                              strategy=args.strategy, proximal_mu=args.proximal_mu,
+                              device_validation=args.device_validation, each=each)
     result = simulate_fleet(Path(args.out), options, progress=progress)
     result["plot"] = _plot_simulation(result, Path(args.out))
     emit(args, result, None if args.json else "\n".join(
@@ -224,6 +225,9 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     m.add_argument("--pretrain-epochs", type=int, default=3, help="pre-training epochs (default 3)")
     m.add_argument("--validation-samples", type=int, default=200, help="each home's validation set")
     m.add_argument("--test-images", type=int, default=200, help="test images a device (default 200)")
+    m.add_argument("--device-validation", type=int, default=0, metavar="N",
+                   help="each device's validation set its own: N test images of its class mix, "
+                        "shifted like its camera (default 0: the base's, shared)")
     m.add_argument("--replay-seed", type=int, default=500,
                    help="the base model's own clean images each home gets as `init --replay` "
                         "(every tenth is the reference set guarding the clean domain; default 500)")

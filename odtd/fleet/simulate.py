@@ -65,6 +65,9 @@ class FleetSimulation:
         replay_seed: The base model's own (clean, server-side) images every home gets as
             ``init --replay``: its replay seed, every tenth held out as the reference set that
             guards the clean domain. 0: none (no reference guard).
+        device_validation: Each device's validation set its own: this many test images of its
+            class mix, shifted like its camera, in place of the base's shared one (the guard,
+            and ``training.prior_correction``, then judge on the device's world); 0: shared.
         each: What every device shares with ``odtctl simulate``: its ``days`` are the rounds,
             ``per_day``, the model, data set, shift, pre-training, validation set, policy, seed.
     """
@@ -78,6 +81,7 @@ class FleetSimulation:
     replay_seed: int = 500
     strategy: str = "fedavg"
     proximal_mu: float = 0.01
+    device_validation: int = 0
     each: SimulationOptions = field(default_factory=lambda: SimulationOptions(
         days=2, pretrain_samples=1000, pretrain_epochs=3, validation_samples=200))
 
@@ -153,6 +157,18 @@ def device_tests(options: FleetSimulation, source: DataSource, pools: DevicePool
     images = {"shifted": shift(x, seed=[options.each.seed, 10_000 + device]), "clean": x} if shift \
         else {"clean": x}
     return ScoringSets(trial, images, y, np.arange(len(y)), source.validation(), name=f"score-{device}")
+
+
+def _own_validation(device: Dict[str, Any], options: FleetSimulation, source: DataSource,
+                    pools: DevicePools, index: int) -> None:
+    """Give the device's homes (fleet and alone) a validation set of its own class mix."""
+    x, y = pools.draw(index, options.device_validation, "test")
+    if source.shift:
+        x = source.shift(x, seed=[options.each.seed, 20_000 + index])
+    for arm in ("fleet", "alone"):
+        path = device[arm].validation_file()
+        path.unlink()  # a copy of the base's (link_home): replaced, not written through
+        np.savez(path, x=x, y=y.astype(np.int64))
 
 
 def _start_daemon(home: Home, log: Path) -> subprocess.Popen:
@@ -255,6 +271,9 @@ def simulate_fleet(out: Path, options: FleetSimulation, progress: Callable[[str]
             "mix": [round(float(p), 3) for p in pools.mix[i]]})
         progress(f"device {i}: classes " + ", ".join(
             f"{source.classes[c]} {p:.0%}" for c, p in enumerate(pools.mix[i]) if p >= 0.05))
+    if options.device_validation > 0:  # drawn after every device's test images (daily.py draws those again)
+        for i, device in enumerate(devices):
+            _own_validation(device, options, source, pools, i)
     local = LocalFleet(out / "flower")
     daemons: List[subprocess.Popen] = []
     days: List[Dict[str, Any]] = []
