@@ -59,6 +59,7 @@ from odtd.sim.arms import (
     BaseArm,
     Day,
     PlainArm,
+    PriorArm,
     ReplayPool,
     SessionArm,
     Trial,
@@ -66,6 +67,7 @@ from odtd.sim.arms import (
     link_home,
     parse_arms,
 )
+from odtd.sim.scenario import Scenario, mixed_sample, stream_draws
 from odtd.sim.scoring import RunLog, ScoringSets, combine_runs
 from odtd.sim.shifts import get_shift
 from odtd.telemetry.meter import SessionEnergyMeter, running_sampler
@@ -197,8 +199,13 @@ def run_seed(args, seed: int, arms: list, trial: Trial, data: dict, tests: Scori
              template) -> RunLog:
     """The days of every arm with one seed (the draws, the sessions' and plain's training)."""
     ds, shift, train_files = data["ds"], data["shift"], data["train_files"]
-    draws = datasets.daily_draws(data["labels"], args.days, args.per_day, seed=seed + 2,
-                                 exclude=data["used"])
+    scenario = data["scenario"]
+    if scenario.even:
+        draws = [(day, None) for day in datasets.daily_draws(
+            data["labels"], args.days, args.per_day, seed=seed + 2, exclude=data["used"])]
+    else:  # the device's stream: its mix, its runs, its images without labels
+        draws = stream_draws(data["labels"], args.days, args.per_day, scenario, seed + 2,
+                             exclude=data["used"], mix_seed=args.seed)  # the tests' mix
     built = {}
     for arm in arms:
         if arm in SESSION_ARMS:
@@ -209,6 +216,9 @@ def run_seed(args, seed: int, arms: list, trial: Trial, data: dict, tests: Scori
             built[arm] = SessionArm(arm, trial, home, ds, pool)
         elif arm == "plain":
             built[arm] = PlainArm(trial, data["base_weights"], trial.work / f"plain-s{seed}.npz", seed)
+        elif arm == "priors":
+            built[arm] = PriorArm(trial, data["base_weights"], trial.work / f"priors-s{seed}",
+                                  data["calibration"], data["validation"], data["batch_size"])
         elif arm == "adabn":
             built[arm] = AdaBnArm(trial, data["base_weights"], trial.work / f"adabn-s{seed}.npz",
                                   data["batch_size"])
@@ -217,11 +227,16 @@ def run_seed(args, seed: int, arms: list, trial: Trial, data: dict, tests: Scori
     run = RunLog(seed, arms, base.base, tests.daily)
     try:
         for number in range(1, args.days + 1):
-            indices = draws[number - 1]
+            indices, unlabelled_idx = draws[number - 1]
             x, y = ds.load_arrays("train", indices)
+            unlabelled = None
+            if unlabelled_idx is not None and len(unlabelled_idx):
+                unlabelled = ds.load_arrays("train", unlabelled_idx)[0]
+                unlabelled = shift(unlabelled, seed=[seed, 200 + number]) if shift else unlabelled
             day = Day(number, (START_DAY + timedelta(days=number - 1)).isoformat(),
                       [train_files[i][0] for i in indices],
-                      shift(x, seed=[seed, 100 + number]) if shift else x, y, shift is not None)
+                      shift(x, seed=[seed, 100 + number]) if shift else x, y, shift is not None,
+                      unlabelled=unlabelled)
             records = {}
             for arm in arms:
                 records[arm] = built[arm].day(day)
@@ -238,10 +253,28 @@ def run_seed(args, seed: int, arms: list, trial: Trial, data: dict, tests: Scori
     return run
 
 
+def scenario_tests(ds, test_labels: list, mix: np.ndarray, args) -> tuple:
+    """Test images of the device's mix and as many evenly mixed ones; the daily subset.
+
+    Returns ``({"device": x, "clean": x}, {"device": y, "clean": y}, daily indices)``: as many
+    of each as the device's mix leaves of its largest class (at most --test-images), the daily
+    subset the same positions in both.
+    """
+    device_idx = mixed_sample(test_labels, args.test_images, mix, args.seed + 4)
+    per_class = min(len(device_idx), args.test_images) // len(datasets.CLASSES)
+    clean_idx = datasets.take_per_class(test_labels, per_class, seed=args.seed + 5, exclude=device_idx)
+    clean_idx = np.random.default_rng(args.seed + 5).permutation(clean_idx)
+    count = min(len(device_idx), len(clean_idx))
+    (dx, dy), (cx, cy) = (ds.load_arrays("test", idx[:count]) for idx in (device_idx, clean_idx))
+    daily = np.sort(np.random.default_rng(args.seed + 3).permutation(count)[:args.daily_test_images])
+    return {"device": dx, "clean": cx}, {"device": dy, "clean": cy}, daily
+
+
 def run(args) -> dict:
     started = time.monotonic()
     shift = get_shift(args.shift) if args.shift else None
-    arms = parse_arms(args.arms, shift is not None)
+    scenario = Scenario.parse(args.priors, args.stream, args.unlabelled)
+    arms = parse_arms(args.arms, shift is not None, scenario.priors is not None)
     seeds = args.seeds or [args.seed]
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -255,14 +288,21 @@ def run(args) -> dict:
         raise OdtdError(f"--arms replay lends each replay seed image once: {len(seed_idx)} replay seed "
                         f"images < {args.days} days x {args.per_day} x {len(seeds)} seeds; raise "
                         "--replay-seed or --pretrain-images")
+    mix = scenario.mix(len(datasets.CLASSES), args.seed)
     check_idx = datasets.take_per_class(labels, args.validation_images // 10, seed=args.seed + 1,
-                                        exclude=pretrain_idx)
-    test_files = ds.files("test")
-    test_idx = (None if args.test_images >= len(test_files) else datasets.take_per_class(
-        [label for _, label in test_files], args.test_images // 10, seed=args.seed + 4))
-    test_x, test_y = ds.load_arrays("test", test_idx)
-    daily_idx = datasets.take_per_class(test_y, args.daily_test_images // 10, seed=args.seed + 3)
-    log(f"test set: {len(test_y)} images, {len(daily_idx)} scored every day")
+                                        exclude=pretrain_idx) if scenario.priors is None else \
+        mixed_sample(labels, args.validation_images, mix, args.seed + 1, exclude=pretrain_idx)
+    test_labels = [label for _, label in ds.files("test")]
+    if scenario.even:
+        test_idx = (None if args.test_images >= len(test_labels) else datasets.take_per_class(
+            test_labels, args.test_images // 10, seed=args.seed + 4))
+        test_x, test_y = ds.load_arrays("test", test_idx)
+        daily_idx = datasets.take_per_class(test_y, args.daily_test_images // 10, seed=args.seed + 3)
+    else:  # the device's own mix, and evenly mixed clean images (the reference), as many of each
+        test_x, test_y, daily_idx = scenario_tests(ds, test_labels, mix, args)
+    log(f"test set: {len(daily_idx if scenario.even else test_y['device'])} images"
+        + ("" if scenario.even else " of the device's mix and as many evenly mixed")
+        + f", {len(daily_idx)} scored every day")
     check_x, check_y = ds.load_arrays("train", check_idx)
     np.savez(work / "check.npz", x=check_x, y=check_y)  # pre-training's, never shifted
     trial = Trial(args.model, list(datasets.CLASSES), [32, 32, 3], args.precision, work, log=log)
@@ -270,11 +310,17 @@ def run(args) -> dict:
     policy = odtd_policy(Path(args.policy), args.precision)
     # The device's validation set and test images: one shift for every run and arm.
     validation = (shift(check_x, seed=[args.seed, 1]) if shift else check_x, check_y)
-    images = {"shifted": shift(test_x, seed=[args.seed, 2]), "clean": test_x} if shift else {"clean": test_x}
-    tests = ScoringSets(trial, images, test_y, daily_idx, validation)
+    if scenario.even:
+        images = {"shifted": shift(test_x, seed=[args.seed, 2]), "clean": test_x} if shift \
+            else {"clean": test_x}
+    else:  # "device": its mix through its camera; "clean": evenly mixed, unshifted
+        images = {"device": shift(test_x["device"], seed=[args.seed, 2]) if shift else test_x["device"],
+                  "clean": test_x["clean"]}
+    tests = ScoringSets(trial, images, test_y, daily_idx, validation,
+                        offset_domains=None if scenario.even else ("device", "validation"))
     data = {"ds": ds, "shift": shift, "train_files": train_files, "labels": labels,
             "used": np.concatenate([pretrain_idx, check_idx]), "base_weights": Path(base["weights"]),
-            "batch_size": policy.batch.size}
+            "batch_size": policy.batch.size, "scenario": scenario, "validation": validation}
     template = None
     if set(arms) & set(SESSION_ARMS) or args.import_model:
         template = make_template(args, trial, ds, [train_files[i][0] for i in seed_idx], validation,
@@ -284,6 +330,13 @@ def run(args) -> dict:
                                          if train_files[i][0].split("/", 1)[1] in buffered], np.int64)
     if args.import_model:
         data["base_weights"] = run_imported(trial, template)
+    if "priors" in arms:  # the priors arm's calibration: the home's reference set, else seed images
+        reference = Home(template).reference_file() if template else None
+        if reference is not None and reference.exists():
+            with np.load(reference, allow_pickle=False) as arrays:
+                data["calibration"] = (arrays["x"], arrays["y"].astype(np.int64))
+        else:
+            data["calibration"] = ds.load_arrays("train", seed_idx[:500])
     day0 = RunLog(args.seed, arms, tests.score(data["base_weights"], full=True, validation=True),
                   tests.daily)
     runs = []
@@ -295,7 +348,8 @@ def run(args) -> dict:
         "machine": cpu_description(), "published": PUBLISHED, "days": args.days, "per_day": args.per_day,
         "model": args.model, "imported": args.import_model, "shift": args.shift, "arms": arms, "seeds": seeds,
         "arm_descriptions": {arm: ARMS[arm] for arm in arms},
-        "test_images": {"all": len(test_y), "daily": len(daily_idx), "domains": tests.domains},
+        "test_images": {"all": len(tests.y), "daily": len(daily_idx), "domains": tests.domains},
+        "scenario": scenario.describe(),
         "validation_images": len(check_y), "policy": args.policy,
         "acceptance": policy.acceptance.model_dump(), "replay_seed": len(seed_idx),
         "pretrain": {"images": base["images"], "epochs": base["epochs"], "seconds": base["seconds"],
@@ -375,11 +429,22 @@ def main() -> int:
                              "(as `odtctl plot --arms` does from the --json summary)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the pre-training, validation and test images")
+    parser.add_argument("--priors", metavar="dirichlet:ALPHA",
+                        help="the device sees the classes unevenly: its mix a Dirichlet draw "
+                             "(fixed per --seed); its images, validation set and 'device' test "
+                             "images follow it, the 'clean' test images stay evenly mixed")
+    parser.add_argument("--stream", metavar="runs:MEAN",
+                        help="the device's images arrive in runs of one class of that mean length, "
+                             "in order and across days")
+    parser.add_argument("--unlabelled", type=int, default=0, metavar="K",
+                        help="K more images a day from the same camera and mix, without labels "
+                             "(odtd ingests them as unlabelled; AdaBN and the priors arm read them)")
     args = parser.parse_args()
-    try:  # a bad --shift or --arms (or `--shift help`) is answered before any work
+    try:  # a bad --shift, --arms or scenario (or `--shift help`) is answered before any work
         if args.shift:
             get_shift(args.shift)
-        parse_arms(args.arms, bool(args.shift))
+        scenario = Scenario.parse(args.priors, args.stream, args.unlabelled)
+        parse_arms(args.arms, bool(args.shift), scenario.priors is not None)
     except OdtdError as exc:
         print(f"Error: {exc}", file=sys.stderr)
         return 1

@@ -2,6 +2,8 @@
 and seeds, joules per point, the run's rows, the scoring files (no worker); plain fine-tuning and
 BatchNorm re-estimation, one worker job each (the reproduction's sliver runs the session arms)."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -9,7 +11,7 @@ from odtd.config import TelemetryConfig
 from odtd.errors import ConfigError
 from odtd.session.acceptance import paired_standard_error
 from odtd.sim import datasets
-from odtd.sim.arms import ARMS, AdaBnArm, Day, PlainArm, ReplayPool, Trial, link_home, parse_arms
+from odtd.sim.arms import ARMS, AdaBnArm, Day, PlainArm, PriorArm, ReplayPool, Trial, link_home, parse_arms
 from odtd.sim.scoring import (
     VALIDATION_GROUP,
     RunLog,
@@ -22,10 +24,13 @@ from odtd.sim.scoring import (
 
 
 def test_arms_by_name_or_letter_in_order_and_all_that_apply():
-    assert parse_arms(None, shifted=True) == list(ARMS)
+    assert parse_arms(None, shifted=True) == [arm for arm in ARMS if arm != "priors"]
     assert parse_arms("all", shifted=False) == ["odtd", "replay", "plain", "adabn", "none"]
     assert parse_arms("e, a,b", shifted=False) == ["odtd", "replay", "adabn"]
     assert parse_arms("none,plain", shifted=False) == ["plain", "none"]
+    # The priors arm (g) applies where the device's classes are uneven.
+    assert parse_arms(None, shifted=True, priors=True) == list(ARMS)
+    assert "priors" not in parse_arms(None, shifted=True) and parse_arms("g", False) == ["priors"]
 
 
 @pytest.mark.parametrize("text, shifted, message", [
@@ -124,6 +129,22 @@ def test_a_scoring_file_makes_each_test_image_its_own_group(tmp_path):
         assert list(data["group"]) == [0, 1, 2, 3] + [VALIDATION_GROUP] * 5
     with np.load(tests._file(full=True, validation=False)) as data:
         assert len(data["y"]) == 40 and list(data["group"]) == list(range(40))
+        assert data["offset"].all()  # a version's priors apply to every domain of one mix
+
+
+def test_under_a_scenario_each_domain_has_its_images_and_the_priors_apply_to_the_devices(tmp_path):
+    trial = Trial("tinycnn", list(datasets.CLASSES), [32, 32, 3], "fp32", tmp_path)
+    x, y = datasets.synthetic(6, "server", seed=1)
+    cx, cy = datasets.synthetic(6, "device", seed=2)
+    vx, vy = datasets.synthetic(3, "device", seed=3)
+    tests = ScoringSets(trial, {"device": x, "clean": cx}, {"device": y, "clean": cy},
+                        np.arange(6), (vx, vy), offset_domains=("device", "validation"))
+    with np.load(tests._file(full=True, validation=True)) as data:
+        assert np.array_equal(data["y"], np.concatenate([y, cy, vy]))
+        assert list(data["offset"]) == [True] * 6 + [False] * 6 + [True] * 3
+    with pytest.raises(ValueError, match="as many test images"):
+        ScoringSets(trial, {"device": x, "clean": cx[:4]}, {"device": y, "clean": cy[:4]},
+                    np.arange(4), (vx, vy))
 
 
 def test_the_replay_pool_lends_each_image_once(tmp_path):
@@ -177,3 +198,19 @@ def test_plain_fine_tuning_trains_and_adabn_only_moves_batchnorm_statistics(home
     assert changed(base, adabn["weights"]) == {"w0003", "w0004", "w0008", "w0009"}
     with np.load(adabn["weights"]) as after:
         assert (after["w0004"] > 0).all()  # variances over the day's images
+
+
+def test_the_priors_arm_keeps_the_devices_priors_as_an_offset_and_trains_nothing(home, tmp_path):
+    base = home / "models" / "tinycnn" / "v0" / "weights.npz"
+    x, y = datasets.synthetic(40, "server", seed=9)
+    y = np.where(np.arange(40) < 32, 3, y)  # the device sees class 3 four times in five
+    calibration = datasets.synthetic(20, "server", seed=10)
+    day = Day(1, "2026-01-01", [f"{i}.png" for i in range(40)], x, y, False,
+              unlabelled=datasets.synthetic(16, "device", seed=11)[0])
+    trial = Trial("tinycnn", list(datasets.CLASSES), [32, 32, 3], "fp32", tmp_path)
+    record = PriorArm(trial, base, tmp_path / "priors", calibration, (x[:10], y[:10]),
+                      batch_size=8).day(day)
+    assert changed(base, record["weights"]) == set()
+    offset = json.loads((tmp_path / "priors" / "manifest.json").read_text())["logit_offset"]
+    assert int(np.argmax(offset)) == 3
+    assert record["priors"]["labelled"] == 40 and record["priors"]["unlabelled"] == 16

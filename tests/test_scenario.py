@@ -92,19 +92,38 @@ def test_odtctl_simulates_a_devices_mix_and_runs_from_a_labelled_set(tmp_path):
     common = dict(dataset=str(tmp_path / "set"), per_day=16, pretrain_samples=20, seed=4)
     source = DataSource(SimulationOptions(priors="dirichlet:0.1", stream="runs:8", **common))
     labels = np.array([label for _, label in source.dataset.files("train")])
-    days = [labels[source._day_indices(day)] for day in range(4)]
+    days = [labels[source._day_indices(day)[0]] for day in range(4)]
     assert all(len(day) == 16 for day in days)
     stream = np.concatenate(days)
     assert np.sort(np.bincount(stream, minlength=10))[-2:].sum() >= 0.6 * len(stream)  # a few classes
     assert _runs(stream) > 3  # in runs
     # Day 2's draw does not depend on how many days were drawn before it.
-    assert np.array_equal(source._day_indices(2), DataSource(SimulationOptions(
-        priors="dirichlet:0.1", stream="runs:8", **common))._day_indices(2))
+    assert np.array_equal(source._day_indices(2)[0], DataSource(SimulationOptions(
+        priors="dirichlet:0.1", stream="runs:8", **common))._day_indices(2)[0])
     even = DataSource(SimulationOptions(**common))
-    assert np.bincount(np.concatenate([labels[even._day_indices(d)] for d in range(4)]),
+    assert np.bincount(np.concatenate([labels[even._day_indices(d)[0]] for d in range(4)]),
                        minlength=10).max() <= 8  # 64 images, every class 6 or 7 times
-    with pytest.raises(ConfigError, match="--priors and --stream draw a device's days from a labelled"):
+    with pytest.raises(ConfigError, match="--priors, --stream and --unlabelled draw a device's days"):
         DataSource(SimulationOptions(priors="dirichlet:0.1"))
+    # K more images a day without labels, of the same stream: written as an _unlabelled/ folder.
+    more = DataSource(SimulationOptions(priors="dirichlet:0.1", stream="runs:8", unlabelled=24, **common))
+    labelled, unlabelled = more._day_indices(1)
+    assert len(labelled) == 16 and len(unlabelled) == 24 and not set(labelled) & set(unlabelled)
+    more.write_day(1, 0, tmp_path / "day")
+    assert len(list((tmp_path / "day" / "_unlabelled").iterdir())) == 24
+    assert sum(len(list(folder.iterdir())) for folder in (tmp_path / "day").iterdir()
+               if folder.name != "_unlabelled") == 16
     refused = odtctl("simulate", "--priors", "uniform", home=tmp_path / "home", check=False)
     assert refused.returncode != 0 and "--priors 'uniform': give dirichlet:NUMBER" in refused.stderr
     assert not (tmp_path / "home").exists()
+
+
+def test_a_stream_can_follow_the_mix_of_another_seed():
+    # Runs of other draws of one device: the draws differ, the mix (its test images') does not.
+    y = np.repeat(np.arange(10), 300)
+    scenario = Scenario.parse("dirichlet:0.3", None)
+    mix = scenario.mix(10, 0)
+    for seed in (5, 6):
+        draws = stream_draws(y, 4, 200, scenario, seed, mix_seed=0)
+        seen = np.bincount(y[np.concatenate([day for day, _ in draws])], minlength=10) / 800
+        assert np.abs(seen - mix).sum() < 0.25, (seen, mix)

@@ -234,7 +234,7 @@ def test_simulate_shifts_the_days_and_validation_never_the_server_images(dataset
     if plain.dataset is None:
         x, y = datasets.synthetic(8, "device", seed=4 + 1000 + 3)
     else:
-        x, y = plain.dataset.load_arrays("train", plain._day_indices(3))
+        x, y = plain.dataset.load_arrays("train", plain._day_indices(3)[0])
         plain.write_day(1, 2, tmp_path / "plain")  # the original files, extracted
         assert sorted(path.parent.name for path in (tmp_path / "plain").glob("*/*.png")) == sorted(
             datasets.CLASSES[label] for label in y)

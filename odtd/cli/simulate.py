@@ -17,6 +17,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         pretrain_samples=args.pretrain_samples, pretrain_epochs=args.pretrain_epochs,
         validation_samples=args.validation_samples, fresh=args.fresh, seed=args.seed,
         policy=args.policy, shift=args.shift, priors=args.priors, stream=args.stream,
+        unlabelled=args.unlabelled,
     )
     result = simulate(home_of(args), options, progress=progress)
     emit(args, result, None if args.json else "\n".join(result["table"]))
@@ -48,6 +49,10 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     p.add_argument("--stream", metavar="runs:MEAN",
                    help="the device's images arrive in runs of one class of mean length MEAN, in "
                         "order and across days; needs --dataset")
+    p.add_argument("--unlabelled", type=int, default=0, metavar="K",
+                   help="K more images a day without labels, from the same camera and mix, "
+                        "ingested as unlabelled samples (read by training.prior_correction); "
+                        "needs --dataset")
     p.add_argument("--shift", metavar="NAME",
                    help="the device's camera differs from the server's: a named camera shift "
                         "('--shift help' lists them), your own (FILE.py:NAME, a function of a "

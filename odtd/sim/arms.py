@@ -16,6 +16,9 @@ difference is worth:
 - ``adabn`` (e): BatchNorm statistics re-estimated on every image the device has seen so far,
   under the base model's weights (AdaBN); no labels, no training.
 - ``none`` (f): no training: the base model.
+- ``priors`` (g): the base model with the device's class priors (``training.prior_correction``'s
+  EM over every image the device has seen, labelled or not), kept as its logit offset; no
+  training. With ``--priors`` only.
 
 (b) and (c) ingest with no hold-out, so they train on exactly as many new images as (a) did.
 Each arm's ``day`` returns ``{"weights": the model it serves, "energy_j": what the day's training
@@ -25,6 +28,7 @@ session measured it, ...}``. No TensorFlow here: the worker runs every job.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -38,8 +42,8 @@ from odtd import atomic
 from odtd.config import Config
 from odtd.errors import ConfigError
 from odtd.home.ingest import DEFAULT_HOLDOUT_EVERY, Ingestor, discover
-from odtd.home.paths import Home
-from odtd.home.versions import ModelRepo
+from odtd.home.paths import UNLABELLED_FOLDER, Home
+from odtd.home.versions import MANIFEST_NAME, ModelRepo
 from odtd.policy import load_policy
 from odtd.session.runner import SessionRunner
 from odtd.sim import datasets
@@ -53,24 +57,26 @@ ARMS = {
     "plain": "(d) plain fine-tuning on the day's images (SGD 0.005, batch 16, 3 epochs)",
     "adabn": "(e) BatchNorm statistics re-estimated on the device's images; no training",
     "none": "(f) no training: the base model",
+    "priors": "(g) the base model with the device's class priors (EM over its images); no training",
 }
 SESSION_ARMS = ("odtd", "replay", "clean")
 CONTROLS = ("replay", "clean")  # what (a) is compared with day by day
 
 
-def parse_arms(text: Optional[str], shifted: bool) -> list[str]:
+def parse_arms(text: Optional[str], shifted: bool, priors: bool = False) -> list[str]:
     """The arms ``--arms`` names, in ``ARMS`` order.
 
     Args:
         text: comma-separated names or letters (``odtd,replay`` or ``a,b``); None or ``all``:
-            every arm that applies (``clean`` only with a shift).
+            every arm that applies (``clean`` only with a shift, ``priors`` with uneven priors).
         shifted: a camera shift is set.
+        priors: the device's classes are uneven (``--priors``).
 
     Raises:
         ConfigError: an unknown arm, ``clean`` without a shift, or a control of (a) without it.
     """
     if text is None or text == "all":
-        return [name for name in ARMS if shifted or name != "clean"]
+        return [name for name in ARMS if (shifted or name != "clean") and (priors or name != "priors")]
     by_letter = {chr(ord("a") + index): name for index, name in enumerate(ARMS)}
     chosen = set()
     for word in filter(None, (part.strip() for part in text.split(","))):
@@ -157,6 +163,7 @@ class Day:
         shifted: a shift is set (the files of ``x`` are written as PNG, not as the originals).
         trained: positions in ``names`` of the images (a) trained on (not held out); its arm
             sets them, (b) and (c) use them.
+        unlabelled: the day's images without a label (``--unlabelled``), as the camera saw them.
     """
 
     number: int
@@ -166,6 +173,7 @@ class Day:
     y: np.ndarray
     shifted: bool
     trained: Optional[list[int]] = None
+    unlabelled: Optional[np.ndarray] = None
 
 
 class ReplayPool:
@@ -243,6 +251,10 @@ class SessionArm:
         with tempfile.TemporaryDirectory(dir=self.trial.work) as tmp:
             folder = Path(tmp) / "images"
             paths = self._write(day, folder)
+            if self.name == "odtd" and day.unlabelled is not None and len(day.unlabelled):
+                # As an inbox's _unlabelled/ folder: samples without a label.
+                datasets.write_image_folder(day.unlabelled, np.zeros(len(day.unlabelled), np.int64),
+                                            [UNLABELLED_FOLDER], folder, start_index=day.number * 100_000)
             report = self.ingestor.ingest(discover(folder, None), day=day.stamp)
             if self.name == "odtd":
                 written = {str(path): position for position, path in enumerate(paths)}
@@ -318,8 +330,10 @@ class AdaBnArm:
         self.seen: list[tuple[np.ndarray, np.ndarray]] = []
 
     def day(self, day: Day) -> dict[str, Any]:
-        """Re-estimate over every image seen so far; return the day's record."""
+        """Re-estimate over every image seen so far (with a label or not); return the day's record."""
         self.seen.append((day.x, day.y))
+        if day.unlabelled is not None:
+            self.seen.append((day.unlabelled, np.zeros(len(day.unlabelled), np.int64)))
         with tempfile.TemporaryDirectory(dir=self.trial.work) as tmp:
             data = Path(tmp) / "seen.npz"
             np.savez(data, x=np.concatenate([x for x, _ in self.seen]),
@@ -329,6 +343,49 @@ class AdaBnArm:
                 batch_size=self.batch_size, epochs=0, optimizer="sgd", learning_rate=0.001,
                 recalibrate_bn=True), metered=True)
         return {"weights": self.weights, "energy_j": energy_j}
+
+
+class PriorArm:
+    """(g) the base model with the device's class priors as its logit offset; no training.
+
+    A worker ``train`` job of zero epochs with ``prior_correction``: every labelled image the
+    device has seen counted by its label, every other one by the base model's posteriors,
+    calibrated on ``calibration`` (images of the original domain). The offset goes to a
+    ``manifest.json`` beside the weights, which scoring reads as it reads a version's.
+    """
+
+    def __init__(self, trial: Trial, base_weights: Path, directory: Path,
+                 calibration: tuple[np.ndarray, np.ndarray], validation: tuple[np.ndarray, np.ndarray],
+                 batch_size: int) -> None:
+        self.trial, self.base, self.batch_size = trial, base_weights, batch_size
+        self.calibration, self.validation = calibration, validation
+        directory.mkdir(parents=True, exist_ok=True)
+        self.weights = directory / "weights.npz"
+        shutil.copyfile(base_weights, self.weights)
+        self.labelled: list[tuple[np.ndarray, np.ndarray]] = []
+        self.unlabelled: list[np.ndarray] = []
+
+    def day(self, day: Day) -> dict[str, Any]:
+        """Estimate the priors over every image seen so far; return the day's record."""
+        self.labelled.append((day.x, day.y))
+        if day.unlabelled is not None:
+            self.unlabelled.append(day.unlabelled)
+        x = np.concatenate([x for x, _ in self.labelled] + [self.calibration[0]])
+        y = np.concatenate([y for _, y in self.labelled] + [self.calibration[1]])
+        seen = sum(len(labels) for _, labels in self.labelled)
+        unlabelled = np.concatenate(self.unlabelled) if self.unlabelled else x[:0]
+        with tempfile.TemporaryDirectory(dir=self.trial.work) as tmp:
+            data, validation = Path(tmp) / "seen.npz", Path(tmp) / "validation.npz"
+            np.savez(data, x=x, y=y, device=np.arange(len(y)) < seen, unlabelled_x=unlabelled)
+            np.savez(validation, x=self.validation[0], y=self.validation[1])
+            result, energy_j = self.trial.run(self.trial.job(
+                "train", weights_in=str(self.base), weights_out=str(Path(tmp) / "out.npz"),
+                train_data=str(data), validation_data=str(validation), batch_size=self.batch_size,
+                epochs=0, optimizer="sgd", learning_rate=0.001, prior_correction=True), metered=True)
+        atomic.write_text(self.weights.with_name(MANIFEST_NAME),
+                          json.dumps({"logit_offset": result["logit_offset_after"]}), durable=False)
+        return {"weights": self.weights, "energy_j": energy_j, "validation": result["accuracy_after"],
+                "priors": result.get("priors")}
 
 
 class BaseArm:

@@ -105,13 +105,16 @@ def class_stream(n: int, mix: np.ndarray, runs: Optional[float], rng: np.random.
 
 
 def stream_draws(y: Sequence, days: int, per_day: int, scenario: Scenario, seed: int,
-                 exclude: Iterable[int] = ()) -> List[Tuple[np.ndarray, np.ndarray]]:
+                 exclude: Iterable[int] = (), mix_seed: Optional[int] = None
+                 ) -> List[Tuple[np.ndarray, np.ndarray]]:
     """Each day's ``(labelled, unlabelled)`` indices into ``y``, in the order the camera saw them.
 
     A day holds ``per_day + scenario.unlabelled`` images of one stream (``class_stream``, the
     classes of ``scenario.mix``); ``per_day`` of them, chosen at random, are the labelled ones.
     Images are drawn without replacement; a class that runs out gives its place in the stream
     to the next image of another class (the stream stays the mix's as far as the data allow).
+    ``mix_seed``: the seed of the device's mix where it is not ``seed`` (runs of other draws of
+    one device, whose test images follow the mix).
 
     Raises:
         ValueError: fewer images left than the days need.
@@ -126,7 +129,8 @@ def stream_draws(y: Sequence, days: int, per_day: int, scenario: Scenario, seed:
     if sum(len(pool) for pool in pools) < days * per:
         raise ValueError(f"{days} days x {per} images need {days * per}, but only "
                          f"{sum(len(p) for p in pools)} are left; fewer days or images a day")
-    order = class_stream(days * per, scenario.mix(classes, seed), scenario.runs, rng)
+    mix = scenario.mix(classes, seed if mix_seed is None else mix_seed)
+    order = class_stream(days * per, mix, scenario.runs, rng)
     picked = []
     for label in order:
         if not pools[label]:  # this class ran out: the next class that has images left

@@ -63,18 +63,28 @@ class ScoringSets:
     Args:
         trial: the shared settings (the worker runs the scoring).
         images: domain -> uint8 test images (``clean``, and ``shifted`` first when a shift is
-            set), the same images and labels in each.
-        y: their labels.
+            set), the same images and labels in each; or, under a scenario (``sim.scenario``),
+            ``device`` (its class mix and camera) and ``clean`` (evenly mixed: the reference),
+            as many images in each.
+        y: their labels; or domain -> labels where the domains' images differ.
         daily: indices of the subset scored every day.
         validation: the device's validation set (x, y).
         batch_size: the evaluation batch.
         name: the scoring files' stem in ``trial.work`` (sets that share a trial need their own).
+        offset_domains: the domains a version's logit offset (its class priors) applies to:
+            those of the device's mix (None: all; not ``clean`` under a scenario).
     """
 
-    def __init__(self, trial: Trial, images: dict[str, np.ndarray], y: np.ndarray,
+    def __init__(self, trial: Trial, images: dict[str, np.ndarray], y: Any,
                  daily: np.ndarray, validation: tuple[np.ndarray, np.ndarray],
-                 batch_size: int = 250, name: str = "score") -> None:
-        self.trial, self.images, self.y, self.daily = trial, images, y, np.asarray(daily)
+                 batch_size: int = 250, name: str = "score",
+                 offset_domains: Optional[tuple[str, ...]] = None) -> None:
+        self.labels = y if isinstance(y, dict) else {domain: y for domain in images}
+        if len({len(labels) for labels in self.labels.values()}) != 1:
+            raise ValueError("ScoringSets: every domain needs as many test images")
+        self.trial, self.images, self.daily = trial, images, np.asarray(daily)
+        self.offset_domains = tuple(images) if offset_domains is None else offset_domains
+        self.y = next(iter(self.labels.values()))  # one domain's: their count, as each
         self.validation, self.batch_size, self.name = validation, batch_size, name
         self.domains = list(images)
         self._cache: dict[tuple[str, bool], Scores] = {}
@@ -86,7 +96,7 @@ class ScoringSets:
         if key not in self._files:
             chosen = slice(None) if full else self.daily
             x = [self.images[domain][chosen] for domain in self.domains]
-            y = [self.y[chosen]] * len(self.domains)
+            y = [self.labels[domain][chosen] for domain in self.domains]
             if validation:
                 x.append(self.validation[0])
                 y.append(self.validation[1])
@@ -96,16 +106,22 @@ class ScoringSets:
             group[:tests] = np.arange(tests)
             stem = f"{self.name}-{'all' if full else 'daily'}{'-val' if validation else ''}"
             path = self.trial.work / f"{stem}.npz"
-            # A version's logit offset (its class priors) applies to every image here: each is
-            # its own group, so the worker's default (all but group "2") would not do.
-            np.savez(path, x=np.concatenate(x), y=np.concatenate(y), group=group,
-                     offset=np.ones(count, dtype=bool))
+            # A version's logit offset (its class priors) applies to the images of the device's
+            # mix, named here: each image is its own group, so the worker's default (all but
+            # group "2") would not do.
+            offset = np.concatenate([np.full(len(part), domain in self.offset_domains)
+                                     for part, domain in zip(y, self.domains + ["validation"])])
+            np.savez(path, x=np.concatenate(x), y=np.concatenate(y), group=group, offset=offset)
             self._files[key] = path
         return self._files[key]
 
     def score(self, weights: Path, full: bool = False, validation: bool = False) -> Scores:
-        """Score ``weights`` on all test images (``full``) or the daily subset; cached by content."""
-        sha = file_sha256(weights)
+        """Score ``weights`` on all test images (``full``) or the daily subset; cached by content.
+
+        A version's logit offset (``version_logit_offset``) is applied, and is part of the key.
+        """
+        offset = version_logit_offset(weights)
+        sha = file_sha256(weights) + ("" if offset is None else json.dumps(offset))
         cached = self._cache.get((sha, full)) or (None if full else self._cache.get((sha, True)))
         if cached is not None and (cached.validation is not None or not validation):
             if cached.full and not full:
@@ -118,7 +134,7 @@ class ScoringSets:
                        + (f" and {len(self.validation[1]):,} validation images" if validation else ""))
         result, _ = self.trial.run(self.trial.job(
             "evaluate", weights_in=str(weights), validation_data=str(path), batch_size=self.batch_size,
-            eval_batch_size=self.batch_size, logit_offset=version_logit_offset(weights)))
+            eval_batch_size=self.batch_size, logit_offset=offset))
         by_group = result["by_group_after"]
         hits = np.array([by_group[str(g)] > 0.5 for g in range(size * len(self.domains))])
         scores = Scores({domain: hits[n * size:(n + 1) * size] for n, domain in enumerate(self.domains)},

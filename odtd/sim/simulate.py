@@ -22,7 +22,7 @@ from odtd.config import Config
 from odtd.errors import ConfigError
 from odtd.home.create import InitRequest, init_home
 from odtd.home.ingest import Ingestor, discover
-from odtd.home.paths import Home
+from odtd.home.paths import UNLABELLED_FOLDER, Home
 from odtd.home.spec import ModelSpec
 from odtd.home.versions import ModelRepo
 from odtd.policy import load_policy
@@ -57,6 +57,7 @@ class SimulationOptions:
     shift: Optional[str] = None
     priors: Optional[str] = None  # dirichlet:ALPHA: the device's class mix (odtd.sim.scenario)
     stream: Optional[str] = None  # runs:MEAN: its images in runs of one class
+    unlabelled: int = 0  # more images a day without labels, from the same stream
 
 
 class DataSource:
@@ -69,15 +70,16 @@ class DataSource:
     def __init__(self, options: SimulationOptions) -> None:
         self.options = options
         self.shift: Optional[Shift] = get_shift(options.shift) if options.shift else None
-        self.scenario = Scenario.parse(options.priors, options.stream)
+        self.scenario = Scenario.parse(options.priors, options.stream, options.unlabelled)
         self.classes = list(datasets.CLASSES)
         synthetic = options.dataset == "synthetic"
         self.dataset = None if synthetic else datasets.open_dataset(Path(options.dataset))
         if self.dataset is not None:
             self.classes = list(self.dataset.classes)
         elif not self.scenario.even:
-            raise ConfigError("--priors and --stream draw a device's days from a labelled data "
-                              "set: give --dataset (a <split>/<class>/ folder or the CIFAR-10 archive)")
+            raise ConfigError("--priors, --stream and --unlabelled draw a device's days from a "
+                              "labelled data set: give --dataset (a <split>/<class>/ folder or the "
+                              "CIFAR-10 archive)")
 
     def server(self, n: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
         """Pre-training data: the synthetic server domain, or the dataset's first train images.
@@ -114,13 +116,21 @@ class DataSource:
         return (x if self.shift is None else self.shift(x, seed=[self.options.seed, 0])), y
 
     def write_day(self, day_index: int, offset: int, out_dir: Path) -> None:
-        """Write day ``day_index``'s new images under ``out_dir/<class>/`` (shifted: as PNG)."""
+        """Write day ``day_index``'s new images under ``out_dir/<class>/`` (shifted: as PNG).
+
+        With ``--unlabelled``, the day's images without a label under ``out_dir/_unlabelled/``.
+        """
         k = self.options.per_day
         day_number = offset + day_index
         if self.dataset is None:
             x, y = datasets.synthetic(k, "device", seed=self.options.seed + 1000 + day_number)
         else:
-            indices = self._day_indices(day_number)
+            indices, unlabelled = self._day_indices(day_number)
+            if len(unlabelled):
+                ux = self.dataset.load_arrays("train", unlabelled)[0]
+                ux = ux if self.shift is None else self.shift(ux, seed=[self.options.seed, 5000 + day_number])
+                datasets.write_image_folder(ux, np.zeros(len(ux), np.int64), [UNLABELLED_FOLDER],
+                                            out_dir, fmt="png", start_index=day_number * len(ux))
             if self.shift is None:  # the original files, as a camera would write them
                 files = self.dataset.files("train")
                 self.dataset.extract("train", [files[i][0] for i in indices], out_dir)
@@ -130,8 +140,8 @@ class DataSource:
             x = self.shift(x, seed=[self.options.seed, 1 + day_number])
         datasets.write_image_folder(x, y, self.classes, out_dir, fmt="png", start_index=day_number * k)
 
-    def _day_indices(self, day_number: int) -> np.ndarray:
-        """Indices into the dataset's train split of day ``day_number``'s images."""
+    def _day_indices(self, day_number: int) -> tuple[np.ndarray, np.ndarray]:
+        """Indices into the dataset's train split of day ``day_number``'s images: with labels, without."""
         k = self.options.per_day
         files = self.dataset.files("train")
         labels = np.array([label for _, label in files])
@@ -141,7 +151,7 @@ class DataSource:
         try:
             if not self.scenario.even:  # the device's mix and runs, the stream going on day by day
                 return stream_draws(labels, day_number + 1, k, self.scenario, self.options.seed,
-                                    exclude=sorted(used))[day_number][0]
+                                    exclude=sorted(used))[day_number]
             draws = datasets.daily_draws(labels, day_number + 1, k, seed=self.options.seed,
                                          exclude=sorted(used))
         except ValueError as error:  # the home's earlier days count: day_number is since init
@@ -149,7 +159,7 @@ class DataSource:
                 f"--dataset {self.options.dataset}: {error} (the pre-training's "
                 f"{self.options.pretrain_samples}, --pretrain-samples, are never drawn); "
                 "fewer --days or --per-day, or a larger dataset") from None
-        return draws[day_number]
+        return draws[day_number], np.zeros(0, np.int64)
 
 
 def simulate(home: Home, options: SimulationOptions,
