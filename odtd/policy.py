@@ -149,6 +149,12 @@ class TrainingPolicy(_Strict):
         "images; labelled images counted by their labels) and keep them with the version as "
         "an offset on its logits: the device's images are scored with it, the reference set "
         "without; guarded like any candidate (docs/priors.md)")
+    pseudo_labels: Optional[float] = Field(
+        default=None, ge=0, le=1, description="train on the device's images without a label "
+        "too, labelled by the served model where it is this sure (its mean probability over "
+        "the image and its mirror image, both giving the same class; the class priors of "
+        "prior_correction applied), the surest first, at most as many as the session's "
+        "labelled images; guarded like any candidate; null = off")
     trainable: Union[Literal["all", "head", "batchnorm"], PositiveInt] = Field(
         default="all", description="what trains: all, head (the last layer that holds weights), "
         "batchnorm (the BatchNorm layers' scale and offset alone), or the last N layers that "

@@ -55,11 +55,7 @@ from odtd.sim import datasets
 from odtd.sim.arms import (
     ARMS,
     SESSION_ARMS,
-    AdaBnArm,
-    BaseArm,
     Day,
-    PlainArm,
-    PriorArm,
     ReplayPool,
     SessionArm,
     Trial,
@@ -67,6 +63,7 @@ from odtd.sim.arms import (
     link_home,
     parse_arms,
 )
+from odtd.sim.controls import AdaBnArm, BaseArm, PlainArm, PriorArm, TentArm
 from odtd.sim.scenario import Scenario, mixed_sample, stream_draws
 from odtd.sim.scoring import RunLog, ScoringSets, combine_runs
 from odtd.sim.shifts import get_shift
@@ -219,6 +216,9 @@ def run_seed(args, seed: int, arms: list, trial: Trial, data: dict, tests: Scori
         elif arm == "priors":
             built[arm] = PriorArm(trial, data["base_weights"], trial.work / f"priors-s{seed}",
                                   data["calibration"], data["validation"], data["batch_size"])
+        elif arm == "tent":
+            built[arm] = TentArm(trial, data["base_weights"], trial.work / f"tent-s{seed}.npz",
+                                 data["batch_size"])
         elif arm == "adabn":
             built[arm] = AdaBnArm(trial, data["base_weights"], trial.work / f"adabn-s{seed}.npz",
                                   data["batch_size"])
@@ -274,7 +274,7 @@ def run(args) -> dict:
     started = time.monotonic()
     shift = get_shift(args.shift) if args.shift else None
     scenario = Scenario.parse(args.priors, args.stream, args.unlabelled)
-    arms = parse_arms(args.arms, shift is not None, scenario.priors is not None)
+    arms = parse_arms(args.arms, shift is not None, scenario.priors is not None, not scenario.even)
     seeds = args.seeds or [args.seed]
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -444,7 +444,7 @@ def main() -> int:
         if args.shift:
             get_shift(args.shift)
         scenario = Scenario.parse(args.priors, args.stream, args.unlabelled)
-        parse_arms(args.arms, bool(args.shift), scenario.priors is not None)
+        parse_arms(args.arms, bool(args.shift), scenario.priors is not None, not scenario.even)
     except OdtdError as exc:
         print(f"Error: {exc}", file=sys.stderr)
         return 1

@@ -3,6 +3,7 @@ and seeds, joules per point, the run's rows, the scoring files (no worker); plai
 BatchNorm re-estimation, one worker job each (the reproduction's sliver runs the session arms)."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -11,7 +12,8 @@ from odtd.config import TelemetryConfig
 from odtd.errors import ConfigError
 from odtd.session.acceptance import paired_standard_error
 from odtd.sim import datasets
-from odtd.sim.arms import ARMS, AdaBnArm, Day, PlainArm, PriorArm, ReplayPool, Trial, link_home, parse_arms
+from odtd.sim.arms import ARMS, Day, ReplayPool, Trial, link_home, parse_arms
+from odtd.sim.controls import AdaBnArm, PlainArm, PriorArm, TentArm
 from odtd.sim.scoring import (
     VALIDATION_GROUP,
     RunLog,
@@ -24,13 +26,15 @@ from odtd.sim.scoring import (
 
 
 def test_arms_by_name_or_letter_in_order_and_all_that_apply():
-    assert parse_arms(None, shifted=True) == [arm for arm in ARMS if arm != "priors"]
+    assert parse_arms(None, shifted=True) == [arm for arm in ARMS if arm not in ("priors", "tent")]
     assert parse_arms("all", shifted=False) == ["odtd", "replay", "plain", "adabn", "none"]
     assert parse_arms("e, a,b", shifted=False) == ["odtd", "replay", "adabn"]
     assert parse_arms("none,plain", shifted=False) == ["plain", "none"]
     # The priors arm (g) applies where the device's classes are uneven.
-    assert parse_arms(None, shifted=True, priors=True) == list(ARMS)
+    assert parse_arms(None, shifted=True, priors=True, uneven=True) == list(ARMS)
     assert "priors" not in parse_arms(None, shifted=True) and parse_arms("g", False) == ["priors"]
+    # TENT (h) in any scenario but the even, shuffled, labelled stream.
+    assert parse_arms(None, shifted=False, uneven=True)[-1] == "tent"
 
 
 @pytest.mark.parametrize("text, shifted, message", [
@@ -214,3 +218,17 @@ def test_the_priors_arm_keeps_the_devices_priors_as_an_offset_and_trains_nothing
     offset = json.loads((tmp_path / "priors" / "manifest.json").read_text())["logit_offset"]
     assert int(np.argmax(offset)) == 3
     assert record["priors"]["labelled"] == 40 and record["priors"]["unlabelled"] == 16
+
+
+def test_tent_trains_batchnorms_scale_and_offset_online_and_nothing_else(home, tmp_path):
+    base = home / "models" / "tinycnn" / "v0" / "weights.npz"
+    x, y = datasets.synthetic(24, "server", seed=12)
+    trial = Trial("tinycnn", list(datasets.CLASSES), [32, 32, 3], "fp32", tmp_path)
+    tent = TentArm(trial, base, tmp_path / "tent.npz", batch_size=8)
+    more = datasets.synthetic(8, "device", seed=13)[0]
+    first = tent.day(Day(1, "2026-01-01", [], x, y, False, unlabelled=more))
+    # Gamma, beta and the moving statistics of both BatchNorm layers; no convolution, no logits.
+    assert changed(base, first["weights"]) == {f"w{i:04d}" for i in (1, 2, 3, 4, 6, 7, 8, 9)}
+    shutil.copyfile(first["weights"], tmp_path / "day1.npz")
+    tent.day(Day(2, "2026-01-02", [], x[::-1].copy(), y, False))
+    assert changed(tmp_path / "day1.npz", tent.weights)  # the next day goes on from the first's

@@ -863,3 +863,46 @@ def test_prior_correction_raises_the_devices_accuracy_and_leaves_the_reference_a
         validation_data=str(tmp_path / "rows.npz"), logit_offset=offset))
     assert code == 0, stderr
     assert events[-1]["by_group_after"] == on["by_group_after"]
+
+
+def test_the_entropy_objective_reads_no_label(tmp_path, initial):
+    # TENT's objective: the same images under other labels train to the same weights; the
+    # labels' cross-entropy does not.
+    rng = np.random.default_rng(6)
+    x = rng.integers(0, 256, (24, 32, 32, 3), dtype=np.uint8)
+    weights = {}
+    for objective in ("entropy", "labels"):
+        for name, labels in (("a", np.zeros(24)), ("b", np.arange(24) % 3)):
+            np.savez(tmp_path / f"{name}.npz", x=x, y=labels.astype(np.int64))
+            out = tmp_path / f"{objective}-{name}.npz"
+            code, _, stderr = run_worker(write_job(
+                tmp_path, f"{objective}-{name}", weights_in=str(initial[0]), weights_out=str(out),
+                train_data=str(tmp_path / f"{name}.npz"), epochs=1, objective=objective,
+                trainable="batchnorm", optimizer="adam", learning_rate=0.01))
+            assert code == 0, stderr
+            with np.load(out) as arrays:
+                weights[objective, name] = [arrays[key] for key in sorted(arrays.files)]
+    assert all(np.array_equal(a, b) for a, b in zip(weights["entropy", "a"], weights["entropy", "b"]))
+    assert not all(np.array_equal(a, b) for a, b in zip(weights["labels", "a"], weights["labels", "b"]))
+
+
+def test_pseudo_labels_add_the_sure_images_without_a_label(tmp_path, initial):
+    # A threshold every image passes (three classes: the top probability is at least a third)
+    # adds as many as there are labelled device images; a threshold none passes adds none.
+    rng = np.random.default_rng(7)
+    np.savez(tmp_path / "train.npz", x=rng.integers(0, 256, (30, 32, 32, 3), dtype=np.uint8),
+             y=(np.arange(30) % 3).astype(np.int64), device=np.arange(30) < 20,
+             unlabelled_x=rng.integers(0, 256, (50, 32, 32, 3), dtype=np.uint8))
+    write_samples(tmp_path / "val.npz", 12, seed=8)
+    samples = {}
+    for name, threshold in (("all", 0.0), ("none", 1.0), ("off", None)):
+        code, events, stderr = run_worker(write_job(
+            tmp_path, name, weights_in=str(initial[0]), weights_out=str(tmp_path / f"{name}.npz"),
+            epochs=1, train_data=str(tmp_path / "train.npz"),
+            validation_data=str(tmp_path / "val.npz"), pseudo_labels=threshold))
+        assert code == 0, stderr
+        samples[name] = (events[-1]["samples"], events[-1].get("pseudo_labels"))
+    assert samples["all"][1]["kept"] <= 20 and samples["all"][1]["offered"] == 50
+    assert samples["all"][0] == samples["off"][0] + samples["all"][1]["kept"] > samples["off"][0]
+    assert samples["none"][1]["kept"] == 0 and samples["none"][0] == samples["off"][0]
+    assert samples["off"][1] is None

@@ -39,7 +39,8 @@ from odtd.home.versions import ModelRepo
 from odtd.policy import load_policy
 from odtd.session.runner import SessionRunner
 from odtd.sim import datasets
-from odtd.sim.arms import AdaBnArm, Day, Trial, link_home
+from odtd.sim.arms import Day, Trial, link_home
+from odtd.sim.controls import AdaBnArm
 from odtd.sim.scoring import ScoringSets
 from odtd.sim.simulate import DataSource, SimulationOptions, install_policy, pretrain_base
 from odtd.trainer.protocol.procfs import read_proc_mb

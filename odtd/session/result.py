@@ -43,6 +43,7 @@ def read_result(record: SessionRecord, result: dict[str, Any], classes: list[str
     details.learning_rate = result.get("learning_rate", details.learning_rate)
     details.lr_attempts = result.get("lr_attempts") or None
     details.priors = result.get("priors")
+    details.pseudo_labels = result.get("pseudo_labels")
 
 
 def throughput_sps(steps: list[dict[str, Any]]) -> Optional[float]:

@@ -281,7 +281,7 @@ class SessionRunner:
             freeze_bn=training.freeze_bn,
             recalibrate_bn=training.recalibrate_bn, bn_device_share=training.bn_device_share,
             distill=training.distill, trained_share=training.trained_share,
-            prior_correction=training.prior_correction,
+            prior_correction=training.prior_correction, pseudo_labels=training.pseudo_labels,
             logit_offset=self.repo.manifest(current).get("logit_offset"),
             average_with="start" if record.details.federated else "served",
             proximal_mu=float((record.details.federated or {}).get("proximal_mu") or 0.0),
@@ -312,7 +312,8 @@ class SessionRunner:
         images without a label (``prior_correction``).
         """
         training = self.policy.training
-        if training.bn_device_share is None and not training.distill and not training.prior_correction:
+        device_images = training.prior_correction or training.pseudo_labels is not None
+        if training.bn_device_share is None and not training.distill and not device_images:
             return {}
         mask = np.array([i < new_count or bool(row.get("session_id")) for i, row in enumerate(rows)],
                         dtype=bool)
@@ -325,7 +326,7 @@ class SessionRunner:
         else:
             extra = np.zeros((0,) + tuple(self.input_shape), dtype=np.uint8)
         arrays = {"device": mask, "device_x": extra}
-        if training.prior_correction:  # the newest images without a label, for the priors' EM
+        if device_images:  # the newest images without a label: the priors' EM, the pseudo-labels
             unlabelled = self.store.unlabelled_samples(UNLABELLED_IMAGES)
             arrays["unlabelled_x"] = np.stack(
                 [np.load(self.home.root / row.array_path, allow_pickle=False) for row in unlabelled]

@@ -36,7 +36,7 @@ _OMITTED_AT_DEFAULT = {"attempts": [], "kept_for_resume": False,
                        "bn_weights_tried": None, "trained_share": None,
                        "trained_shares_tried": None, "learning_rate": None,
                        "lr_attempts": None, "precision_reason": None, "federated": None,
-                       "priors": None}
+                       "priors": None, "pseudo_labels": None}
 
 
 @dataclass
@@ -90,6 +90,9 @@ class SessionDetails:
             (``training.prior_correction``): ``status`` (``estimated`` or ``skipped`` and
             ``reason``), ``device`` and ``source`` priors, ``temperature``, ``calibrated_on``,
             the images counted (``labelled``, ``unlabelled``); None with the option off.
+        pseudo_labels: The device's images without a label the session trained on
+            (``training.pseudo_labels``): ``offered``, ``kept``, ``threshold``, ``by_class``;
+            or ``status: skipped`` and why; None with the option off.
         extra: Keys of a stored row this release does not know, kept as they were.
     """
 
@@ -123,6 +126,7 @@ class SessionDetails:
     lr_attempts: Optional[List[Dict[str, Any]]] = None
     federated: Optional[Dict[str, Any]] = None
     priors: Optional[Dict[str, Any]] = None
+    pseudo_labels: Optional[Dict[str, Any]] = None
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:

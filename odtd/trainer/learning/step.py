@@ -152,7 +152,10 @@ def make_train_step(tf: Any, model: Any, forward_model: Any, optimizer: Any,
             images = augment_batch(tf, images, pad)
         with tf.GradientTape() as tape:
             logits = networks.forward(forward_model, images, input_scale, output, training=True)
-            losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+            if job["objective"] == "entropy":  # the predictions' own entropy: no label is read
+                losses = -tf.reduce_sum(tf.nn.softmax(logits) * tf.nn.log_softmax(logits), axis=-1)
+            else:
+                losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
             if job["distill"]:  # traced only when distilling: the plain step stays as it was
                 losses += distillation_loss(tf, logits, teacher, weights)
             loss = tf.reduce_sum(losses) / total

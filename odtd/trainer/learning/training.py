@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tu
 
 import numpy as np
 
-from odtd.trainer.learning import evalcache, priors
+from odtd.trainer.learning import evalcache, priors, pseudo
 from odtd.trainer.learning.averaging import average_with_served
 from odtd.trainer.learning.batchnorm import (
     AUTO,
@@ -93,7 +93,8 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
                        scored_after: Optional[Dict[str, np.ndarray]] = None) -> Dict[str, Any]:
     """Evaluate before, train, evaluate after; return the result fields this produces.
 
-    The steps, in order: ``prepare_model``, ``score_before``, ``distillation_targets``,
+    The steps, in order: ``prepare_model``, ``score_before``, ``pseudo.pseudo_label``,
+    ``distillation_targets``,
     ``adapt_before``, ``train``, ``settle_batchnorm``, ``average``, ``priors.correct_priors``,
     ``score_after``. A stop
     requested during any of them ends the job ``interrupted`` with the fields so far.
@@ -112,6 +113,9 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         before = None
         if validation is not None:
             before = score_before(job, model, precision, validation, served_weights, emit, fields)
+        if job["pseudo_labels"] is not None and job["mode"] == "train":
+            with serving(model, served_weights):  # the model the candidate must beat labels them
+                pseudo.pseudo_label(job, data, validation and validation.eval_step, should_stop, fields)
         teacher = distillation_targets(tf, job, model, data, served_weights, should_stop, fields)
         device_split = data.get("device_split") if job["bn_device_share"] is not None else None
         if device_split is not None:  # the steps see the device's statistics

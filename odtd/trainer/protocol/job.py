@@ -57,6 +57,12 @@ JOB_KEYS = {
     # ``logit_offset``: the loaded (served) model's, applied where the model is scored on the
     # device's images (a validation file's ``offset`` rows; else every group but the reference).
     "prior_correction": ("bool", False),
+    # The device's images without a label (``unlabelled_x``) the served model is this sure of
+    # (both views agreeing) join the training data with its labels (learning/pseudo.py).
+    "pseudo_labels": ("share", None),
+    # What the steps minimise: ``labels`` (cross-entropy, the default) or ``entropy`` (of the
+    # model's own predictions, no label read: TENT, with ``trainable: batchnorm``).
+    "objective": ("str", "labels"),
     "logit_offset": ("vector", None),
     "reference_tolerance": ("share", None),
     "reference_origin": ("share", None),
@@ -90,6 +96,7 @@ MODE_REQUIRES = {
 }
 INPUT_SCALES = ("0-255", "0-1", "-1-1")  # networks.INPUT_SCALES, without TensorFlow
 OUTPUTS = ("logits", "softmax")
+OBJECTIVES = ("labels", "entropy")
 AVERAGE_WITH = ("served", "start")  # a federated round's anchor is its start: the global model
 
 
@@ -198,6 +205,7 @@ def load_job(path: str) -> Dict[str, Any]:
         "input_scale": INPUT_SCALES,
         "output": OUTPUTS,
         "average_with": AVERAGE_WITH,
+        "objective": OBJECTIVES,
     }
     for key, allowed in choices.items():
         if job[key] not in allowed:

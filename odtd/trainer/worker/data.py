@@ -94,11 +94,13 @@ def load_prior_data(path: str, x: np.ndarray, y: np.ndarray, mask: np.ndarray
     Returns:
         ``labels``: the device's images' labels (``mask``); ``unlabelled``: its other images,
         ``device_x`` (earlier days') and ``unlabelled_x`` (images without a label), at most
-        ``PRIOR_IMAGES``, the file's order; ``calibration``: the rehearsed images of the
-        original domain and their labels, at most ``REHEARSAL_IMAGES``, evenly spaced.
+        ``PRIOR_IMAGES``, the file's order; ``unlabelled_x`` alone (pseudo-labels');
+        ``calibration``: the rehearsed images of the original domain and their labels, at
+        most ``REHEARSAL_IMAGES``, evenly spaced.
     """
     with np.load(path, allow_pickle=False) as arrays:
         parts = [arrays[key] for key in ("device_x", "unlabelled_x") if key in arrays.files]
+        without = arrays["unlabelled_x"][:PRIOR_IMAGES] if "unlabelled_x" in arrays.files else x[:0]
     for part in parts:
         if part.dtype != np.uint8 or part.shape[1:] != x.shape[1:]:
             raise BadJob("train_data: device_x and unlabelled_x in {} must be uint8 (N, {}), got "
@@ -108,7 +110,7 @@ def load_prior_data(path: str, x: np.ndarray, y: np.ndarray, mask: np.ndarray
     rehearsed = np.flatnonzero(~mask)
     if len(rehearsed) > REHEARSAL_IMAGES:
         rehearsed = rehearsed[np.linspace(0, len(rehearsed) - 1, REHEARSAL_IMAGES).astype(np.int64)]
-    return {"labels": y[mask], "unlabelled": unlabelled,
+    return {"labels": y[mask], "unlabelled": unlabelled, "unlabelled_x": without,
             "calibration": (x[rehearsed], y[rehearsed])}
 
 

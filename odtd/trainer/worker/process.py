@@ -359,12 +359,14 @@ def main(argv: Optional[List[str]] = None,
                 data["validation_groups"] = load_groups(job["validation_data"], count)
                 data["validation_offset_rows"] = load_offset_rows(job["validation_data"], count)
             mask = None  # which training images the device saw (BatchNorm, distillation, priors)
-            if (job["bn_device_share"] is not None or job["distill"] or job["prior_correction"]) \
+            device_images = job["prior_correction"] or job["pseudo_labels"] is not None
+            if (job["bn_device_share"] is not None or job["distill"] or device_images) \
                     and job["train_data"]:
                 mask = load_device_mask(job["train_data"], len(data["train_data"][1]))
-            if mask is not None and job["prior_correction"]:
+            if mask is not None and device_images:  # the priors' EM and the pseudo-labels read them
                 data["priors"] = load_prior_data(job["train_data"], data["train_data"][0],
                                                  data["train_data"][1], mask)
+                data["device_mask"] = mask
             if mask is not None and job["bn_device_share"] is not None:
                 data["device_split"] = load_device_split(job["train_data"],
                                                          data["train_data"][0], mask)
