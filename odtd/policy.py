@@ -143,6 +143,10 @@ class TrainingPolicy(_Strict):
         "average of the days' candidates; auto = try 0.25, 0.5, 0.75 and 1 on the evaluation "
         "set and keep the best on validation that loses at most "
         "acceptance.reference_tolerance on the reference set; 1 = the trained weights as they are")
+    bn_class_balanced: bool = Field(
+        default=False, description="with bn_device_share: measure the device's statistics "
+        "class by class (by the images' labels) and weigh every class alike, so that a run of "
+        "one class or an uneven mix does not set the statistics every class is normalised by")
     prior_correction: bool = Field(
         default=False, description="estimate the device's class priors from its images (EM on "
         "the candidate's outputs, calibrated on the reference set, else on the rehearsed "

@@ -759,7 +759,8 @@ def test_device_split_measures_at_most_1024_rehearsed_images_spread_over_the_dra
     mask = np.arange(3000) < 40
     path = tmp_path / "train.npz"
     np.savez(path, x=x, y=np.zeros(3000, dtype=np.int64), device=mask)
-    device, rehearsed = load_device_split(str(path), x, mask)
+    device, rehearsed, labels = load_device_split(str(path), x, mask)
+    assert labels is None  # without y: nothing to weigh the classes by
     assert len(device) == 40 and len(rehearsed) == REHEARSAL_IMAGES == 1024
     assert np.bincount(rehearsed[:, 0, 0, 0]).min() >= 100  # every class, not the first few
 
@@ -906,3 +907,34 @@ def test_pseudo_labels_add_the_sure_images_without_a_label(tmp_path, initial):
     assert samples["all"][0] == samples["off"][0] + samples["all"][1]["kept"] > samples["off"][0]
     assert samples["none"][1]["kept"] == 0 and samples["none"][0] == samples["off"][0]
     assert samples["off"][1] is None
+
+
+def test_class_balanced_statistics_weigh_a_rare_class_as_much_as_a_frequent_one(tmp_path, initial):
+    # The device saw 36 dark images of class 0 and 4 bright ones of class 1 (class 1 in the
+    # earlier days' device_x). Balanced, the first layer's moving mean is the two classes'
+    # midpoint; plain, it sits near the dark class's.
+    rng = np.random.default_rng(9)
+    dark = rng.integers(0, 60, (36, *SHAPE), dtype=np.uint8)
+    bright = rng.integers(150, 256, (4, *SHAPE), dtype=np.uint8)
+    train = tmp_path / "skewed.npz"
+    np.savez(train, x=dark, y=np.zeros(36, np.int64), device=np.ones(36, dtype=bool),
+             device_x=bright, device_y=np.ones(4, np.int64))
+    means = {}
+    for name, balanced in (("balanced", True), ("plain", False), ("dark", None), ("bright", None)):
+        path = train
+        if balanced is None:  # one class alone, for reference
+            path = tmp_path / f"{name}.npz"
+            images = dark if name == "dark" else bright
+            np.savez(path, x=images, y=np.zeros(len(images), np.int64),
+                     device=np.ones(len(images), dtype=bool))
+        out = tmp_path / f"{name}-out.npz"
+        code, events, stderr = run_worker(write_job(
+            tmp_path, name, weights_in=str(initial[0]), weights_out=str(out), epochs=0, batch_size=64,
+            freeze_bn=True, train_data=str(path), bn_device_share=1.0,
+            bn_class_balanced=bool(balanced)))
+        assert code == 0, stderr
+        stats = bn_statistics(out, events[-1]["weight_names"])
+        means[name] = next(value for key, value in stats.items() if "moving_mean" in key)
+    midpoint = (means["dark"] + means["bright"]) / 2
+    assert np.allclose(means["balanced"], midpoint, atol=1e-3 * (1 + np.abs(midpoint).max()))
+    assert np.abs(means["plain"] - means["dark"]).max() < np.abs(means["balanced"] - means["dark"]).max()

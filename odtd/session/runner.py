@@ -282,6 +282,7 @@ class SessionRunner:
             recalibrate_bn=training.recalibrate_bn, bn_device_share=training.bn_device_share,
             distill=training.distill, trained_share=training.trained_share,
             prior_correction=training.prior_correction, pseudo_labels=training.pseudo_labels,
+            bn_class_balanced=training.bn_class_balanced,
             logit_offset=self.repo.manifest(current).get("logit_offset"),
             average_with="start" if record.details.federated else "served",
             proximal_mu=float((record.details.federated or {}).get("proximal_mu") or 0.0),
@@ -322,10 +323,11 @@ class SessionRunner:
         earlier = [row for row in self.store.device_samples(room + len(drawn))
                    if row["sha256"] not in drawn][:room]
         if earlier:
-            extra = load_sample_arrays(self.home, earlier, self.classes)[0]
+            extra, extra_y = load_sample_arrays(self.home, earlier, self.classes)
         else:
             extra = np.zeros((0,) + tuple(self.input_shape), dtype=np.uint8)
-        arrays = {"device": mask, "device_x": extra}
+            extra_y = np.zeros(0, np.int64)
+        arrays = {"device": mask, "device_x": extra, "device_y": extra_y}
         if device_images:  # the newest images without a label: the priors' EM, the pseudo-labels
             unlabelled = self.store.unlabelled_samples(UNLABELLED_IMAGES)
             arrays["unlabelled_x"] = np.stack(

@@ -148,16 +148,42 @@ AUTO_WEIGHTS = (0.0, 0.25, 0.5, 0.75, 1.0)  # the mixtures ``bn_device_share: au
 AUTO_WEIGHT_BEFORE = 0.5  # ``auto``'s mixture while training, before the choice is made
 
 
+def class_balanced_moments(tf: Any, model: Any, job: Any, layers: List[Any], x: np.ndarray,
+                           labels: np.ndarray, batch_size: int, should_stop: Callable[[], bool]
+                           ) -> Optional[Moments]:
+    """Each layer's moments over ``x`` with every class present weighing alike.
+
+    Measured class by class (``batch_moments``), then their equal mixture: the mean of the
+    classes' means, the mean of their variances plus the spread of their means. A device
+    that sees one class for hours (or mostly one class) then does not set the statistics
+    every other class is normalised by. None if a stop was requested meanwhile.
+    """
+    per_class = []
+    for label in np.unique(labels):
+        moments = batch_moments(tf, model, job, layers, x[labels == label], batch_size, should_stop)
+        if moments is None:
+            return None
+        per_class.append(moments)
+    balanced = []
+    for layer_moments in zip(*per_class):
+        means = np.stack([mean for mean, _ in layer_moments])
+        variances = np.stack([variance for _, variance in layer_moments])
+        balanced.append((means.mean(axis=0), variances.mean(axis=0) + means.var(axis=0)))
+    return balanced
+
+
 def domain_moments(tf: Any, model: Any, job: Any, device_x: np.ndarray,
                    rehearsal_x: Optional[np.ndarray], batch_size: int,
-                   should_stop: Callable[[], bool], weight: Any
+                   should_stop: Callable[[], bool], weight: Any,
+                   device_y: Optional[np.ndarray] = None
                    ) -> Optional[Tuple[List[Any], Moments, Optional[Moments]]]:
     """Every BatchNorm layer's moments over the device's images and over the rehearsed ones.
 
     Every layer, frozen or not: frozen layers (``freeze_bn``, a ``trainable`` scope) are made
     trainable for the forward passes only, so they measure batch statistics, and then frozen
     again. The rehearsed images are measured only if ``weight`` needs them (below 1, or
-    ``auto``).
+    ``auto``). With ``device_y`` (the device's images' labels: ``bn_class_balanced``) the
+    device's moments weigh every class alike (``class_balanced_moments``).
 
     Returns:
         ``(layers, device, rehearsal)``, ``rehearsal`` None without rehearsed images; None if
@@ -168,7 +194,9 @@ def domain_moments(tf: Any, model: Any, job: Any, device_x: np.ndarray,
     for layer in frozen:
         layer.trainable = True
     try:
-        device = batch_moments(tf, model, job, layers, device_x, batch_size, should_stop)
+        device = batch_moments(tf, model, job, layers, device_x, batch_size, should_stop) \
+            if device_y is None else \
+            class_balanced_moments(tf, model, job, layers, device_x, device_y, batch_size, should_stop)
         rehearsal = None
         if device is not None and rehearsal_x is not None and len(rehearsal_x) \
                 and (weight == AUTO or weight < 1.0):
@@ -198,9 +226,11 @@ def adapt_batchnorm(tf: Any, model: Any, job: Any, device_x: np.ndarray,
                     reference_before: Optional[float] = None,
                     groups: Optional[np.ndarray] = None,
                     refused: Optional[Callable[[Dict[str, Any]], bool]] = None,
-                    spared: Optional[Callable[[Dict[str, Any]], bool]] = None
-                    ) -> Optional[Adapted]:
+                    spared: Optional[Callable[[Dict[str, Any]], bool]] = None,
+                    device_y: Optional[np.ndarray] = None) -> Optional[Adapted]:
     """Set every BatchNormalization layer's statistics to the device / rehearsal mixture.
+
+    ``device_y``: the device's images' labels, to weigh its classes alike (``domain_moments``).
 
     ``weight`` is the device's share; without rehearsal images the device's statistics are used
     alone. Gamma and beta never change here. ``AUTO`` (``bn_device_share: auto`` after
@@ -227,7 +257,7 @@ def adapt_batchnorm(tf: Any, model: Any, job: Any, device_x: np.ndarray,
         return Adapted(0.0, None, None, {})
     started = time.monotonic()
     measured = domain_moments(tf, model, job, device_x, rehearsal_x, batch_size, should_stop,
-                              weight)
+                              weight, device_y)
     if measured is None:
         return None
     layers, device, rehearsal = measured

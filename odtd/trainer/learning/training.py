@@ -236,13 +236,13 @@ def _forward_batch(job: Dict[str, Any]) -> int:
 
 
 def adapt_before(tf: Any, job: Dict[str, Any], model: Any,
-                 device_split: Tuple[np.ndarray, np.ndarray], should_stop: Callable[[], bool]
-                 ) -> float:
+                 device_split: Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]],
+                 should_stop: Callable[[], bool]) -> float:
     """BatchNorm's statistics set to the device's mixture before training; the seconds taken."""
     weight = job["bn_device_share"]
     adapted = unless_stopped(adapt_batchnorm(
         tf, model, job, device_split[0], device_split[1], _forward_batch(job), should_stop,
-        AUTO_WEIGHT_BEFORE if weight == AUTO else weight))
+        AUTO_WEIGHT_BEFORE if weight == AUTO else weight, device_y=device_split[2]))
     return adapted.seconds
 
 
@@ -282,7 +282,7 @@ def _reference_bar(job: Dict[str, Any], fields: Dict[str, Any]) -> Optional[floa
 
 
 def settle_batchnorm(tf: Any, job: Dict[str, Any], model: Any, data: Dict[str, Any],
-                     device_split: Optional[Tuple[np.ndarray, np.ndarray]],
+                     device_split: Optional[Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]],
                      validation: Optional[Validation], before: Optional[Before],
                      should_stop: Callable[[], bool], fields: Dict[str, Any]
                      ) -> Optional[Dict[str, Any]]:
@@ -299,7 +299,7 @@ def settle_batchnorm(tf: Any, job: Dict[str, Any], model: Any, data: Dict[str, A
             tf, model, job, device_split[0], device_split[1], _forward_batch(job), should_stop,
             weight, validation and validation.score, _reference_bar(job, fields),
             validation and validation.groups, before and before.refused,
-            before and before.spared))
+            before and before.spared, device_y=device_split[2]))
         fields["adapt_seconds"] += adapted.seconds
         if adapted.tried:  # auto: the mixture kept, already scored
             fields["bn_device_share"], fields["bn_shares_tried"] = adapted.weight, adapted.tried

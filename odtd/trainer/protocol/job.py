@@ -50,6 +50,9 @@ JOB_KEYS = {
     "freeze_bn": ("bool", False),
     "recalibrate_bn": ("bool", False),
     "bn_device_share": ("share_or_auto", None),
+    # The device's share measured with every class weighing alike (``device_y`` gives the
+    # labels of ``device_x``): a run of one class does not set the statistics.
+    "bn_class_balanced": ("bool", False),
     "distill": ("float", 0.0),
     "trained_share": ("share_or_auto", 1.0),
     "average_with": ("str", "served"),  # what trained_share averages with: served or start weights

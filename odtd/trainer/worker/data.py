@@ -114,25 +114,32 @@ def load_prior_data(path: str, x: np.ndarray, y: np.ndarray, mask: np.ndarray
             "calibration": (x[rehearsed], y[rehearsed])}
 
 
-def load_device_split(path: str, x: np.ndarray, mask: np.ndarray
-                      ) -> Tuple[np.ndarray, np.ndarray]:
+def load_device_split(path: str, x: np.ndarray, mask: np.ndarray, y: Optional[np.ndarray] = None
+                      ) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
     """Split a train ``.npz`` into the device's images and the rehearsed ones (``bn_device_share``).
 
     ``mask`` is the file's ``device`` array (``load_device_mask``): which of ``x`` the device
     saw; the file's optional ``device_x`` holds more of the device's images that are not
-    trained on this time (earlier days'), uint8 like ``x``.
+    trained on this time (earlier days'), uint8 like ``x``, and ``device_y`` their labels.
 
     Returns:
-        ``(device images, rehearsed images)``.
+        ``(device images, rehearsed images, device labels)``: the labels with ``y`` (``x``'s,
+        for ``bn_class_balanced``) where the file has ``device_y`` or no ``device_x``, else None.
         At most ``REHEARSAL_IMAGES`` rehearsed images, evenly spaced through the file's order
         (the replay draw is class-balanced, round-robin): enough for their statistics.
     """
     with np.load(path, allow_pickle=False) as arrays:
         extra = arrays["device_x"] if "device_x" in arrays.files else x[:0]
+        extra_y = arrays["device_y"].astype(np.int64) if "device_y" in arrays.files else \
+            (np.zeros(0, np.int64) if not len(extra) else None)
+    if extra_y is not None and extra_y.shape != (len(extra),):
+        raise BadJob("train_data: device_y in {} must be {} labels, got {}".format(
+            path, len(extra), extra_y.shape))
     if extra.dtype != np.uint8 or extra.shape[1:] != x.shape[1:]:
         raise BadJob("train_data: device_x in {} must be uint8 (N, {}), got {} {}".format(
             path, ", ".join(map(str, x.shape[1:])), extra.dtype, extra.shape))
     rehearsed = np.flatnonzero(~mask)
     if len(rehearsed) > REHEARSAL_IMAGES:
         rehearsed = rehearsed[np.linspace(0, len(rehearsed) - 1, REHEARSAL_IMAGES).astype(np.int64)]
-    return np.concatenate([x[mask], extra]), x[rehearsed]
+    labels = None if y is None or extra_y is None else np.concatenate([y[mask], extra_y])
+    return np.concatenate([x[mask], extra]), x[rehearsed], labels

@@ -368,8 +368,9 @@ def main(argv: Optional[List[str]] = None,
                                                  data["train_data"][1], mask)
                 data["device_mask"] = mask
             if mask is not None and job["bn_device_share"] is not None:
-                data["device_split"] = load_device_split(job["train_data"],
-                                                         data["train_data"][0], mask)
+                data["device_split"] = load_device_split(
+                    job["train_data"], data["train_data"][0], mask,
+                    data["train_data"][1] if job["bn_class_balanced"] else None)
             if mask is not None and job["distill"]:
                 data["rehearsed"] = ~mask
         for name, value in ENVIRONMENT_DEFAULTS.items():
