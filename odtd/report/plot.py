@@ -155,11 +155,15 @@ def plot_arms(summary: dict[str, Any], out: Path) -> Path:
         if domain == "clean" and not summary["shift"] and published:
             ax.plot([0, 17], [published["day0"], published["day17"]], ":", color="grey",
                     label=f"published TX2 ({published['day0']} -> {published['day17']})")
-        what = f"the {summary['shift']} camera" if domain == "shifted" else "clean images"
+        what = {"shifted": f"the {summary['shift']} camera",
+                "device": "the device's mix" + (f", {summary['shift']} camera" if summary["shift"] else ""),
+                "clean": "clean images" if domain == "clean" and "device" not in domains
+                else "clean, evenly mixed"}.get(domain, domain)
         ax.set_ylabel(f"test accuracy (%)\n{what}")
         ax.grid(alpha=0.3)
     camera = f", camera shift {summary['shift']}" if summary["shift"] else ""
-    axes[0].set_title(f"{summary['model']}, {summary['per_day']} new images a day{camera}, "
+    world = f"\n{summary['scenario']}" if summary.get("scenario", "even") != "even" else ""
+    axes[0].set_title(f"{summary['model']}, {summary['per_day']} new images a day{camera}{world}, "
                       f"{summary['test_images']['daily']:,} test images{runs}")
     axes[0].legend(fontsize=7)
     for n, arm in enumerate(arms):
