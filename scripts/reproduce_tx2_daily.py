@@ -348,7 +348,7 @@ def run(args) -> dict:
         "machine": cpu_description(), "published": PUBLISHED, "days": args.days, "per_day": args.per_day,
         "model": args.model, "imported": args.import_model, "shift": args.shift, "arms": arms, "seeds": seeds,
         "arm_descriptions": {arm: ARMS[arm] for arm in arms},
-        "test_images": {"all": len(tests.y), "daily": len(daily_idx), "domains": tests.domains},
+        "test_images": {"all": tests.count, "daily": len(daily_idx), "domains": tests.domains},
         "scenario": scenario.describe(),
         "validation_images": len(check_y), "policy": args.policy,
         "acceptance": policy.acceptance.model_dump(), "replay_seed": len(seed_idx),

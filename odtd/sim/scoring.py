@@ -72,7 +72,8 @@ class ScoringSets:
         batch_size: the evaluation batch.
         name: the scoring files' stem in ``trial.work`` (sets that share a trial need their own).
         offset_domains: the domains a version's logit offset (its class priors) applies to:
-            those of the device's mix (None: all; not ``clean`` under a scenario).
+            those of the device's mix, ``validation`` among them (None: all of them and the
+            validation set; under a scenario not ``clean``).
     """
 
     def __init__(self, trial: Trial, images: dict[str, np.ndarray], y: Any,
@@ -83,8 +84,9 @@ class ScoringSets:
         if len({len(labels) for labels in self.labels.values()}) != 1:
             raise ValueError("ScoringSets: every domain needs as many test images")
         self.trial, self.images, self.daily = trial, images, np.asarray(daily)
-        self.offset_domains = tuple(images) if offset_domains is None else offset_domains
-        self.y = next(iter(self.labels.values()))  # one domain's: their count, as each
+        # The validation set is the device's, as its test images are (a session scores it so).
+        self.offset_domains = (*images, "validation") if offset_domains is None else offset_domains
+        self.count = len(next(iter(self.labels.values())))  # test images in each domain
         self.validation, self.batch_size, self.name = validation, batch_size, name
         self.domains = list(images)
         self._cache: dict[tuple[str, bool], Scores] = {}
@@ -129,7 +131,7 @@ class ScoringSets:
                               cached.validation)
             return cached
         path = self._file(full, validation)
-        size = len(self.y) if full else len(self.daily)
+        size = self.count if full else len(self.daily)
         self.trial.log(f"  scoring {weights.name} on {size * len(self.domains):,} test images"
                        + (f" and {len(self.validation[1]):,} validation images" if validation else ""))
         result, _ = self.trial.run(self.trial.job(

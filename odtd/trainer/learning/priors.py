@@ -53,7 +53,8 @@ class PriorEstimate(NamedTuple):
     em_steps: int
 
 
-def _softmax(logits: np.ndarray) -> np.ndarray:
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Each row's probabilities (numerically stable)."""
     shifted = logits - logits.max(axis=1, keepdims=True)
     exp = np.exp(shifted)
     return exp / exp.sum(axis=1, keepdims=True)
@@ -95,7 +96,7 @@ def calibrate(logits: np.ndarray, labels: np.ndarray) -> Calibration:
         log_scale = _best_log_scale(logits, onehot, bias)
         scale = np.exp(log_scale)
         for _ in range(_BIAS_STEPS):
-            error = _softmax(scale * logits + bias) - onehot  # d NLL / d calibrated logits
+            error = softmax(scale * logits + bias) - onehot  # d NLL / d calibrated logits
             bias = bias - _CALIBRATION_RATE * (error.mean(axis=0) + 2 * _BIAS_PENALTY * bias)
     return Calibration(float(np.exp(-log_scale)), bias)
 
@@ -153,7 +154,7 @@ def logit_offset(calibration_logits: Optional[np.ndarray], calibration_labels: O
         calibration = calibrate(calibration_logits, calibration_labels)
         source = np.bincount(np.asarray(calibration_labels, np.int64), minlength=classes) + SMOOTHING
         source = source / source.sum()
-    posteriors = _softmax(np.asarray(unlabelled_logits, np.float64) / calibration.temperature
+    posteriors = softmax(np.asarray(unlabelled_logits, np.float64) / calibration.temperature
                           + calibration.bias) if len(unlabelled_logits) else \
         np.zeros((0, classes))
     device, steps = estimate_priors(posteriors, labelled_labels, source)
@@ -185,7 +186,7 @@ def correct_priors(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
     if job["prior_correction"] and (sets is None or validation is None):
         fields["priors"] = {"status": "skipped", "reason": "no device images or no validation set"}
     elif job["prior_correction"]:
-        logits_of = _logits(job, validation.eval_step, should_stop)
+        logits_of = logits_function(job, validation.eval_step, should_stop)
         groups = validation.groups
         reference = np.zeros(len(validation.y), dtype=bool) if groups is None else \
             groups.astype(str) == REFERENCE_GROUP
@@ -214,10 +215,10 @@ def correct_priors(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
     fields["logit_offset_after"] = None if offset is None else [round(float(v), 6) for v in offset]
     if validation is not None:
         validation.offset["vector"] = offset
-    return (had is None) != (offset is None) or (had is not None and not np.array_equal(had, offset))
+    return not (had is offset or (had is not None and offset is not None and np.array_equal(had, offset)))
 
 
-def _logits(job: Dict[str, Any], eval_step: Callable[[Any, Any], Any],
+def logits_function(job: Dict[str, Any], eval_step: Callable[[Any, Any], Any],
             should_stop: Callable[[], bool]) -> Callable[[np.ndarray], Optional[np.ndarray]]:
     """The model's logits on images, in batches of the evaluation batch (None on a stop)."""
     batch_size = job["eval_batch_size"] or job["batch_size"]

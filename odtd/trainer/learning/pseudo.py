@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Optional
 import numpy as np
 
 from odtd.trainer.learning.evaluation import unless_stopped
+from odtd.trainer.learning.priors import logits_function, softmax
 
 
 def pseudo_label(job: Dict[str, Any], data: Dict[str, Any], eval_step: Optional[Callable[[Any, Any], Any]],
@@ -34,11 +35,10 @@ def pseudo_label(job: Dict[str, Any], data: Dict[str, Any], eval_step: Optional[
                                    if eval_step is not None else "no validation set"}
         return
     x, y = data["train_data"]
-    device = data.get("device_mask")
-    room = int(np.sum(device)) if device is not None else len(y)
-    offset = np.zeros(len(job["classes"]), np.float32) if job["logit_offset"] is None \
-        else np.asarray(job["logit_offset"], np.float32)
-    views = [_probabilities(job, eval_step, images, offset, should_stop)
+    room = len(data["priors"]["labels"])  # the session's labelled images of the device
+    offset = 0.0 if job["logit_offset"] is None else np.asarray(job["logit_offset"], np.float32)
+    logits_of = logits_function(job, eval_step, should_stop)
+    views = [softmax(unless_stopped(logits_of(np.ascontiguousarray(images))) + offset)
              for images in (unlabelled, unlabelled[:, :, ::-1])]
     agree = views[0].argmax(axis=1) == views[1].argmax(axis=1)
     mean = (views[0] + views[1]) / 2
@@ -53,19 +53,3 @@ def pseudo_label(job: Dict[str, Any], data: Dict[str, Any], eval_step: Optional[
         "status": "labelled", "offered": int(len(unlabelled)), "kept": int(len(kept)),
         "threshold": threshold,
         "by_class": [int(n) for n in np.bincount(label[kept], minlength=len(job["classes"]))]}
-
-
-def _probabilities(job: Dict[str, Any], eval_step: Callable[[Any, Any], Any], x: np.ndarray,
-                   offset: np.ndarray, should_stop: Callable[[], bool]) -> np.ndarray:
-    """The model's class probabilities on ``x``, its logit offset applied."""
-    batch_size = job["eval_batch_size"] or job["batch_size"]
-    out = []
-    for begin in range(0, len(x), batch_size):
-        if should_stop():
-            unless_stopped(None)
-        images = np.ascontiguousarray(x[begin:begin + batch_size])
-        logits = eval_step(images, np.zeros(len(images), np.int64))[1].numpy() + offset
-        logits = logits - logits.max(axis=1, keepdims=True)
-        exp = np.exp(logits)
-        out.append(exp / exp.sum(axis=1, keepdims=True))
-    return np.concatenate(out)

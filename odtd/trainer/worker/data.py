@@ -59,32 +59,30 @@ def load_groups(path: str, count: int) -> Optional[np.ndarray]:
     return groups
 
 
+def _optional_rows(job_key: str, path: str, name: str, count: int) -> Optional[np.ndarray]:
+    """The ``.npz``'s optional boolean array ``name``, one per sample (``count``), or None."""
+    with np.load(path, allow_pickle=False) as arrays:
+        if name not in arrays.files:
+            return None
+        rows = arrays[name]
+    if rows.shape != (count,) or rows.dtype != np.bool_:
+        raise BadJob("{}: {} in {} must be {} booleans, got {} {}".format(
+            job_key, name, path, count, rows.dtype, rows.shape))
+    return rows
+
+
 def load_device_mask(path: str, count: int) -> Optional[np.ndarray]:
     """A train ``.npz``'s optional ``device`` array: which of its ``count`` images the device saw.
 
     The others are rehearsed from the original domain (the replay seed): what BatchNorm
     adaptation mixes in and distillation (``distill``) holds to the served model's outputs.
     """
-    with np.load(path, allow_pickle=False) as arrays:
-        if "device" not in arrays.files:
-            return None
-        mask = arrays["device"]
-    if mask.shape != (count,) or mask.dtype != np.bool_:
-        raise BadJob("train_data: device in {} must be {} booleans, got {} {}".format(
-            path, count, mask.dtype, mask.shape))
-    return mask
+    return _optional_rows("train_data", path, "device", count)
 
 
 def load_offset_rows(path: str, count: int) -> Optional[np.ndarray]:
     """A validation ``.npz``'s optional ``offset`` array: the rows the logit offset applies to."""
-    with np.load(path, allow_pickle=False) as arrays:
-        if "offset" not in arrays.files:
-            return None
-        rows = arrays["offset"]
-    if rows.shape != (count,) or rows.dtype != np.bool_:
-        raise BadJob("validation_data: offset in {} must be {} booleans, got {} {}".format(
-            path, count, rows.dtype, rows.shape))
-    return rows
+    return _optional_rows("validation_data", path, "offset", count)
 
 
 def load_prior_data(path: str, x: np.ndarray, y: np.ndarray, mask: np.ndarray
@@ -98,9 +96,9 @@ def load_prior_data(path: str, x: np.ndarray, y: np.ndarray, mask: np.ndarray
         ``calibration``: the rehearsed images of the original domain and their labels, at
         most ``REHEARSAL_IMAGES``, evenly spaced.
     """
-    with np.load(path, allow_pickle=False) as arrays:
+    with np.load(path, allow_pickle=False) as arrays:  # each array read once: an npz decompresses per read
         parts = [arrays[key] for key in ("device_x", "unlabelled_x") if key in arrays.files]
-        without = arrays["unlabelled_x"][:PRIOR_IMAGES] if "unlabelled_x" in arrays.files else x[:0]
+        without = parts[-1][:PRIOR_IMAGES] if "unlabelled_x" in arrays.files else x[:0]
     for part in parts:
         if part.dtype != np.uint8 or part.shape[1:] != x.shape[1:]:
             raise BadJob("train_data: device_x and unlabelled_x in {} must be uint8 (N, {}), got "

@@ -366,7 +366,6 @@ def main(argv: Optional[List[str]] = None,
             if mask is not None and device_images:  # the priors' EM and the pseudo-labels read them
                 data["priors"] = load_prior_data(job["train_data"], data["train_data"][0],
                                                  data["train_data"][1], mask)
-                data["device_mask"] = mask
             if mask is not None and job["bn_device_share"] is not None:
                 data["device_split"] = load_device_split(
                     job["train_data"], data["train_data"][0], mask,
