@@ -97,3 +97,29 @@ def test_unlabelled_images_count_in_the_priors(home, tmp_path):
     priors = odtctl_json("history", home=home)[0]["details"]["priors"]
     assert priors["status"] == "estimated" and priors["unlabelled"] == 5 * len(HOME_CLASSES), priors
     assert priors["em_steps"] > 1  # the posteriors of the images without a label were iterated
+
+
+def test_earlier_days_images_count_by_their_labels_where_the_train_file_has_them(tmp_path):
+    """The device's earlier images come with their labels (``device_y``): the priors' EM counts
+    them by those, not by the model's posteriors, which a model trained elsewhere (a fleet's
+    global weights) can skew; without ``device_y`` they are counted by the posteriors."""
+    from odtd.trainer.worker.data import load_prior_data
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 255, (6, 4, 4, 3), dtype=np.uint8)
+    y = np.array([1, 1, 2, 0, 0, 0])
+    mask = np.array([True, True, True, False, False, False])  # the session's 3; 3 rehearsed
+    earlier = rng.integers(0, 255, (4, 4, 4, 3), dtype=np.uint8)
+    without = rng.integers(0, 255, (2, 4, 4, 3), dtype=np.uint8)
+    path = tmp_path / "train.npz"
+    np.savez(path, device_x=earlier, device_y=np.array([3, 3, 3, 1]), unlabelled_x=without)
+    data = load_prior_data(str(path), x, y, mask)
+    assert sorted(data["labels"].tolist()) == [1, 1, 1, 2, 3, 3, 3]
+    assert data["session_labelled"] == 3
+    assert np.array_equal(data["unlabelled"], without)
+    assert np.array_equal(data["unlabelled_x"], without)
+    assert np.array_equal(data["calibration"][1], [0, 0, 0])
+    np.savez(path, device_x=earlier, unlabelled_x=without)  # an older daemon's file: no labels
+    data = load_prior_data(str(path), x, y, mask)
+    assert sorted(data["labels"].tolist()) == [1, 1, 2]
+    assert np.array_equal(data["unlabelled"], np.concatenate([earlier, without]))

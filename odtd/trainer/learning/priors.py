@@ -170,9 +170,9 @@ def correct_priors(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
     Estimated on the trained model (``logit_offset``): calibrated on the validation set's
     reference group where it holds an image per class, else on the rehearsed images of the
     original domain (``data["priors"]``, ``worker.data.load_prior_data``), else not (a home
-    with neither: the model taken as calibrated on even classes); the device's images
-    of the session counted by their labels, its other images (earlier days', unlabelled ones)
-    by the model's posteriors. ``fields`` get ``logit_offset_after`` (None: no offset) and
+    with neither: the model taken as calibrated on even classes); the device's labelled
+    images (the session's, earlier days') counted by their labels, its images without a
+    label by the model's posteriors. ``fields`` get ``logit_offset_after`` (None: no offset) and
     ``priors`` (what was estimated, or why not); ``validation`` (``training.Validation``)
     then scores the candidate with it. Without ``prior_correction`` the candidate has none.
 

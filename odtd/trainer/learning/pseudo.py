@@ -35,7 +35,7 @@ def pseudo_label(job: Dict[str, Any], data: Dict[str, Any], eval_step: Optional[
                                    if eval_step is not None else "no validation set"}
         return
     x, y = data["train_data"]
-    room = len(data["priors"]["labels"])  # the session's labelled images of the device
+    room = data["priors"]["session_labelled"]  # the session's labelled images of the device
     offset = 0.0 if job["logit_offset"] is None else np.asarray(job["logit_offset"], np.float32)
     logits_of = logits_function(job, eval_step, should_stop)
     views = [softmax(unless_stopped(logits_of(np.ascontiguousarray(images))) + offset)

@@ -90,26 +90,33 @@ def load_prior_data(path: str, x: np.ndarray, y: np.ndarray, mask: np.ndarray
     """What ``prior_correction`` estimates the device's class priors from, in a train ``.npz``.
 
     Returns:
-        ``labels``: the device's images' labels (``mask``); ``unlabelled``: its other images,
-        ``device_x`` (earlier days') and ``unlabelled_x`` (images without a label), at most
-        ``PRIOR_IMAGES``, the file's order; ``unlabelled_x`` alone (pseudo-labels');
-        ``calibration``: the rehearsed images of the original domain and their labels, at
-        most ``REHEARSAL_IMAGES``, evenly spaced.
+        ``labels``: the labels of the device's images, the session's (``mask``) and, where the
+        file has ``device_y``, the earlier days' (``device_x``); ``session_labelled``: how
+        many are the session's; ``unlabelled``: its images counted by the model's posteriors
+        instead, the ones without a label (``unlabelled_x``) and earlier days' that came
+        without ``device_y``, at most ``PRIOR_IMAGES``, the file's order; ``unlabelled_x``
+        alone (pseudo-labels'); ``calibration``: the rehearsed images of the original domain
+        and their labels, at most ``REHEARSAL_IMAGES``, evenly spaced.
     """
     with np.load(path, allow_pickle=False) as arrays:  # each array read once: an npz decompresses per read
-        parts = [arrays[key] for key in ("device_x", "unlabelled_x") if key in arrays.files]
-        without = parts[-1][:PRIOR_IMAGES] if "unlabelled_x" in arrays.files else x[:0]
-    for part in parts:
+        earlier = arrays["device_x"] if "device_x" in arrays.files else x[:0]
+        earlier_y = arrays["device_y"].astype(np.int64) if "device_y" in arrays.files else None
+        without = arrays["unlabelled_x"] if "unlabelled_x" in arrays.files else x[:0]
+    for part in (earlier, without):
         if part.dtype != np.uint8 or part.shape[1:] != x.shape[1:]:
             raise BadJob("train_data: device_x and unlabelled_x in {} must be uint8 (N, {}), got "
                          "{} {}".format(path, ", ".join(map(str, x.shape[1:])), part.dtype,
                                         part.shape))
-    unlabelled = np.concatenate([x[:0]] + parts)[:PRIOR_IMAGES]
+    labels = y[mask].astype(np.int64)
+    if earlier_y is not None and earlier_y.shape == (len(earlier),):
+        # A label is better evidence of the device's mix than the model's posterior of it.
+        labels, earlier = np.concatenate([labels, earlier_y]), earlier[:0]
+    unlabelled = np.concatenate([earlier, without])[:PRIOR_IMAGES]
     rehearsed = np.flatnonzero(~mask)
     if len(rehearsed) > REHEARSAL_IMAGES:
         rehearsed = rehearsed[np.linspace(0, len(rehearsed) - 1, REHEARSAL_IMAGES).astype(np.int64)]
-    return {"labels": y[mask], "unlabelled": unlabelled, "unlabelled_x": without,
-            "calibration": (x[rehearsed], y[rehearsed])}
+    return {"labels": labels, "session_labelled": int(mask.sum()), "unlabelled": unlabelled,
+            "unlabelled_x": without[:PRIOR_IMAGES], "calibration": (x[rehearsed], y[rehearsed])}
 
 
 def load_device_split(path: str, x: np.ndarray, mask: np.ndarray, y: Optional[np.ndarray] = None
