@@ -495,3 +495,23 @@ def test_a_fleet_round_is_not_held_back_by_a_local_refusals_backoff(home, tmp_pa
     store.close()
     assert round_.outcome in ("promoted", "rolled_back"), round_.reason
     assert round_.samples_new > 0 and (exchange / "out.npz").exists()
+
+
+def test_hand_back_gives_the_server_the_trained_weights_whole_not_the_devices_average(tmp_path):
+    """``trained_share`` averaged the device's candidate with the round's start: the server
+    still gets the trained weights whole (FedAvg averages the devices' updates); without an
+    average (no ``trained.npz``) the candidate is the trained model; no candidate, nothing."""
+    from odtd.session.federated import TRAINED_WEIGHTS, FederatedRound, hand_back
+
+    job = tmp_path / "session-1"
+    job.mkdir()
+    federated = FederatedRound("run", 1, str(tmp_path / "in.npz"), str(tmp_path / "out.npz"))
+    assert not hand_back(job, federated) and not (tmp_path / "out.npz").exists()
+    np.savez(job / "candidate.npz", w0000=np.zeros(3, np.float32))
+    assert hand_back(job, federated)
+    with np.load(tmp_path / "out.npz") as out:
+        assert np.array_equal(out["w0000"], np.zeros(3))
+    np.savez(job / TRAINED_WEIGHTS, w0000=np.ones(3, np.float32))
+    assert hand_back(job, federated)
+    with np.load(tmp_path / "out.npz") as out:
+        assert np.array_equal(out["w0000"], np.ones(3))

@@ -536,8 +536,8 @@ def test_trained_share_averages_the_trained_weights_with_the_served_ones(tmp_pat
 def test_a_federated_round_averages_with_its_start_not_the_served_model(tmp_path, initial, data):
     # A round starts from the global weights; the device's served model is another. With
     # average_with start the candidate is 0.3 of the trained weights plus 0.7 of the start (the
-    # global model plus a share of the device's update, as the server expects); with the default
-    # it would be pulled toward the device's own served model.
+    # global model plus a share of the device's update); with the default it would be pulled
+    # toward the device's own served model. Either way ``trained_out`` gets the trained weights.
     with np.load(initial[0]) as arrays:
         start = dict(arrays)
     served = {key: value + np.asarray(0.05, value.dtype) if value.dtype.kind == "f" else value
@@ -547,10 +547,15 @@ def test_a_federated_round_averages_with_its_start_not_the_served_model(tmp_path
     for anchor, weights in (("start", start), ("served", served)):
         mixed, _ = _trained_weights(tmp_path, initial, data, anchor, trained_share=0.3,
                                     served_weights=str(tmp_path / "served.npz"),
-                                    average_with=anchor)
+                                    average_with=anchor, trained_out=str(tmp_path / f"{anchor}-whole.npz"))
         for key, name in zip(sorted(trained), names):
             np.testing.assert_allclose(mixed[key], 0.3 * trained[key] + 0.7 * weights[key],
                                        rtol=1e-4, atol=1e-5, err_msg=f"{anchor} {name}")
+        # What goes back to the server (trained_out): the device's update whole, before the average.
+        with np.load(tmp_path / f"{anchor}-whole.npz") as whole:
+            for key, name in zip(sorted(trained), names):
+                np.testing.assert_allclose(whole[key], trained[key], rtol=1e-4, atol=1e-5,
+                                           err_msg=f"{anchor} whole {name}")
 
 
 def test_fedprox_proximal_term_keeps_the_weights_near_their_start(tmp_path, initial, data):

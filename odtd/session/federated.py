@@ -26,6 +26,7 @@ from odtd.home.versions import ModelRepo
 
 BATCHNORM_CHOICES = ("fedavg", "fedbn")
 EXCHANGE_DIR = "fleet"  # under HOME/run: the weights the SuperNode's ClientApp and a session swap
+TRAINED_WEIGHTS = "trained.npz"  # a federated session's trained weights before trained_share's average
 _STATISTICS = ("moving_mean", "moving_variance")
 
 
@@ -189,18 +190,25 @@ def refused_start(federated: FederatedRound, repo: ModelRepo, current: int, job_
     return None
 
 
-def hand_back(candidate: Path, federated: FederatedRound) -> bool:
+def hand_back(job_dir: Path, federated: FederatedRound) -> bool:
     """Put the trained weights where the ClientApp reads them (a hard link where it can).
+
+    The trained weights whole (``TRAINED_WEIGHTS``) where the worker averaged them with the
+    round's start for the device's candidate (``trained_share``), else the candidate: the
+    server averages the devices' updates, each device's guard judges its own candidate.
 
     Returns:
         False if the worker wrote no candidate (its training diverged).
     """
+    candidate = job_dir / "candidate.npz"
     if not candidate.exists():
         return False
+    trained = job_dir / TRAINED_WEIGHTS
+    source = trained if trained.exists() else candidate
     out = Path(federated.weights_out)
     out.unlink(missing_ok=True)
     try:
-        os.link(candidate, out)  # promotion moves the candidate into its version: the link stays
+        os.link(source, out)  # promotion moves the candidate into its version: the link stays
     except OSError:
-        shutil.copyfile(candidate, out)
+        shutil.copyfile(source, out)
     return True

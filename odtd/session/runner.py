@@ -30,7 +30,7 @@ from odtd.home.versions import ModelRepo
 from odtd.policy import Policy
 from odtd.session.admission import SKIP, admit_session
 from odtd.session.evalset import write_evaluation_set
-from odtd.session.federated import FederatedRound, hand_back, refused_start
+from odtd.session.federated import TRAINED_WEIGHTS, FederatedRound, hand_back, refused_start
 from odtd.session.gates import (
     FORCE_CLOSED_FILE,
     GateMonitor,
@@ -184,7 +184,7 @@ class SessionRunner:
         if result is None:  # failed or interrupted; the record says which and why
             return self._finish(record, record.outcome, record.reason)
         if federated:  # the trained weights go to the server whether or not this device serves them
-            record.details.federated["handed_back"] = hand_back(job_dir / "candidate.npz", federated)
+            record.details.federated["handed_back"] = hand_back(job_dir, federated)
         try:
             Promotion(self.home, self.store, self.repo, self.policy, self.progress).conclude(
                 record, pending, job_dir, result)
@@ -272,6 +272,7 @@ class SessionRunner:
             "train", self.model, self.classes, self.input_shape,
             weights_in=start, served_weights=served_path if start != served_path else None,
             weights_out=str(job_dir / "candidate.npz"), train_data=str(train),
+            trained_out=str(job_dir / TRAINED_WEIGHTS) if record.details.federated else None,
             validation_data=str(validation) if validation else None,
             batch_size=record.batch_size, epochs=record.epochs, optimizer=training.optimizer,
             learning_rate=record.details.learning_rate or training.learning_rate,
@@ -413,7 +414,8 @@ class SessionRunner:
 
 def _remove_bulky_files(job_dir: Path) -> None:
     # The job file and the worker's stderr stay for diagnosis; data and weights go.
-    for name in ("train.npz", "evaluation.npz", "candidate.npz", "global.npz", CANDIDATE_EVAL_CACHE):
+    for name in ("train.npz", "evaluation.npz", "candidate.npz", "global.npz", TRAINED_WEIGHTS,
+                 CANDIDATE_EVAL_CACHE):
         (job_dir / name).unlink(missing_ok=True)
     for staged in job_dir.glob(".*.tmp*"):  # a stopped worker's half-written candidate
         staged.unlink(missing_ok=True)

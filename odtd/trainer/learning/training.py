@@ -90,7 +90,9 @@ class Before(NamedTuple):
 def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
                        data: Dict[str, Any], should_stop: Callable[[], bool], emit: Emit,
                        served_weights: Optional[List[np.ndarray]] = None,
-                       scored_after: Optional[Dict[str, np.ndarray]] = None) -> Dict[str, Any]:
+                       scored_after: Optional[Dict[str, np.ndarray]] = None,
+                       keep_trained: Optional[Callable[[List[np.ndarray]], None]] = None
+                       ) -> Dict[str, Any]:
     """Evaluate before, train, evaluate after; return the result fields this produces.
 
     The steps, in order: ``prepare_model``, ``score_before``, ``pseudo.pseudo_label``,
@@ -104,6 +106,8 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     starts from the weights as loaded.
     ``scored_after``, if given, receives the trained model's per-sample validation results
     (``keys``, ``correct``, ``losses``: ``evalcache.save``'s arguments).
+    ``keep_trained``, if given, is handed the trained weights before ``average`` changes
+    them (not called where nothing is averaged: the candidate is then the trained model).
     """
     fields = {"status": "interrupted"}  # type: Dict[str, Any]
     try:
@@ -127,6 +131,8 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         after = settle_batchnorm(tf, job, model, data, device_split, validation, before,
                                  should_stop, fields)
         if served is not None:  # the candidate: the trained weights averaged with the served
+            if keep_trained is not None:
+                keep_trained(model.get_weights())
             after = average(job, model, served, validation, before, fields)
         if priors.correct_priors(job, data, validation, should_stop, fields):
             after = None  # any chooser's scores were without the candidate's offset
@@ -145,8 +151,9 @@ def prepare_model(tf: Any, job: Dict[str, Any], model: Any,
     fields["trainable_layers"] = set_trainable_scope(tf, model, job["trainable"])
     served = None  # the weights the trained ones are averaged with (trained_share)
     if job["trained_share"] != 1.0 and job["mode"] == "train":
-        # A federated round averages with its start, the global model: the candidate (and what
-        # goes back to the server) is the global model plus a share of the device's update.
+        # A federated round averages with its start, the global model: the candidate is the
+        # global model plus a share of the device's update (the server gets all of it:
+        # ``trained_out``).
         served = served_weights if served_weights is not None and job["average_with"] == "served" \
             else model.get_weights()
     if job["freeze_bn"]:

@@ -33,6 +33,9 @@ JOB_KEYS = {
     "weights_in": ("path", None),
     "served_weights": ("path", None),
     "weights_out": ("path", None),
+    # Where ``trained_share`` averages: the trained weights before it (a federated session's
+    # reply to the server, which averages devices' updates whole, as FedAvg does).
+    "trained_out": ("path", None),
     "train_data": ("path", None),
     "validation_data": ("path", None),
     "batch_size": ("positive_int", None),
@@ -231,7 +234,7 @@ def load_job(path: str) -> Dict[str, Any]:
                 "architecture", "model_file"):
         if job[key] is not None and not os.path.isfile(job[key]):
             raise BadJob("{}: file {} does not exist".format(key, job[key]))
-    for key in ("weights_out", "eval_cache", "eval_cache_out", "architecture_out",
+    for key in ("weights_out", "trained_out", "eval_cache", "eval_cache_out", "architecture_out",
                 "original_out", "export_to", "precision_probe"):
         out_dir = job[key] and os.path.dirname(os.path.abspath(job[key]))
         if out_dir and not os.path.isdir(out_dir):

@@ -208,8 +208,10 @@ def run(job: Dict[str, Any], data: Dict[str, Tuple[np.ndarray, np.ndarray]],
     elif mode == "export":
         result.update(export_model(tf, job, model))
     elif mode in ("train", "profile"):
+        keep_trained = None if job["trained_out"] is None or mode != "train" else \
+            (lambda weights: write_weights(weights, job["trained_out"]))
         result.update(train_and_evaluate(tf, job, model, precision, data, should_stop, emit,
-                                         served_weights, scored_after))
+                                         served_weights, scored_after, keep_trained))
     if result["status"] == "ok" and mode not in ("profile", "export") \
             and job["weights_out"] is not None:
         write_weights(model.get_weights(), job["weights_out"])
