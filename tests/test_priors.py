@@ -11,7 +11,13 @@ import pytest
 from conftest import CLASSES as HOME_CLASSES
 from conftest import odtctl, odtctl_json, write_images
 
-from odtd.trainer.learning.priors import calibrate, estimate_priors, logit_offset
+from odtd.trainer.learning.priors import (
+    DISAGREEMENT_Z,
+    calibrate,
+    disagreement,
+    estimate_priors,
+    logit_offset,
+)
 
 
 def _logits(rng, labels, classes, signal=2.5, noise=1.5):
@@ -123,3 +129,35 @@ def test_earlier_days_images_count_by_their_labels_where_the_train_file_has_them
     data = load_prior_data(str(path), x, y, mask)
     assert sorted(data["labels"].tolist()) == [1, 1, 2]
     assert np.array_equal(data["unlabelled"], np.concatenate([earlier, without]))
+
+
+def test_labels_drawn_from_a_mix_agree_with_it_and_labels_from_another_do_not():
+    rng = np.random.default_rng(3)
+    mix = rng.dirichlet([0.5] * 10)
+    agreeing = [disagreement(rng.choice(10, 300, p=mix), mix) for _ in range(200)]
+    assert np.mean(np.array(agreeing) > DISAGREEMENT_Z) < 0.02  # about 0.1% by construction
+    other = rng.dirichlet([0.5] * 10)
+    assert disagreement(rng.choice(10, 300, p=other), mix) > DISAGREEMENT_Z
+
+
+def test_posteriors_that_disagree_with_the_labels_are_set_aside():
+    """A camera's shift leaves the model's posteriors uncalibrated: here they favour class 0 on
+    every image. With the device's labels drawn from its true mix, EM would follow the many
+    unlabelled images; the labels disagree with them, so the labels alone set the priors."""
+    rng = np.random.default_rng(4)
+    classes = 5
+    mix = np.array([0.1, 0.4, 0.3, 0.1, 0.1])
+    labels = rng.choice(classes, 200, p=mix)
+    truth = rng.choice(classes, 2000, p=mix)
+    skewed = _logits(rng, truth, classes) + 3.0 * np.eye(classes)[0]
+    source_y = rng.integers(0, classes, 400)
+    calibration = (_logits(rng, source_y, classes), source_y)
+    estimate = logit_offset(*calibration, labels, skewed, classes)
+    assert estimate.disagreement_z > DISAGREEMENT_Z
+    assert (estimate.set_aside, estimate.unlabelled) == (2000, 0)
+    assert np.abs(estimate.device - mix).max() < 0.06  # the labels' mix, not class 0
+    # Posteriors as calibrated as the reference's agree with the labels: both count.
+    calibrated = logit_offset(*calibration, labels, _logits(rng, truth, classes), classes)
+    assert calibrated.disagreement_z < DISAGREEMENT_Z
+    assert (calibrated.set_aside, calibrated.unlabelled) == (0, 2000)
+    assert np.abs(calibrated.device - mix).max() < 0.06

@@ -73,7 +73,8 @@ class PriorArm:
 
     A worker ``train`` job of zero epochs with ``prior_correction``: every labelled image the
     device has seen counted by its label, every other one by the base model's posteriors,
-    calibrated on ``calibration`` (images of the original domain). The offset goes to a
+    calibrated on ``calibration`` (images of the original domain), unless those disagree with
+    the labels (``priors.disagreement``). The offset goes to a
     ``manifest.json`` beside the weights, which scoring reads as it reads a version's.
     """
 

@@ -32,6 +32,11 @@ _CALIBRATION_RATE = 0.5
 _BIAS_PENALTY = 0.01  # ridge on the bias: a small calibration set cannot fit ten biases freely
 EM_STEPS = 200
 EM_TOLERANCE = 1e-7
+# How far the device's labelled images may disagree with the mix its unlabelled images'
+# posteriors give before those posteriors are set aside: a chi-square's upper 0.1% (as a
+# standard normal deviate, Wilson and Hilferty's cube root). The labelled images are a sample
+# of the device's mix; posteriors that a camera's shift left uncalibrated are not.
+DISAGREEMENT_Z = 3.09
 
 
 class Calibration(NamedTuple):
@@ -51,6 +56,9 @@ class PriorEstimate(NamedTuple):
     labelled: int  # the device's images counted by their labels
     unlabelled: int  # and by the model's posteriors
     em_steps: int
+    # How far the labels disagree with the posteriors' mix (``disagreement``); None untested.
+    disagreement_z: Optional[float] = None
+    set_aside: int = 0  # unlabelled images not counted: their posteriors disagreed
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -135,6 +143,22 @@ def estimate_priors(posteriors: np.ndarray, labels: np.ndarray, source: np.ndarr
     return priors, steps
 
 
+def disagreement(labels: np.ndarray, mix: np.ndarray) -> float:
+    """How far ``labels`` are from a sample of ``mix``: Pearson's chi-square as a z-score.
+
+    Wilson and Hilferty's cube-root transform of the statistic (``classes - 1`` degrees of
+    freedom) to a standard normal deviate; above ``DISAGREEMENT_Z`` the labels were not drawn
+    from ``mix`` (p < 0.001).
+    """
+    classes = len(mix)
+    counted = np.bincount(np.asarray(labels, np.int64), minlength=classes).astype(np.float64)
+    expected = len(labels) * np.asarray(mix, np.float64)
+    statistic = float(np.sum((counted - expected) ** 2 / expected))
+    freedom = classes - 1.0
+    spread = 2.0 / (9.0 * freedom)
+    return float(((statistic / freedom) ** (1.0 / 3.0) - (1.0 - spread)) / np.sqrt(spread))
+
+
 def logit_offset(calibration_logits: Optional[np.ndarray], calibration_labels: Optional[np.ndarray],
                  labelled_labels: np.ndarray, unlabelled_logits: np.ndarray,
                  classes: int) -> Optional[PriorEstimate]:
@@ -157,10 +181,16 @@ def logit_offset(calibration_logits: Optional[np.ndarray], calibration_labels: O
     posteriors = softmax(np.asarray(unlabelled_logits, np.float64) / calibration.temperature
                           + calibration.bias) if len(unlabelled_logits) else \
         np.zeros((0, classes))
+    z, set_aside = None, 0
+    if len(labelled_labels) and len(posteriors):  # do the posteriors agree with the labels?
+        z = disagreement(labelled_labels, estimate_priors(posteriors, labelled_labels[:0], source)[0])
+        if z > DISAGREEMENT_Z:  # no: the labels alone
+            set_aside, posteriors = len(posteriors), posteriors[:0]
     device, steps = estimate_priors(posteriors, labelled_labels, source)
     offset = calibration.temperature * (calibration.bias + np.log(device / source))
     return PriorEstimate(offset - offset.mean(), device, source, calibration.temperature,
-                         int(len(labelled_labels)), int(len(unlabelled_logits)), steps)
+                         int(len(labelled_labels)), int(len(posteriors)), steps,
+                         None if z is None else round(z, 2), set_aside)
 
 
 def correct_priors(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
@@ -211,7 +241,8 @@ def correct_priors(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
                 "device": [round(float(p), 5) for p in estimate.device],
                 "source": [round(float(p), 5) for p in estimate.source],
                 "temperature": round(estimate.temperature, 4), "labelled": estimate.labelled,
-                "unlabelled": estimate.unlabelled, "em_steps": estimate.em_steps}
+                "unlabelled": estimate.unlabelled, "em_steps": estimate.em_steps,
+                "disagreement_z": estimate.disagreement_z, "set_aside": estimate.set_aside}
     fields["logit_offset_after"] = None if offset is None else [round(float(v), 6) for v in offset]
     if validation is not None:
         validation.offset["vector"] = offset
