@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 COMPAT := .venv-compat
 COMPAT_STAMP := $(COMPAT)/.installed
 
-.PHONY: install test test-fleet quick test-compat test-tx2 tx2-tests demo lint bench clean
+.PHONY: install test test-fleet test-fleet-faults quick test-compat test-tx2 tx2-tests demo lint bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,13 +26,19 @@ install: $(STAMP)
 # the run does not end on one worker working through a batch of slow tests alone.
 # The fleet's test (tests/test_fleet.py, marked `fleet`) is dealt first (tests/conftest.py): a
 # minute, most of it Flower's processes polling, beside the others.
+# A fleet's slow faults (tests/test_fleet_faults.py: a killed SuperNode, a minute of Flower's
+# heartbeat patience) are `make test-fleet-faults`', which .ci/run runs after it.
 test: $(STAMP)
 	@$(BIN)/python -m compileall -q odtd
-	$(BIN)/python -m pytest -q -n 3 --dist worksteal
+	$(BIN)/python -m pytest -q -n 3 --dist worksteal -m "not fleet_faults"
 
-# The fleet's test alone: three devices through Flower's real SuperLink, SuperNodes and `flwr run`.
+# The fleet's tests alone: three devices through Flower's real SuperLink, SuperNodes and
+# `flwr run`, and a device's SuperNode killed mid-round (two devices), side by side.
 test-fleet: $(STAMP)
-	$(BIN)/python -m pytest -q -m fleet tests/test_fleet.py
+	$(BIN)/python -m pytest -q -n 2 -m "fleet or fleet_faults" tests/test_fleet.py tests/test_fleet_faults.py
+
+test-fleet-faults: $(STAMP)
+	$(BIN)/python -m pytest -q -m fleet_faults tests/test_fleet_faults.py
 
 # The edit loop: everything that starts no TensorFlow worker (tests marked `trains` are left out).
 quick: $(STAMP)

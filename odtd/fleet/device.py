@@ -69,6 +69,17 @@ def write_global(path: Path, arrays: List[np.ndarray], layout: Optional[List[str
     write_weights(path, arrays)
 
 
+def clear_exchange(exchange: Path) -> None:
+    """Remove the weights files earlier rounds left in ``exchange``.
+
+    A round's files go when its ClientApp ends; a ClientApp killed with its SuperNode leaves
+    them, and its session, still running in the daemon, hands its weights back after it. One
+    device's rounds come one at a time, so at a round's start whatever is there is left over.
+    """
+    for stale in Path(exchange).glob("*.npz"):
+        stale.unlink(missing_ok=True)
+
+
 def train_round(socket_path: Path, run_id: str, server_round: int, arrays: List[np.ndarray],
                 config: Dict[str, Any]) -> Tuple[List[np.ndarray], Dict[str, float]]:
     """Run one round's federated session on the device behind ``socket_path``.
@@ -93,6 +104,7 @@ def train_round(socket_path: Path, run_id: str, server_round: int, arrays: List[
     stem = f"{run_id}-{server_round}"
     weights_in, weights_out = exchange / f"{stem}-global.npz", exchange / f"{stem}-trained.npz"
     layout = config.get("layout")
+    clear_exchange(exchange)
     try:
         write_global(weights_in, arrays, layout)
         epochs, rate = config.get("local-epochs"), config.get("learning-rate")
@@ -136,6 +148,7 @@ def evaluate_round(socket_path: Path, run_id: str, server_round: int, arrays: Li
     """
     exchange = Path(socket_path).parent / EXCHANGE_DIR
     weights_in = exchange / f"{run_id}-{server_round}-evaluate.npz"
+    clear_exchange(exchange)
     try:
         write_global(weights_in, arrays, config.get("layout"))
         result = request_federated_evaluate(Path(socket_path), {

@@ -45,7 +45,7 @@ class _Recording:
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         messages = list(super().configure_train(server_round, arrays, config, grid))  # type: ignore[misc]
-        self._asked = [m.metadata.dst_node_id for m in messages]
+        self._asked = messages  # the grid gives each its message id as it sends it
         self._started = (time.monotonic(), utc_now())
         print(f"round {server_round}: asking {len(messages)} devices", flush=True)
         return messages
@@ -56,16 +56,18 @@ class _Recording:
         arrays, metrics = super().aggregate_train(server_round, replies)  # type: ignore[misc]
         devices, answered = [], set()
         for reply in replies:
-            node = reply.metadata.src_node_id
+            node = _sender(reply, self._asked)
             answered.add(node)
-            if reply.has_error():
-                devices.append(DeviceReply(str(node), "declined", _reason(reply.error.reason)))
+            if reply.has_error():  # the device's reason, or the SuperLink's for a device gone
+                gone = node != reply.metadata.src_node_id
+                devices.append(DeviceReply(str(node), "no reply" if gone else "declined",
+                                           _reason(reply.error.reason)))
             else:
                 devices.append(DeviceReply(str(node), "trained",
                                            metrics=dict(reply.content["metrics"])))
         devices += [DeviceReply(str(node), "no reply",
                                 f"no reply within {self.round_timeout_s:g} s")
-                    for node in self._asked if node not in answered]
+                    for node in (m.metadata.dst_node_id for m in self._asked) if node not in answered]
         record = RoundRecord(run_id=self.run_id, round=server_round, started_at=self._started[1],
                              seconds=time.monotonic() - self._started[0], devices=devices,
                              metrics=dict(metrics) if metrics is not None else {})
@@ -76,13 +78,20 @@ class _Recording:
               + (f" ({declined})" if declined else ""), flush=True)
         return arrays, metrics
 
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        self._asked_to_evaluate = list(super().configure_evaluate(  # type: ignore[misc]
+            server_round, arrays, config, grid))
+        return self._asked_to_evaluate
+
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> Optional[MetricRecord]:
         replies = list(replies)
         metrics = super().aggregate_evaluate(server_round, replies)  # type: ignore[misc]
         if not replies:  # no evaluate round asked for (evaluate_fraction 0): nothing to record
             return metrics
-        devices = [DeviceReply(str(r.metadata.src_node_id), "declined", _reason(r.error.reason))
-                   if r.has_error() else DeviceReply(str(r.metadata.src_node_id), "evaluated",
+        asked = getattr(self, "_asked_to_evaluate", [])
+        devices = [DeviceReply(str(_sender(r, asked)), "declined", _reason(r.error.reason))
+                   if r.has_error() else DeviceReply(str(_sender(r, asked)), "evaluated",
                                                      metrics=dict(r.content["metrics"]))
                    for r in replies]
         self.log.add_evaluation(self.run_id, server_round,
@@ -92,6 +101,19 @@ class _Recording:
               "devices' own samples" + (f", accuracy {accuracy:.3f}" if accuracy is not None else "")
               + (f" ({_declined(devices)})" if _declined(devices) else ""), flush=True)
         return metrics
+
+
+def _sender(reply: Message, asked: List[Message]) -> int:
+    """The device a reply answers for: the node asked, where the SuperLink replied for it.
+
+    A device that went silent (its SuperNode killed) gets the SuperLink's error reply, sent
+    from the SuperLink's own node id; the message it answers names the device.
+    """
+    for message in asked:
+        if message.metadata.message_id and \
+                message.metadata.message_id == reply.metadata.reply_to_message_id:
+            return message.metadata.dst_node_id
+    return reply.metadata.src_node_id
 
 
 def _declined(devices: List[DeviceReply]) -> str:
