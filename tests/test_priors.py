@@ -87,11 +87,41 @@ def test_a_promoted_version_keeps_its_offset_in_its_manifest(home, tmp_path):
     assert current == f"v{session['model_version_after']}"
     offset = json.loads((models / current / "manifest.json").read_text())["logit_offset"]
     assert len(offset) == len(HOME_CLASSES) and np.argmax(offset) == airplane
+    _check_the_export_carries_the_offset(home, models / current / "manifest.json", offset, tmp_path)
+
+
+def _check_the_export_carries_the_offset(home, manifest_path, offset, tmp_path):
+    """The version's export, opened by plain Keras: its log-probabilities are those of the same
+    weights exported without the offset, plus the offset (up to a constant per image)."""
+    from test_byom import predict
+
+    version = manifest_path.parent.name[1:]
+    with_offset = odtctl_json("models", "export", version, "--out", str(tmp_path / "with.keras"),
+                              home=home)
+    assert with_offset["logit_offset"] == "in the last layer's bias"
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({k: v for k, v in manifest.items() if k != "logit_offset"}))
+    try:
+        without = odtctl_json("models", "export", version, "--out", str(tmp_path / "without.keras"),
+                              home=home)
+    finally:
+        manifest_path.write_text(json.dumps(manifest))
+    assert without["logit_offset"] is None
+    images = np.random.default_rng(5).integers(0, 255, (6, 32, 32, 3)).astype(np.float32)
+    np.savez(tmp_path / "images.npz", x=images)
+    plain, corrected = predict([(tmp_path / "without.keras", tmp_path / "images.npz"),
+                                (tmp_path / "with.keras", tmp_path / "images.npz")])
+    assert np.allclose(corrected.sum(axis=1), 1.0, atol=1e-5)
+    moved = np.log(corrected) - np.log(plain)
+    np.testing.assert_allclose(moved - moved.mean(axis=1, keepdims=True),
+                               np.tile(np.asarray(offset) - np.mean(offset), (6, 1)), atol=1e-3)
 
 
 @pytest.mark.trains
-def test_unlabelled_images_count_in_the_priors(home, tmp_path):
-    # The labelled day is even; the images without a label go to the EM by their posteriors.
+def test_unlabelled_images_reach_the_priors(home, tmp_path):
+    # The labelled day is even; the images without a label go to the EM by their posteriors,
+    # or are set aside where those disagree with the labels (the home's tiny model is far from
+    # calibrated on these images: ``disagreement`` decides, and the record says which).
     policy = (home / "policy.yaml").read_text()
     (home / "policy.yaml").write_text(policy.replace("training:\n", "training:\n  prior_correction: true\n"))
     write_images(tmp_path / "day", per_class=3, seed=31)
@@ -101,8 +131,13 @@ def test_unlabelled_images_count_in_the_priors(home, tmp_path):
     assert report["unlabelled"] == 5 * len(HOME_CLASSES)
     odtctl("train-now", "--foreground", "--force", home=home)
     priors = odtctl_json("history", home=home)[0]["details"]["priors"]
-    assert priors["status"] == "estimated" and priors["unlabelled"] == 5 * len(HOME_CLASSES), priors
-    assert priors["em_steps"] > 1  # the posteriors of the images without a label were iterated
+    assert priors["status"] == "estimated", priors
+    assert priors["unlabelled"] + priors["set_aside"] == 5 * len(HOME_CLASSES), priors
+    assert priors["disagreement_z"] is not None  # the posteriors were computed and tested
+    if priors["set_aside"]:
+        assert priors["disagreement_z"] > DISAGREEMENT_Z and priors["em_steps"] == 1
+    else:
+        assert priors["em_steps"] > 1  # the posteriors of the images without a label were iterated
 
 
 def test_earlier_days_images_count_by_their_labels_where_the_train_file_has_them(tmp_path):

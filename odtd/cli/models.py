@@ -53,8 +53,10 @@ def cmd_models(args: argparse.Namespace) -> int:
             if not args.out.endswith(".npz"):
                 progress(f"exporting v{version} to {args.out} (a worker builds the Keras model) ...")
             result = versions.export(home, store, version, Path(args.out), as_given=args.as_given)
+            priors = result["logit_offset"]
             emit(args, result, f"exported {result['model']} v{result['version']} to {result['out']} "
-                               f"(sha256 {result['sha256'][:12]})")
+                               f"(sha256 {result['sha256'][:12]})"
+                               + (f"; the device's class priors: {priors}" if priors else ""))
     finally:
         store.close()
     return 0

@@ -328,14 +328,18 @@ def export(home: Home, store: Store, version: int, out: Path, as_given: bool = F
                 job = make_job("export", spec.name, spec.classes, spec.input_shape,
                                weights_in=str(repo.weights_path(version)), export_to=tmp,
                                model_file=str(original) if original else None,
+                               logit_offset=repo.manifest(version).get("logit_offset"),
                                **spec.job_keys(home))
                 result, _, _ = run_job(home.load_config().trainer.command(), job, Path(job_dir),
                                        on_message=on_message)
     sha = file_sha256(out)
     store.log_event("export", f"{spec.name} v{version} exported to {out}", version=version,
                     out=str(out))
+    offset = repo.manifest(version).get("logit_offset")
     return {"model": spec.name, "version": version, "out": str(out), "sha256": sha,
-            "format": out.suffix.lstrip("."), "written_as": result.get("export")}
+            "format": out.suffix.lstrip("."), "written_as": result.get("export"),
+            # Where the version's class priors (training.prior_correction) went, if it has any.
+            "logit_offset": None if offset is None else result.get("logit_offset", "not in the file")}
 
 
 def prune(home: Home, store: Store, keep: int) -> list[int]:
