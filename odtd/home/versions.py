@@ -292,7 +292,7 @@ def export(home: Home, store: Store, version: int, out: Path, as_given: bool = F
 
     ``.npz``: the weights as odtd stores them. ``.keras`` or ``.h5``: a full Keras model that a
     plain ``keras.models.load_model`` opens without odtd, written by a worker in its Keras (see
-    ``trainer.worker.export_model``: an imported model keeps the user's own input convention).
+    ``trainer.worker.export.export_model``: an imported model keeps the user's own input convention).
     ``as_given``: an imported model's weights written into a copy of the file the user gave,
     which the Keras that wrote that file opens (a server on Keras 3, a device on Keras 2).
 
