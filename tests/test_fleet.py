@@ -61,6 +61,20 @@ def _device(base: Path, root: Path, index: int) -> Path:
     return home
 
 
+def start_fleet(local, pool, base: Path, root: Path, devices: int, daemons: list) -> tuple:
+    """The devices' homes, their daemons (appended to ``daemons``), the SuperLink and a SuperNode
+    per device, started side by side: each waits on processes. Returns the homes and the
+    version each served before its daemon started (its ``current`` file)."""
+    superlink = pool.submit(local.start_superlink)
+    homes = list(pool.map(lambda i: _device(base, root, i), range(devices)))
+    served = [(home / "models/tinycnn/current").read_text() for home in homes]
+    daemons += pool.map(start_daemon, homes)
+    superlink.result()
+    list(pool.map(lambda i: local.start_supernode(homes[i] / "run" / "odtd.sock", f"supernode{i}"),
+                  range(devices)))
+    return homes, served
+
+
 @pytest.fixture
 def fleet(_base_home, tmp_path_factory):
     from odtd.fleet.launch import LocalFleet
@@ -72,13 +86,7 @@ def fleet(_base_home, tmp_path_factory):
     # The devices, their daemons and their SuperNodes start side by side: each waits on processes.
     with ThreadPoolExecutor(DEVICES + 1) as pool:
         try:
-            superlink = pool.submit(local.start_superlink)
-            homes = list(pool.map(lambda i: _device(_base_home, root, i), range(DEVICES)))
-            served = [(home / "models/tinycnn/current").read_text() for home in homes]
-            daemons += pool.map(start_daemon, homes)
-            superlink.result()
-            list(pool.map(lambda i: local.start_supernode(homes[i] / "run" / "odtd.sock",
-                                                          f"supernode{i}"), range(DEVICES)))
+            homes, served = start_fleet(local, pool, _base_home, root, DEVICES, daemons)
             initial = _base_home / "models/tinycnn" / served[0].strip() / "weights.npz"
             config = root / "fleet.yaml"
             config.write_text(f"rounds: {ROUNDS}\nmin_devices: {DEVICES}\nlocal_epochs: 1\n"

@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import odtctl_json, wait_for
-from test_daemon import start_daemon, stop
-from test_fleet import _device, _rows
+from test_daemon import stop
+from test_fleet import _rows, start_fleet
 
 pytest.importorskip("flwr", reason="flwr (odtd[fleet], Python >= 3.11) is not installed")
 
@@ -61,17 +61,11 @@ def test_a_killed_supernode_does_not_stop_the_round_and_its_device_takes_the_nex
     lines: list = []
     with ThreadPoolExecutor(DEVICES + 1) as pool:
         try:
-            superlink = pool.submit(local.start_superlink)
-            homes = [_device(_base_home, root, i) for i in range(DEVICES)]
-            served = (homes[0] / "models/tinycnn/current").read_text().strip()
-            daemons += pool.map(start_daemon, homes)
-            superlink.result()
-            for i, home in enumerate(homes):
-                local.start_supernode(home / "run" / "odtd.sock", f"supernode{i}")
+            homes, served = start_fleet(local, pool, _base_home, root, DEVICES, daemons)
             config = root / "fleet.yaml"
             config.write_text(
                 f"rounds: {ROUNDS}\nmin_devices: {DEVICES}\nlocal_epochs: 1\nround_timeout_s: 240\n"
-                f"initial_weights: {_base_home / 'models/tinycnn' / served / 'weights.npz'}\n"
+                f"initial_weights: {_base_home / 'models/tinycnn' / served[0].strip() / 'weights.npz'}\n"
                 "record: rounds.db\n")
             killer = pool.submit(_kill_supernode_in_its_session, local, homes[KILLED], KILLED)
             status = local.run(config, progress=lines.append, timeout_s=400)

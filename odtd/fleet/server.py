@@ -54,20 +54,12 @@ class _Recording:
                         ) -> Tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
         replies = list(replies)
         arrays, metrics = super().aggregate_train(server_round, replies)  # type: ignore[misc]
-        devices, answered = [], set()
-        for reply in replies:
-            node = _sender(reply, self._asked)
-            answered.add(node)
-            if reply.has_error():  # the device's reason, or the SuperLink's for a device gone
-                gone = node != reply.metadata.src_node_id
-                devices.append(DeviceReply(str(node), "no reply" if gone else "declined",
-                                           _reason(reply.error.reason)))
-            else:
-                devices.append(DeviceReply(str(node), "trained",
-                                           metrics=dict(reply.content["metrics"])))
+        devices = [_device_reply(reply, self._asked, "trained") for reply in replies]
+        answered = {d.node_id for d in devices}
         devices += [DeviceReply(str(node), "no reply",
                                 f"no reply within {self.round_timeout_s:g} s")
-                    for node in (m.metadata.dst_node_id for m in self._asked) if node not in answered]
+                    for node in (m.metadata.dst_node_id for m in self._asked)
+                    if str(node) not in answered]
         record = RoundRecord(run_id=self.run_id, round=server_round, started_at=self._started[1],
                              seconds=time.monotonic() - self._started[0], devices=devices,
                              metrics=dict(metrics) if metrics is not None else {})
@@ -89,10 +81,7 @@ class _Recording:
         metrics = super().aggregate_evaluate(server_round, replies)  # type: ignore[misc]
         if not replies:  # no evaluate round asked for (evaluate_fraction 0): nothing to record
             return metrics
-        asked = getattr(self, "_asked_to_evaluate", [])
-        devices = [DeviceReply(str(_sender(r, asked)), "declined", _reason(r.error.reason))
-                   if r.has_error() else DeviceReply(str(_sender(r, asked)), "evaluated",
-                                                     metrics=dict(r.content["metrics"]))
+        devices = [_device_reply(r, getattr(self, "_asked_to_evaluate", []), "evaluated")
                    for r in replies]
         self.log.add_evaluation(self.run_id, server_round,
                                 dict(metrics) if metrics is not None else {}, devices)
@@ -103,17 +92,21 @@ class _Recording:
         return metrics
 
 
-def _sender(reply: Message, asked: List[Message]) -> int:
-    """The device a reply answers for: the node asked, where the SuperLink replied for it.
+def _device_reply(reply: Message, asked: List[Message], done: str) -> DeviceReply:
+    """A reply as the round records it.
 
-    A device that went silent (its SuperNode killed) gets the SuperLink's error reply, sent
-    from the SuperLink's own node id; the message it answers names the device.
+    ``done`` with its metrics, ``declined`` with the device's reason, or ``no reply`` with the
+    SuperLink's for a device gone: a device that went silent (its SuperNode killed) gets the
+    SuperLink's error reply, sent from the SuperLink's own node id; the message it answers
+    (``asked``) names the device.
     """
-    for message in asked:
-        if message.metadata.message_id and \
-                message.metadata.message_id == reply.metadata.reply_to_message_id:
-            return message.metadata.dst_node_id
-    return reply.metadata.src_node_id
+    node = next((m.metadata.dst_node_id for m in asked if m.metadata.message_id
+                 and m.metadata.message_id == reply.metadata.reply_to_message_id),
+                reply.metadata.src_node_id)
+    if not reply.has_error():
+        return DeviceReply(str(node), done, metrics=dict(reply.content["metrics"]))
+    gone = node != reply.metadata.src_node_id
+    return DeviceReply(str(node), "no reply" if gone else "declined", _reason(reply.error.reason))
 
 
 def _declined(devices: List[DeviceReply]) -> str:
