@@ -22,7 +22,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Dict, Iterator, Union
+from typing import Dict, Iterator, Optional, Union
 
 PathLike = Union[str, "os.PathLike[str]"]
 _TEMPORARY = re.compile(r"^\..+\.(\d+)\.tmp(\.[^.]*)?$")
@@ -46,15 +46,24 @@ def is_temporary(name: str) -> bool:
 def is_abandoned(name: str) -> bool:
     """Whether ``name`` is a temporary file of a process that is gone (a killed writer's)."""
     match = _TEMPORARY.match(name)
-    if not match:
+    return bool(match) and not pid_alive(int(match.group(1)))
+
+
+def pid_alive(pid: Optional[int]) -> bool:
+    """Whether a process with this pid exists (another user's counts; a zombie is gone)."""
+    if not pid:
         return False
     try:
-        os.kill(int(match.group(1)), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
-        return True
-    except OSError:  # alive, another user's
         return False
-    return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+            return handle.read().split(") ")[-1][:1] != "Z"
+    except OSError:
+        return True
 
 
 def fsync(path: PathLike) -> None:

@@ -19,7 +19,7 @@ import pytest
 import python_server
 from PIL import Image
 
-from odtd.report.status import pid_alive
+from odtd.atomic import pid_alive
 
 REPO = Path(__file__).resolve().parents[1]
 # The CIFAR-10 JPEG archive is never part of the project: tests that need it skip without it.

@@ -63,16 +63,18 @@ def _device(base: Path, root: Path, index: int) -> Path:
 
 def start_fleet(local, pool, base: Path, root: Path, devices: int, daemons: list) -> tuple:
     """The devices' homes, their daemons (appended to ``daemons``), the SuperLink and a SuperNode
-    per device, started side by side: each waits on processes. Returns the homes and the
-    version each served before its daemon started (its ``current`` file)."""
+    per device, started side by side: each waits on processes. Returns the homes, the version
+    each served before its daemon started (its ``current`` file) and the SuperNodes, each in
+    device order (``local.supernodes`` is in the order they came up)."""
     superlink = pool.submit(local.start_superlink)
     homes = list(pool.map(lambda i: _device(base, root, i), range(devices)))
     served = [(home / "models/tinycnn/current").read_text() for home in homes]
     daemons += pool.map(start_daemon, homes)
     superlink.result()
-    list(pool.map(lambda i: local.start_supernode(homes[i] / "run" / "odtd.sock", f"supernode{i}"),
-                  range(devices)))
-    return homes, served
+    supernodes = list(pool.map(
+        lambda i: local.start_supernode(homes[i] / "run" / "odtd.sock", f"supernode{i}"),
+        range(devices)))
+    return homes, served, supernodes
 
 
 @pytest.fixture
@@ -86,7 +88,7 @@ def fleet(_base_home, tmp_path_factory):
     # The devices, their daemons and their SuperNodes start side by side: each waits on processes.
     with ThreadPoolExecutor(DEVICES + 1) as pool:
         try:
-            homes, served = start_fleet(local, pool, _base_home, root, DEVICES, daemons)
+            homes, served, _ = start_fleet(local, pool, _base_home, root, DEVICES, daemons)
             initial = _base_home / "models/tinycnn" / served[0].strip() / "weights.npz"
             config = root / "fleet.yaml"
             config.write_text(f"rounds: {ROUNDS}\nmin_devices: {DEVICES}\nlocal_epochs: 1\n"
@@ -523,3 +525,25 @@ def test_hand_back_gives_the_server_the_trained_weights_whole_not_the_devices_av
     assert hand_back(job, federated)
     with np.load(tmp_path / "out.npz") as out:
         assert np.array_equal(out["w0000"], np.ones(3))
+
+
+def test_a_round_start_clears_what_gone_clientapps_left_and_not_a_living_ones_files(tmp_path):
+    """Two SuperNodes pointed at one daemon (CI saw it: a SuperNode started again beside one
+    still up) once shared one round's file name, and the one declined removed the other's. Each
+    ClientApp's files now carry its process id; a round's start clears only those whose process
+    is gone, and the old names without one."""
+    from odtd.fleet.device import clear_exchange, exchange_stem
+
+    living = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    try:
+        files = {name: tmp_path / f"{name}-global.npz"
+                 for name in (f"7-2-pid{living.pid}", f"7-2-pid{gone.pid}", "7-1", exchange_stem("7", 3))}
+        for path in files.values():
+            path.write_bytes(b"weights")
+        clear_exchange(tmp_path)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [f"7-2-pid{living.pid}-global.npz"]
+    finally:
+        living.kill()
+        living.wait()

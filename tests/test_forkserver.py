@@ -14,7 +14,7 @@ import pytest
 from conftest import REPO, listening, start_server, wait_for
 from test_worker import worker_command, write_job, write_samples
 
-from odtd.report.status import pid_alive
+from odtd.atomic import pid_alive
 from odtd.trainer.worker.forkserver import SERVER_VARIABLE
 
 pytestmark = pytest.mark.trains

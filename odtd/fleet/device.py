@@ -11,12 +11,15 @@ cap that admits nothing, a session already running, weights that do not fit) rai
 from __future__ import annotations
 
 import math
+import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from odtd.atomic import pid_alive
 from odtd.daemon.control import request_federated_evaluate, request_federated_session
 from odtd.errors import OdtdError
 from odtd.fleet.packing import pack, unpack
@@ -69,15 +72,29 @@ def write_global(path: Path, arrays: List[np.ndarray], layout: Optional[List[str
     write_weights(path, arrays)
 
 
+def exchange_stem(run_id: str, server_round: int) -> str:
+    """The stem of this ClientApp's weights files for a round, its process id in it.
+
+    Two ClientApps asking one daemon at once (two SuperNodes pointed at one socket) never share
+    a file, and neither clears the other's (``clear_exchange``).
+    """
+    return f"{run_id}-{server_round}-pid{os.getpid()}"
+
+
+_OWNER = re.compile(r"-pid(\d+)-")
+
+
 def clear_exchange(exchange: Path) -> None:
-    """Remove the weights files earlier rounds left in ``exchange``.
+    """Remove the weights files that ClientApps no longer running left in ``exchange``.
 
     A round's files go when its ClientApp ends; a ClientApp killed with its SuperNode leaves
-    them, and its session, still running in the daemon, hands its weights back after it. One
-    device's rounds come one at a time, so at a round's start whatever is there is left over.
+    them, and its session, still running in the daemon, hands its weights back after it. A file
+    whose stem's process id (``exchange_stem``) is a living process is another ClientApp's.
     """
     for stale in Path(exchange).glob("*.npz"):
-        stale.unlink(missing_ok=True)
+        owner = _OWNER.search(stale.name)
+        if not (owner and int(owner.group(1)) != os.getpid() and pid_alive(int(owner.group(1)))):
+            stale.unlink(missing_ok=True)
 
 
 def train_round(socket_path: Path, run_id: str, server_round: int, arrays: List[np.ndarray],
@@ -101,7 +118,7 @@ def train_round(socket_path: Path, run_id: str, server_round: int, arrays: List[
     """
     started = time.monotonic()
     exchange = Path(socket_path).parent / EXCHANGE_DIR
-    stem = f"{run_id}-{server_round}"
+    stem = exchange_stem(run_id, server_round)
     weights_in, weights_out = exchange / f"{stem}-global.npz", exchange / f"{stem}-trained.npz"
     layout = config.get("layout")
     clear_exchange(exchange)
@@ -147,7 +164,7 @@ def evaluate_round(socket_path: Path, run_id: str, server_round: int, arrays: Li
         Declined: The device did not evaluate (why, in the daemon's words).
     """
     exchange = Path(socket_path).parent / EXCHANGE_DIR
-    weights_in = exchange / f"{run_id}-{server_round}-evaluate.npz"
+    weights_in = exchange / f"{exchange_stem(run_id, server_round)}-evaluate.npz"
     clear_exchange(exchange)
     try:
         write_global(weights_in, arrays, config.get("layout"))

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from datetime import datetime, timezone
 from typing import Any, Optional
 
+from odtd.atomic import pid_alive
 from odtd.errors import OdtdError
 from odtd.home.disk import mb, storage_status
 from odtd.home.paths import Home
@@ -17,23 +17,6 @@ from odtd.table import table
 
 HEARTBEAT_STALE_S = 30.0
 _SPARKS = "▁▂▃▄▅▆▇█"
-
-
-def pid_alive(pid: Optional[int]) -> bool:
-    """Whether a process with this pid exists (a zombie counts as gone)."""
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
-            return handle.read().split(") ")[-1][:1] != "Z"
-    except OSError:
-        return True
 
 
 def daemon_status(store: Store) -> dict[str, Any]:
