@@ -183,8 +183,8 @@ class ImagesConfig(_Strict):
                     "Pillow's area-averaging bilinear, as keras.utils.load_img")
 
 
-PruneKind = Literal["runs", "versions", "samples"]
-PRUNE_ORDER: tuple[str, ...] = ("runs", "versions", "samples")
+PruneKind = Literal["runs", "unlabelled", "versions", "samples"]
+PRUNE_ORDER: tuple[str, ...] = ("runs", "unlabelled", "versions", "samples")
 
 
 class StorageConfig(_Strict):
@@ -197,10 +197,11 @@ class StorageConfig(_Strict):
         min_free_mb: the floor, in MB (1024 * 1024 bytes) left free on the home's filesystem
             after any write odtd makes; room for SQLite, the logs and the rest of the system.
         prune: what odtd may delete to get back above the floor, always in this order: ``runs``
-            (old ``runs/`` folders: job files and worker logs), ``versions`` (model versions
-            beyond the policy's ``models.keep_versions``), ``samples`` (the oldest trained
-            samples that neither the replay buffer nor a session still reads). Never the
-            served model, its parent, a pending or held-out sample, or the replay buffer.
+            (old ``runs/`` folders: job files and worker logs), ``unlabelled`` (the oldest
+            unlabelled samples beyond the newest 2048 a session reads), ``versions`` (model
+            versions beyond the policy's ``models.keep_versions``), ``samples`` (the oldest
+            trained samples that neither the replay buffer nor a session still reads). Never
+            the served model, its parent, a pending or held-out sample, or the replay buffer.
     """
 
     min_free_mb: float = Field(
@@ -208,16 +209,17 @@ class StorageConfig(_Strict):
         description="free space (MB) odtd keeps on the home's filesystem: below it ingest "
                     "refuses and sessions that would not fit are skipped")
     prune: List[PruneKind] = Field(  # typing.List: pydantic evaluates it on Python 3.8
-        default_factory=lambda: ["runs", "versions"],
+        default_factory=lambda: ["runs", "unlabelled", "versions"],
         description="what odtd may delete to stay above min_free_mb, applied in the order runs, "
-                    "versions, samples (samples: the oldest trained ones the replay buffer "
-                    "does not hold)")
+                    "unlabelled, versions, samples (unlabelled: the oldest images without a "
+                    "label that no session reads any more; samples: the oldest trained ones the "
+                    "replay buffer does not hold)")
 
     @field_validator("prune")
     @classmethod
     def _no_repeats(cls, value: list[str]) -> list[str]:
         if len(set(value)) != len(value):
-            raise ValueError(f"{value}: name each of runs, versions, samples at most once")
+            raise ValueError(f"{value}: name each of {', '.join(PRUNE_ORDER)} at most once")
         return value
 
 
@@ -343,8 +345,9 @@ images:                     # set before `odtctl init`: the validation and repla
                             # true: Pillow's area-averaging bilinear, as keras.utils.load_img
 storage:                    # the home's disk (docs/jetson.md, "A data disk for the home")
   min_free_mb: 256          # free space kept: below it ingest refuses, sessions that would not fit skip
-  prune: [runs, versions]   # what odtd may delete to stay above it (add samples: the oldest
-                            # trained samples the replay buffer does not hold)
+  prune: [runs, unlabelled, versions]   # what odtd may delete to stay above it (unlabelled:
+                            # images without a label no session reads any more; add samples:
+                            # the oldest trained samples the replay buffer does not hold)
 policy: policy.yaml         # relative to ODTD_HOME, or an absolute path
 heartbeat_interval_s: 5
 """

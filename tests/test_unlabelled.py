@@ -20,8 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import REPO, odtctl, odtctl_json, wait_for, write_images
+from mounts import free_bytes, tmpfs
 
+from odtd.config import StorageConfig
 from odtd.errors import StoreError
+from odtd.home.disk import make_room
 from odtd.home.ingest import Ingestor, discover_unlabelled
 from odtd.home.paths import UNLABELLED_FOLDER, Home
 from odtd.home.replay_buffer import choose_replay, update_buffer
@@ -29,6 +32,7 @@ from odtd.policy import load_policy
 from odtd.session.evalset import write_evaluation_set
 from odtd.session.result import GROUP_HOLDOUT
 from odtd.store.database import Store
+from odtd.store.samples import UNLABELLED_READ
 from odtd.store.schema import MIGRATIONS
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -204,6 +208,7 @@ def test_no_session_trains_rehearses_holds_out_or_prunes_an_unlabelled_sample(re
         assert {sample.sha256 for sample in store.unlabelled_samples(limit=1000)} == unlabelled
         assert not unlabelled & {entry["sha256"] for entry in store.replay_buffer()}
         assert not unlabelled & {row["sha256"] for row in store.prunable_samples(0, 1000)}
+        assert store.prunable_unlabelled(UNLABELLED_READ, 1000) == []  # a session reads all 24
         assert not unlabelled & {row["sha256"] for row in store.device_samples(1000)}
     finally:
         store.close()
@@ -278,3 +283,71 @@ def test_the_daemon_ingests_inbox_unlabelled_as_unlabelled(release_home, tmp_pat
     conn.close()
     assert reasons[-1][0].endswith(f"inbox/{UNLABELLED_FOLDER}/cam/cut.jpg")
     assert reasons[-1][1].startswith("corrupt or truncated")
+
+
+def test_pruning_takes_the_oldest_unlabelled_samples_no_session_reads_and_a_label_brings_one_back(
+        release_home, tmp_path, monkeypatch):
+    """A camera keeps hundreds of unlabelled images a day and a session reads the newest
+    ``UNLABELLED_READ`` (8 here): the disk's floor prunes the older ones first, the trained
+    samples stay, and a pruned image sent again is a duplicate, or with a label a new sample."""
+    monkeypatch.setattr("odtd.home.disk.UNLABELLED_READ", 8)
+    old = unlabelled_images(tmp_path / "old", count=12, seed=31)
+    unlabelled_images(tmp_path / "new", count=8, seed=32)
+    with tmpfs(tmp_path / "disk", 24) as disk:
+        shutil.copytree(release_home, disk / "home")
+        with open(disk / "home" / "odtd.yaml", "a") as config:
+            config.write("storage:\n  min_free_mb: 0\n  prune: [unlabelled]\n")
+        home = Home(disk / "home")
+        store = home.open_store()
+        try:
+            ingestor = Ingestor.for_home(home, store)
+            ingestor.ingest(discover_unlabelled(tmp_path / "old"), day="2026-11-01")
+            ingestor.ingest(discover_unlabelled(tmp_path / "new"), day="2026-11-02")
+            newest = {sample.sha256 for sample in store.unlabelled_samples(8)}
+            trained = store.sample_counts()["trained"]
+            # More than the 12 older ones hold: they all go, and nothing else may (no samples).
+            need = free_bytes(disk) + 20 * sum(p.stat().st_size for p in old)
+            pruned = make_room(home, store, StorageConfig(min_free_mb=0, prune=["unlabelled"]),
+                               need, keep_versions=None)
+            assert (pruned.unlabelled, pruned.samples, pruned.runs) == (12, 0, 0)
+            assert "12 unlabelled samples" in pruned.describe() and pruned.freed_bytes > 0
+            assert {s.sha256 for s in store.unlabelled_samples(1000)} == newest
+            counts = store.sample_counts()
+            assert (counts["unlabelled"], counts["trained"], counts["pruned"]) == (8, trained, 12)
+            assert json.loads(store.events(kind="pruned")[0]["data"])["unlabelled"] == 12
+        finally:
+            store.close()
+        assert len(rows(home.root, "status = 'unlabelled'")) == 8
+        on_disk = {p for p in (home.root / "samples").rglob("*") if p.is_file()}
+        with sqlite3.connect(home.root / "odtd.db") as conn:
+            named = {home.root / path for pair in conn.execute(
+                "SELECT stored_path, array_path FROM samples") for path in pair}
+        assert on_disk == named  # the pruned images' files went with their rows
+        # Sent again: without a label, a duplicate; with one, a new labelled sample.
+        shutil.copytree(tmp_path / "old" / "cam0", tmp_path / "again" / "dog")
+        assert odtctl_json("ingest", "--unlabelled", str(tmp_path / "old" / "cam0"),
+                           home=home.root)["duplicates"] == 6
+        report = odtctl_json("ingest", str(tmp_path / "again"), home=home.root)
+        assert (report["accepted"], report["duplicates"]) == (6, 0)
+        assert odtctl_json("status", home=home.root)["samples"]["unlabelled"] == 8
+
+
+def test_migration_9_keeps_the_pruned_rows_and_takes_an_unlabelled_one(tmp_path):
+    path = tmp_path / "odtd.db"
+    conn = sqlite3.connect(path)
+    for script in MIGRATIONS[:8]:
+        conn.executescript(script)
+    conn.execute("INSERT INTO pruned_samples VALUES ('a' , 'cat', '2026-11-01', 3, 4096, 'then')")
+    conn.execute("PRAGMA user_version = 8")
+    conn.commit()
+    conn.close()
+    store = Store(path)
+    try:
+        assert store.schema_version == len(MIGRATIONS) >= 9
+        store.db["pruned_samples"].insert({"sha256": "b", "label": None, "day": "2026-11-02",
+                                           "session_id": None, "size_bytes": 1, "pruned_at": "now"})
+        assert store.has_sample("a", labelled=True) and store.has_sample("b")
+        assert not store.has_sample("b", labelled=True)  # pruned without a label: a label is new
+        assert store.pruned_totals() == {"samples": 2, "bytes": 4097}
+    finally:
+        store.close()

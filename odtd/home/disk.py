@@ -8,10 +8,12 @@ with that reason when it does not fit, instead of failing half-way through the n
 
 Before refusing, odtd prunes what ``storage.prune`` allows, in this order, until the write
 fits: ``runs`` (the oldest ``runs/`` folders: job files and worker logs of finished sessions
-and profiles), ``versions`` (model versions beyond the policy's ``models.keep_versions``),
-``samples`` (the oldest trained samples that neither the replay buffer nor a session's
-BatchNorm adaptation reads). Never the served model, its parent, a pending, held-out or
-unlabelled sample, or the replay buffer. Pruning holds the session lock: it never runs beside a session.
+and profiles), ``unlabelled`` (the oldest unlabelled samples beyond the newest
+``store.samples.UNLABELLED_READ`` a session reads), ``versions`` (model versions beyond the
+policy's ``models.keep_versions``), ``samples`` (the oldest trained samples that neither the
+replay buffer nor a session's BatchNorm adaptation reads). Never the served model, its parent,
+a pending or held-out sample, an unlabelled one a session reads, or the replay buffer. Pruning
+holds the session lock: it never runs beside a session.
 Each pruning is an event (``kind = 'pruned'``) that ``odtctl status`` and the metrics show.
 """
 
@@ -31,6 +33,7 @@ from odtd.config import PRUNE_ORDER, StorageConfig
 from odtd.errors import OdtdError, SessionBusy, StorageError, storage_error
 from odtd.home.lock import SessionLock
 from odtd.home.paths import Home
+from odtd.store.samples import UNLABELLED_READ
 
 if TYPE_CHECKING:  # the daemon measures its disk without loading the store (sqlite-utils, numpy)
     from odtd.store.database import Store
@@ -112,7 +115,7 @@ def _blocks(size_bytes: int, block_bytes: int) -> int:
 
 
 def session_need(home: Home, store: Store, samples: int, weights: Path,
-                 device_images: int = 0) -> Need:
+                 device_images: int = 0, unlabelled_images: int = 0) -> Need:
     """A session's writes: its job data, the candidate, the version and the rest.
 
     Args:
@@ -123,10 +126,13 @@ def session_need(home: Home, store: Store, samples: int, weights: Path,
             it becomes the new version by a rename, not a copy).
         device_images: the device's earlier images the train file adds for BatchNorm
             adaptation or distillation (at most ``session.runner.DEVICE_IMAGES``).
+        unlabelled_images: the images without a label it adds (the class priors' EM, the
+            pseudo-labels: at most ``UNLABELLED_READ``).
     """
     pixels = math.prod(store.meta("input_shape"))
-    # uint8 pixels, an int64 label and a bool device flag per training sample.
-    train = samples * (pixels + 9) + device_images * pixels
+    # uint8 pixels, an int64 label and a bool device flag per training sample; the device's
+    # earlier images with their labels.
+    train = samples * (pixels + 9) + device_images * (pixels + 8) + unlabelled_images * pixels
     evaluation = sum(_size(path) for path in (home.validation_file(), home.reference_file()))
     evaluation += store.sample_counts()["holdout"] * (pixels + 16)
     # Promoted, the candidate becomes the version by a rename: a new version adds its
@@ -149,14 +155,17 @@ class Pruned:
     runs: int = 0
     versions: list[int] = field(default_factory=list)
     samples: int = 0
+    unlabelled: int = 0
     freed_bytes: int = 0
 
     def __bool__(self) -> bool:
-        return bool(self.runs or self.versions or self.samples)
+        return bool(self.runs or self.versions or self.samples or self.unlabelled)
 
     def describe(self) -> str:
-        """'3 runs/ folders, versions v2 v3, 120 samples: 14.2 MB freed'."""
+        """'3 runs/ folders, 900 unlabelled samples, versions v2 v3, 120 trained samples: 14.2 MB freed'."""
         parts = [f"{self.runs} runs/ folder{'s' * (self.runs != 1)}"] if self.runs else []
+        if self.unlabelled:
+            parts.append(f"{self.unlabelled} unlabelled sample{'s' * (self.unlabelled != 1)}")
         if self.versions:
             parts.append("versions " + " ".join(f"v{v}" for v in self.versions))
         if self.samples:
@@ -166,7 +175,7 @@ class Pruned:
     def to_dict(self) -> dict[str, Any]:
         """The event's data."""
         return {"runs": self.runs, "versions": self.versions, "samples": self.samples,
-                "freed_bytes": self.freed_bytes}
+                "unlabelled": self.unlabelled, "freed_bytes": self.freed_bytes}
 
 
 def make_room(home: Home, store: Store, storage: StorageConfig, need_bytes: int,
@@ -197,8 +206,12 @@ def make_room(home: Home, store: Store, storage: StorageConfig, need_bytes: int,
             from odtd.home.versions import prune
 
             pruned.versions = prune(home, store, keep=keep_versions)
+        elif kind == "unlabelled":
+            pruned.unlabelled = _prune_samples(
+                home, store, shortfall, lambda limit: store.prunable_unlabelled(UNLABELLED_READ, limit))
         elif kind == "samples":
-            pruned.samples = _prune_samples(home, store, shortfall)
+            pruned.samples = _prune_samples(
+                home, store, shortfall, lambda limit: store.prunable_samples(KEPT_DEVICE_SAMPLES, limit))
     pruned.freed_bytes = max(0, disk_space(home.root).free_bytes - start)
     if pruned:
         store.log_event("pruned", f"pruned {pruned.describe()} (storage.min_free_mb "
@@ -232,15 +245,16 @@ def _prune_runs(home: Home, store: Store, fits: Callable[[], bool]) -> int:
     return removed
 
 
-def _prune_samples(home: Home, store: Store, shortfall: Callable[[], int], batch: int = 500) -> int:
-    """Delete the oldest prunable trained samples until ``shortfall()`` is 0; return how many.
+def _prune_samples(home: Home, store: Store, shortfall: Callable[[], int],
+                   prunable: Callable[[int], list[dict[str, Any]]], batch: int = 500) -> int:
+    """Delete the samples ``prunable(limit)`` gives, in its order, until ``shortfall()`` is 0.
 
-    The rows move first (one transaction per round), the files go after the commit: a crash
-    in between leaves files without rows, which ``home.repair`` removes.
+    Returns how many went. The rows move first (one transaction per round), the files go after
+    the commit: a crash in between leaves files without rows, which ``home.repair`` removes.
     """
     removed = 0
     while (missing := shortfall()) > 0:
-        rows = store.prunable_samples(KEPT_DEVICE_SAMPLES, batch)
+        rows = prunable(batch)
         if not rows:
             break
         chosen, sizes, files, total = [], {}, [], 0
@@ -323,9 +337,11 @@ def room_for_session(home: Home, store: Store, storage: StorageConfig, policy: A
         weights: the current version's weights file.
     """
     training = policy.training
+    unlabelled = training.prior_correction or training.pseudo_labels is not None
     device_images = KEPT_DEVICE_SAMPLES if training.bn_device_share is not None or \
-        training.distill else 0
-    need = session_need(home, store, len(rows), weights, device_images)
+        training.distill or unlabelled else 0
+    unlabelled_images = min(store.sample_counts()["unlabelled"], UNLABELLED_READ) if unlabelled else 0
+    need = session_need(home, store, len(rows), weights, device_images, unlabelled_images)
     return room_for(home, store, storage, need, "this session",
                     lambda: policy.models.keep_versions, locked=True)
 

@@ -278,7 +278,7 @@ class Ingestor:
             self._reject(path, reason, move, report, data)
             return
         sha = hashlib.sha256(data).hexdigest()
-        if self.store.has_sample(sha):
+        if self.store.has_sample(sha, labelled=not unlabelled):
             self._stored_before(sha, None if unlabelled else label, report)
             if move:
                 path.unlink()
@@ -296,7 +296,8 @@ class Ingestor:
         try:
             _write_sample_files(stored, data, array, pixels)
         except OSError as exc:
-            if not self.store.has_sample(sha):  # else a concurrent ingest's row owns them
+            # else a concurrent ingest's row owns them
+            if not self.store.has_sample(sha, labelled=not unlabelled):
                 stored.unlink(missing_ok=True)
                 array.unlink(missing_ok=True)
             raise OSError(exc.errno, exc.strerror, exc.filename or str(folder)) from None

@@ -100,7 +100,8 @@ def metric_families(home: Home, store: Store) -> list[Metric]:
                     pruned["times"]),
             _family(counter, "odtd_storage_pruned_bytes_total", "Bytes freed by pruning",
                     pruned["freed_bytes"]),
-            _family(counter, "odtd_storage_pruned_samples_total", "Trained samples pruned",
+            _family(counter, "odtd_storage_pruned_samples_total",
+                    "Samples pruned (trained, or unlabelled and no longer read)",
                     pruned["samples"]),
         ]
     return [family for family in families if family.samples]

@@ -45,6 +45,7 @@ from odtd.session.promotion import CANDIDATE_EVAL_CACHE, Promotion
 from odtd.session.result import GROUP_HOLDOUT, GROUP_REFERENCE, GROUP_VALIDATION, read_result, throughput_sps
 from odtd.store.database import Store
 from odtd.store.records import SessionRecord
+from odtd.store.samples import UNLABELLED_READ
 from odtd.trainer.protocol.job import make_job
 from odtd.trainer.protocol.launch import WARMUP_STEPS, WorkerEnd, WorkerRun, precision_said, write_job
 
@@ -64,7 +65,6 @@ def _accuracies(evaluation: dict[str, Any]) -> str:
 
 _PROGRESS_ROW_S = 2.0
 DEVICE_IMAGES = 512  # the most device images BatchNorm adaptation measures (bn_device_share)
-UNLABELLED_IMAGES = 2048  # the most images without a label the class priors' EM reads
 
 
 class SessionRunner:
@@ -330,7 +330,7 @@ class SessionRunner:
             extra_y = np.zeros(0, np.int64)
         arrays = {"device": mask, "device_x": extra, "device_y": extra_y}
         if device_images:  # the newest images without a label: the priors' EM, the pseudo-labels
-            unlabelled = self.store.unlabelled_samples(UNLABELLED_IMAGES)
+            unlabelled = self.store.unlabelled_samples(UNLABELLED_READ)
             arrays["unlabelled_x"] = np.stack(
                 [np.load(self.home.root / row.array_path, allow_pickle=False) for row in unlabelled]
             ) if unlabelled else np.zeros((0,) + tuple(self.input_shape), dtype=np.uint8)

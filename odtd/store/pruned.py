@@ -26,8 +26,8 @@ class PrunedRows:
         """Trained samples no one reads any more, the oldest first.
 
         Not in the replay buffer, and not among the ``keep_device`` newest samples sessions
-        trained on (a session's BatchNorm adaptation and distillation read those). Pending,
-        held-out and unlabelled samples are never prunable.
+        trained on (a session's BatchNorm adaptation and distillation read those). Pending and
+        held-out samples are never prunable; unlabelled ones are ``prunable_unlabelled``'s.
         """
         return self._query(
             "SELECT sha256, label, day, session_id, stored_path, array_path FROM samples "
@@ -35,6 +35,17 @@ class PrunedRows:
             "AND sha256 NOT IN (SELECT sha256 FROM samples WHERE status = 'trained' AND "
             "session_id > 0 ORDER BY day DESC, ingested_at DESC, sha256 LIMIT ?) "
             "ORDER BY day, ingested_at, sha256 LIMIT ?", [keep_device, limit])
+
+    def prunable_unlabelled(self, keep: int, limit: int) -> list[dict[str, Any]]:
+        """Unlabelled samples older than the ``keep`` newest, the oldest first.
+
+        ``keep`` is what a session reads of them (``store.samples.UNLABELLED_READ``).
+        """
+        return self._query(
+            "SELECT sha256, label, day, session_id, stored_path, array_path FROM samples "
+            "WHERE status = 'unlabelled' AND sha256 NOT IN (SELECT sha256 FROM samples WHERE "
+            "status = 'unlabelled' ORDER BY day DESC, ingested_at DESC, sha256 LIMIT ?) "
+            "ORDER BY day, ingested_at, sha256 LIMIT ?", [keep, limit])
 
     def move_to_pruned(self, rows: list[dict[str, Any]], sizes: dict[str, int]) -> None:
         """Move these sample rows to ``pruned_samples`` (one transaction), with their files' sizes."""
@@ -44,7 +55,7 @@ class PrunedRows:
                 [{"sha256": row["sha256"], "label": row["label"], "day": row["day"],
                   "session_id": row["session_id"], "size_bytes": sizes.get(row["sha256"], 0),
                   "pruned_at": utc_now()} for row in rows], replace=True)
-            self.db.execute("DELETE FROM samples WHERE status = 'trained' AND sha256 IN "
+            self.db.execute("DELETE FROM samples WHERE status IN ('trained', 'unlabelled') AND sha256 IN "
                             "(SELECT value FROM json_each(?))", [shas])
 
     def pruned_totals(self) -> dict[str, int]:

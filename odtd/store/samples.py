@@ -4,11 +4,11 @@ A sample is one image file, content-addressed by its sha256 (``odtd.home.ingest`
 files). A labelled one has a status in ``LABELLED_STATUSES``: ``pending`` (a session trains on
 it next), ``trained``, ``holdout`` (the device's own evaluation set). An unlabelled one (status
 ``unlabelled``, a NULL ``label``: migration 8) is validated and stored alike, but no reader of
-labelled samples sees it: a session's pending samples, the held-out set, the replay buffer and
-pruning each ask for a labelled status, and ``sample_counts`` counts it apart.
+labelled samples sees it: a session's pending samples, the held-out set and the replay buffer
+each ask for a labelled status, and ``sample_counts`` counts it apart.
 ``unlabelled_samples`` is its one reader (for a session that estimates the device's class mix
-from them); ``label_sample`` makes it a labelled sample when the same image comes again with a
-label.
+from the newest ``UNLABELLED_READ``; older ones are what pruning may take of them);
+``label_sample`` makes it a labelled sample when the same image comes again with a label.
 """
 
 from __future__ import annotations
@@ -20,6 +20,10 @@ from typing import Any, Callable, ContextManager, Iterable, Optional
 from odtd.errors import StoreError
 from odtd.store.liveness import utc_now
 from odtd.store.schema import LABELLED_STATUSES, UNLABELLED
+
+# The most unlabelled samples a session reads (the newest: the class priors' EM, pseudo-labels);
+# older ones no session reads again, and pruning (``storage.prune: [samples]``) may take them.
+UNLABELLED_READ = 2048
 
 
 @dataclass(frozen=True)
@@ -54,16 +58,21 @@ class SampleRows:
     _rows: Callable[..., list]
     pruned_totals: Callable[[], dict]
 
-    def has_sample(self, sha256: str) -> bool:
-        """Whether a sample with this content hash is already stored (or was, and was pruned)."""
-        return bool(self._query("SELECT EXISTS (SELECT 1 FROM samples WHERE sha256 = ?) OR "
-                                "EXISTS (SELECT 1 FROM pruned_samples WHERE sha256 = ?) AS known",
-                                [sha256, sha256])[0]["known"])
+    def has_sample(self, sha256: str, labelled: bool = False) -> bool:
+        """Whether a sample with this content hash is already stored (or was, and was pruned).
+
+        An image pruned without a label is known to another copy without one; ``labelled`` (the
+        copy at hand has a label) makes it a new sample: its label is what was missing.
+        """
+        return bool(self._query(
+            "SELECT EXISTS (SELECT 1 FROM samples WHERE sha256 = ?) OR EXISTS (SELECT 1 FROM "
+            "pruned_samples WHERE sha256 = ? AND (label IS NOT NULL OR NOT ?)) AS known",
+            [sha256, sha256, labelled])[0]["known"])
 
     def add_sample(self, row: dict[str, Any]) -> bool:
         """Insert a sample row; return False when its sha256 is already there (a duplicate)."""
         with self.transaction():  # BEGIN IMMEDIATE: no other writer between the check and the insert
-            if self.has_sample(row["sha256"]):
+            if self.has_sample(row["sha256"], labelled=row["label"] is not None):
                 return False
             self.db["samples"].insert(row)
         return True

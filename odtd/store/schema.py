@@ -269,4 +269,21 @@ MIGRATIONS: list[str] = [
     ALTER TABLE samples_v8 RENAME TO samples;
     CREATE INDEX samples_status ON samples (status, day);
     """,
+    # 9: pruning takes unlabelled samples too (those older than the newest a session reads,
+    # ``samples.UNLABELLED_READ``): a pruned sample's label may be NULL. The table is rebuilt
+    # (SQLite drops no NOT NULL in place), its rows kept.
+    """
+    CREATE TABLE pruned_samples_v9 (
+        sha256 TEXT PRIMARY KEY,
+        label TEXT,
+        day TEXT NOT NULL,
+        session_id INTEGER,
+        size_bytes INTEGER NOT NULL,
+        pruned_at TEXT NOT NULL
+    );
+    INSERT INTO pruned_samples_v9 SELECT sha256, label, day, session_id, size_bytes, pruned_at
+        FROM pruned_samples;
+    DROP TABLE pruned_samples;
+    ALTER TABLE pruned_samples_v9 RENAME TO pruned_samples;
+    """,
 ]
