@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from conftest import REPO, odtctl, odtctl_json, wait_for, write_images
 from mounts import free_bytes, tmpfs
+from prometheus_client.parser import text_string_to_metric_families
 
 from odtd.config import StorageConfig
 from odtd.errors import StoreError
@@ -116,6 +117,10 @@ def test_ingest_unlabelled_stores_them_apart_and_status_counts_them(release_home
     text = odtctl("status", home=release_home).stdout
     assert f"labelled {50 + len(labelled)} (pending {10 + new_labelled}  trained 28" in text
     assert f"unlabelled {len(images) + len(beside)}  quarantined 1" in text
+    gauges = {sample.name: sample.value for family in text_string_to_metric_families(
+        odtctl("metrics", home=release_home).stdout) for sample in family.samples}
+    assert (gauges["odtd_samples_unlabelled"], gauges["odtd_samples_stored"]) == \
+        (len(images) + len(beside), 50 + len(labelled))
     again = odtctl("ingest", "--unlabelled", str(images[0]), home=release_home).stdout
     assert again.strip() == "accepted 0 (0 unlabelled), duplicates 1, rejected 0"
 

@@ -63,6 +63,8 @@ def metric_families(home: Home, store: Store) -> list[Metric]:
         _family(gauge, "odtd_samples_pending", "Samples waiting for a session", counts["pending"]),
         _family(gauge, "odtd_samples_stored", "Samples in the home (pending, trained, holdout)",
                 counts["total"]),
+        _family(gauge, "odtd_samples_unlabelled", "Images without a label in the home",
+                counts["unlabelled"]),
         _family(counter, "odtd_samples_quarantined_total", "Inputs rejected at ingest",
                 counts["quarantined"]),
         _family(gauge, "odtd_model_accuracy_ratio",
