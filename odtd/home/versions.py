@@ -332,6 +332,9 @@ def export(home: Home, store: Store, version: int, out: Path, as_given: bool = F
                                **spec.job_keys(home))
                 result, _, _ = run_job(home.load_config().trainer.command(), job, Path(job_dir),
                                        on_message=on_message)
+    # Again once written: a killed export's worker outlives it by up to its parent poll (half a
+    # second), and may have written its staged file after the clean-up above.
+    remove_stale_temporaries(out.parent, out.stem)
     sha = file_sha256(out)
     store.log_event("export", f"{spec.name} v{version} exported to {out}", version=version,
                     out=str(out))
