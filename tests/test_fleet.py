@@ -530,20 +530,23 @@ def test_hand_back_gives_the_server_the_trained_weights_whole_not_the_devices_av
 def test_a_round_start_clears_what_gone_clientapps_left_and_not_a_living_ones_files(tmp_path):
     """Two SuperNodes pointed at one daemon (CI saw it: a SuperNode started again beside one
     still up) once shared one round's file name, and the one declined removed the other's. Each
-    ClientApp's files now carry its process id; a round's start clears only those whose process
-    is gone, and the old names without one."""
-    from odtd.fleet.device import clear_exchange, exchange_stem
+    ClientApp's files are now named per process (``atomic.temporary_name``); a round's start
+    clears only those whose process is gone, and the old names without one."""
+    from odtd import atomic
+    from odtd.fleet.device import clear_exchange, exchange_file
 
     living = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     try:
-        files = {name: tmp_path / f"{name}-global.npz"
-                 for name in (f"7-2-pid{living.pid}", f"7-2-pid{gone.pid}", "7-1", exchange_stem("7", 3))}
-        for path in files.values():
+        mine = exchange_file(tmp_path, "7", 3, "global")
+        theirs = tmp_path / f".7-2-global.{living.pid}.tmp.npz"
+        for path in (mine, theirs, tmp_path / f".7-2-global.{gone.pid}.tmp.npz",
+                     tmp_path / "7-1-global.npz"):
             path.write_bytes(b"weights")
+        assert atomic.is_temporary(mine.name) and str(os.getpid()) in mine.name
         clear_exchange(tmp_path)
-        assert sorted(p.name for p in tmp_path.iterdir()) == [f"7-2-pid{living.pid}-global.npz"]
+        assert sorted(tmp_path.iterdir()) == sorted([mine, theirs])
     finally:
         living.kill()
         living.wait()

@@ -11,15 +11,13 @@ cap that admits nothing, a session already running, weights that do not fit) rai
 from __future__ import annotations
 
 import math
-import os
-import re
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from odtd.atomic import pid_alive
+from odtd import atomic
 from odtd.daemon.control import request_federated_evaluate, request_federated_session
 from odtd.errors import OdtdError
 from odtd.fleet.packing import pack, unpack
@@ -72,28 +70,24 @@ def write_global(path: Path, arrays: List[np.ndarray], layout: Optional[List[str
     write_weights(path, arrays)
 
 
-def exchange_stem(run_id: str, server_round: int) -> str:
-    """The stem of this ClientApp's weights files for a round, its process id in it.
+def exchange_file(exchange: Path, run_id: str, server_round: int, kind: str) -> Path:
+    """This ClientApp's weights file of a round: named per process (``atomic.temporary_name``).
 
     Two ClientApps asking one daemon at once (two SuperNodes pointed at one socket) never share
     a file, and neither clears the other's (``clear_exchange``).
     """
-    return f"{run_id}-{server_round}-pid{os.getpid()}"
-
-
-_OWNER = re.compile(r"-pid(\d+)-")
+    return Path(atomic.temporary_name(exchange / f"{run_id}-{server_round}-{kind}.npz"))
 
 
 def clear_exchange(exchange: Path) -> None:
     """Remove the weights files that ClientApps no longer running left in ``exchange``.
 
     A round's files go when its ClientApp ends; a ClientApp killed with its SuperNode leaves
-    them, and its session, still running in the daemon, hands its weights back after it. A file
-    whose stem's process id (``exchange_stem``) is a living process is another ClientApp's.
+    them, and its session, still running in the daemon, hands its weights back after it. A
+    file of a living process (``atomic.is_abandoned``) is another ClientApp's.
     """
     for stale in Path(exchange).glob("*.npz"):
-        owner = _OWNER.search(stale.name)
-        if not (owner and int(owner.group(1)) != os.getpid() and pid_alive(int(owner.group(1)))):
+        if not atomic.is_temporary(stale.name) or atomic.is_abandoned(stale.name):
             stale.unlink(missing_ok=True)
 
 
@@ -118,8 +112,8 @@ def train_round(socket_path: Path, run_id: str, server_round: int, arrays: List[
     """
     started = time.monotonic()
     exchange = Path(socket_path).parent / EXCHANGE_DIR
-    stem = exchange_stem(run_id, server_round)
-    weights_in, weights_out = exchange / f"{stem}-global.npz", exchange / f"{stem}-trained.npz"
+    weights_in = exchange_file(exchange, run_id, server_round, "global")
+    weights_out = exchange_file(exchange, run_id, server_round, "trained")
     layout = config.get("layout")
     clear_exchange(exchange)
     try:
@@ -164,7 +158,7 @@ def evaluate_round(socket_path: Path, run_id: str, server_round: int, arrays: Li
         Declined: The device did not evaluate (why, in the daemon's words).
     """
     exchange = Path(socket_path).parent / EXCHANGE_DIR
-    weights_in = exchange / f"{exchange_stem(run_id, server_round)}-evaluate.npz"
+    weights_in = exchange_file(exchange, run_id, server_round, "evaluate")
     clear_exchange(exchange)
     try:
         write_global(weights_in, arrays, config.get("layout"))
