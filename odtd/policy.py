@@ -232,6 +232,23 @@ class TrainingPolicy(_Strict):
         default=None, ge=1, description="evaluation batch size; null = batch.size (memory as profiled)")
     seed: int = 0
 
+    @property
+    def reads_unlabelled(self) -> bool:
+        """Whether a session's train file carries images without a label.
+
+        For the class priors' EM and the pseudo-labels.
+        """
+        return self.prior_correction or self.pseudo_labels is not None
+
+    @property
+    def reads_device_images(self) -> bool:
+        """Whether a session's train file carries the device's earlier images.
+
+        For BatchNorm adaptation, distillation, and the labels the class priors and the
+        pseudo-labels count.
+        """
+        return self.bn_device_share is not None or bool(self.distill) or self.reads_unlabelled
+
 
 class ReplayPolicy(_Strict):
     """Rehearsal of earlier samples, mixed into each session against forgetting."""

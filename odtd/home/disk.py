@@ -33,7 +33,7 @@ from odtd.config import PRUNE_ORDER, StorageConfig
 from odtd.errors import OdtdError, SessionBusy, StorageError, storage_error
 from odtd.home.lock import SessionLock
 from odtd.home.paths import Home
-from odtd.store.samples import UNLABELLED_READ
+from odtd.store.samples import DEVICE_READ, UNLABELLED_READ
 
 if TYPE_CHECKING:  # the daemon measures its disk without loading the store (sqlite-utils, numpy)
     from odtd.store.database import Store
@@ -47,9 +47,6 @@ MB = 1024 * 1024
 SESSION_MARGIN_BYTES = 2 * MB
 NPY_HEADER_BYTES = 128
 VERSION_BYTES = 8192  # a version's directory and manifest, in 4 KB blocks
-# The newest samples sessions trained on that pruning never takes: a session's BatchNorm
-# adaptation and distillation read up to this many (``session.runner.DEVICE_IMAGES``).
-KEPT_DEVICE_SAMPLES = 512
 # A runs/ folder younger than this may belong to a profile or an export still at work.
 RUNS_MIN_AGE_S = 3600.0
 
@@ -115,7 +112,7 @@ def _blocks(size_bytes: int, block_bytes: int) -> int:
 
 
 def session_need(home: Home, store: Store, samples: int, weights: Path,
-                 device_images: int = 0, unlabelled_images: int = 0) -> Need:
+                 device_images: int = 0, unlabelled: bool = False) -> Need:
     """A session's writes: its job data, the candidate, the version and the rest.
 
     Args:
@@ -125,16 +122,18 @@ def session_need(home: Home, store: Store, samples: int, weights: Path,
         weights: the current version's weights file (the candidate is the same size; promoted,
             it becomes the new version by a rename, not a copy).
         device_images: the device's earlier images the train file adds for BatchNorm
-            adaptation or distillation (at most ``session.runner.DEVICE_IMAGES``).
-        unlabelled_images: the images without a label it adds (the class priors' EM, the
-            pseudo-labels: at most ``UNLABELLED_READ``).
+            adaptation, distillation, the class priors (at most ``DEVICE_READ``).
+        unlabelled: whether it adds the images without a label (the class priors' EM, the
+            pseudo-labels: the newest ``UNLABELLED_READ``).
     """
     pixels = math.prod(store.meta("input_shape"))
+    counts = store.sample_counts()
+    unlabelled_images = min(counts["unlabelled"], UNLABELLED_READ) if unlabelled else 0
     # uint8 pixels, an int64 label and a bool device flag per training sample; the device's
     # earlier images with their labels.
     train = samples * (pixels + 9) + device_images * (pixels + 8) + unlabelled_images * pixels
     evaluation = sum(_size(path) for path in (home.validation_file(), home.reference_file()))
-    evaluation += store.sample_counts()["holdout"] * (pixels + 16)
+    evaluation += counts["holdout"] * (pixels + 16)
     # Promoted, the candidate becomes the version by a rename: a new version adds its
     # directory and manifest, not a second copy of the weights.
     return Need({"job data": train + evaluation, "candidate": _size(weights),
@@ -211,7 +210,7 @@ def make_room(home: Home, store: Store, storage: StorageConfig, need_bytes: int,
                 home, store, shortfall, lambda limit: store.prunable_unlabelled(UNLABELLED_READ, limit))
         elif kind == "samples":
             pruned.samples = _prune_samples(
-                home, store, shortfall, lambda limit: store.prunable_samples(KEPT_DEVICE_SAMPLES, limit))
+                home, store, shortfall, lambda limit: store.prunable_samples(DEVICE_READ, limit))
     pruned.freed_bytes = max(0, disk_space(home.root).free_bytes - start)
     if pruned:
         store.log_event("pruned", f"pruned {pruned.describe()} (storage.min_free_mb "
@@ -331,17 +330,14 @@ def room_for_session(home: Home, store: Store, storage: StorageConfig, policy: A
         home: the state directory.
         store: its database.
         storage: ``odtd.yaml``'s ``storage``.
-        policy: the active policy (``models.keep_versions``; whether the train file carries
-            the device's earlier images, ``training.bn_device_share`` and ``distill``).
+        policy: the active policy (``models.keep_versions``; what the train file carries:
+            ``training.reads_device_images``, ``training.reads_unlabelled``).
         rows: the sample rows it trains on (new and rehearsed).
         weights: the current version's weights file.
     """
     training = policy.training
-    unlabelled = training.prior_correction or training.pseudo_labels is not None
-    device_images = KEPT_DEVICE_SAMPLES if training.bn_device_share is not None or \
-        training.distill or unlabelled else 0
-    unlabelled_images = min(store.sample_counts()["unlabelled"], UNLABELLED_READ) if unlabelled else 0
-    need = session_need(home, store, len(rows), weights, device_images, unlabelled_images)
+    need = session_need(home, store, len(rows), weights,
+                        DEVICE_READ if training.reads_device_images else 0, training.reads_unlabelled)
     return room_for(home, store, storage, need, "this session",
                     lambda: policy.models.keep_versions, locked=True)
 

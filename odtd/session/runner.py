@@ -45,7 +45,7 @@ from odtd.session.promotion import CANDIDATE_EVAL_CACHE, Promotion
 from odtd.session.result import GROUP_HOLDOUT, GROUP_REFERENCE, GROUP_VALIDATION, read_result, throughput_sps
 from odtd.store.database import Store
 from odtd.store.records import SessionRecord
-from odtd.store.samples import UNLABELLED_READ
+from odtd.store.samples import DEVICE_READ, UNLABELLED_READ
 from odtd.trainer.protocol.job import make_job
 from odtd.trainer.protocol.launch import WARMUP_STEPS, WorkerEnd, WorkerRun, precision_said, write_job
 
@@ -64,7 +64,6 @@ def _accuracies(evaluation: dict[str, Any]) -> str:
 
 
 _PROGRESS_ROW_S = 2.0
-DEVICE_IMAGES = 512  # the most device images BatchNorm adaptation measures (bn_device_share)
 
 
 class SessionRunner:
@@ -309,18 +308,17 @@ class SessionRunner:
 
         The device's images are the day's (the first ``new_count`` rows), rehearsed ones a
         session trained on before (not the replay seed's) and, in ``device_x``, earlier days'
-        images not drawn this time, the newest first, up to ``DEVICE_IMAGES`` in all
+        images not drawn this time, the newest first, up to ``DEVICE_READ`` in all
         (``bn_device_share``, ``distill``, ``prior_correction``); ``unlabelled_x``, the newest
         images without a label (``prior_correction``).
         """
         training = self.policy.training
-        device_images = training.prior_correction or training.pseudo_labels is not None
-        if training.bn_device_share is None and not training.distill and not device_images:
+        if not training.reads_device_images:
             return {}
         mask = np.array([i < new_count or bool(row.get("session_id")) for i, row in enumerate(rows)],
                         dtype=bool)
         drawn = {row["sha256"] for row in rows}
-        room = max(0, DEVICE_IMAGES - int(mask.sum()))
+        room = max(0, DEVICE_READ - int(mask.sum()))
         earlier = [row for row in self.store.device_samples(room + len(drawn))
                    if row["sha256"] not in drawn][:room]
         if earlier:
@@ -329,7 +327,7 @@ class SessionRunner:
             extra = np.zeros((0,) + tuple(self.input_shape), dtype=np.uint8)
             extra_y = np.zeros(0, np.int64)
         arrays = {"device": mask, "device_x": extra, "device_y": extra_y}
-        if device_images:  # the newest images without a label: the priors' EM, the pseudo-labels
+        if training.reads_unlabelled:  # the newest images without a label: the priors' EM, the pseudo-labels
             unlabelled = self.store.unlabelled_samples(UNLABELLED_READ)
             arrays["unlabelled_x"] = np.stack(
                 [np.load(self.home.root / row.array_path, allow_pickle=False) for row in unlabelled]

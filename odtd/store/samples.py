@@ -21,8 +21,12 @@ from odtd.errors import StoreError
 from odtd.store.liveness import utc_now
 from odtd.store.schema import LABELLED_STATUSES, UNLABELLED
 
-# The most unlabelled samples a session reads (the newest: the class priors' EM, pseudo-labels);
-# older ones no session reads again, and pruning (``storage.prune: [samples]``) may take them.
+# The most of the device's samples a session's train file carries besides its own (the newest
+# it trained on before: BatchNorm adaptation, distillation, the class priors, pseudo-labels);
+# pruning (``storage.prune: [samples]``) never takes these.
+DEVICE_READ = 512
+# The most unlabelled samples it carries (the newest: the class priors' EM, pseudo-labels);
+# older ones no session reads again, and pruning (``storage.prune: [unlabelled]``) may take them.
 UNLABELLED_READ = 2048
 
 
