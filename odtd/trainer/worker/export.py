@@ -35,7 +35,7 @@ def export_model(tf: Any, job: Dict[str, Any], model: Any) -> Dict[str, Any]:
     out = job["export_to"]
     suffix = ".h5" if out.endswith(".h5") else ".keras"
     offset = job["logit_offset"]
-    folded = offset is not None and fold_offset(tf, model, offset)
+    folded = offset is not None and fold_offset(model, offset)
     said = None if offset is None else "in the last layer's bias" if folded else "not in the file"
     if job["architecture"] is not None:
         original = job["model_file"]
@@ -68,7 +68,7 @@ def export_model(tf: Any, job: Dict[str, Any], model: Any) -> Dict[str, Any]:
     return {"export": "native", "logit_offset": said}
 
 
-def fold_offset(tf: Any, model: Any, offset: List[float]) -> bool:
+def fold_offset(model: Any, offset: List[float]) -> bool:
     """Add ``offset`` to the bias of the model's last layer, if it is a Dense layer with one.
 
     Its output is the logits, or their softmax: ``softmax(z + offset)`` is the corrected
