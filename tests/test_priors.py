@@ -90,6 +90,48 @@ def test_a_promoted_version_keeps_its_offset_in_its_manifest(home, tmp_path):
     _check_the_export_carries_the_offset(home, models / current / "manifest.json", offset, tmp_path)
 
 
+@pytest.mark.trains
+@pytest.mark.parametrize("prior_correction", [True, False])
+def test_a_refused_candidate_leaves_the_served_model_with_its_priors_estimated_anew(
+        home, tmp_path, prior_correction):
+    # Training diverges (a rate no step survives), so the trained candidate is refused. With
+    # the option, the served weights with the device's priors (mostly airplanes) estimated
+    # anew pass the acceptance test on the held-out images and are served as a new version;
+    # without it the served model stays as it was.
+    policy = (home / "policy.yaml").read_text().replace("learning_rate: 0.01", "learning_rate: 10.0")
+    policy = policy.replace("training:\n", "training:\n  clip_norm: null\n  diverged_retries: 0\n"
+                            + ("  prior_correction: true\n" if prior_correction else ""))
+    (home / "policy.yaml").write_text(policy)
+    write_images(tmp_path / "day", per_class=2, seed=23)
+    write_images(tmp_path / "day", per_class=30, classes=HOME_CLASSES[:1], seed=24)
+    odtctl("ingest", str(tmp_path / "day"), home=home)
+    odtctl("train-now", "--foreground", "--force", home=home)
+    session = odtctl_json("history", home=home)[0]
+    assert session["reason"].startswith("training diverged") or \
+        "the trained candidate was refused (training diverged" in session["reason"], session
+    models = home / "models" / "tinycnn"
+    if not prior_correction:
+        assert session["outcome"] == "rolled_back" and "prior_refresh" not in session["details"]
+        return
+    assert session["outcome"] == "promoted", session["reason"]
+    assert session["reason"].startswith("the device's class priors estimated anew")
+    assert session["accuracy_after"] > session["accuracy_before"]
+    refresh = session["details"]["prior_refresh"]
+    assert refresh["candidate_accuracy"] is None or refresh["candidate_accuracy"] <= \
+        session["accuracy_after"]
+    assert np.argmax(refresh["priors"]["device"]) == HOME_CLASSES.index("airplane")
+    before, after = session["model_version_before"], session["model_version_after"]
+    assert after == before + 1
+    old = json.loads((models / f"v{before}" / "manifest.json").read_text())
+    new = json.loads((models / f"v{after}" / "manifest.json").read_text())
+    assert new["sha256"] == old["sha256"] and new["parent"] == before  # the served weights
+    assert np.argmax(new["logit_offset"]) == HOME_CLASSES.index("airplane")
+    assert (models / "current").read_text().strip() == f"v{after}"
+    # The served weights' cached results were scored with the old offset: the next session
+    # scores the new version afresh.
+    assert not (models / "eval-cache.npz").exists()
+
+
 def _check_the_export_carries_the_offset(home, manifest_path, offset, tmp_path):
     """The version's export, opened by plain Keras: its log-probabilities are those of the same
     weights exported without the offset, plus the offset (up to a constant per image)."""

@@ -105,9 +105,15 @@ class ModelRepo:
         except OSError as error:  # a full disk: the next session that serves version 0 tries again
             logger.warning("the first model's results were not kept: %s", error)
 
-    def adopt_eval_cache(self, candidate_results: Path) -> None:
-        """Make a promoted candidate's validation results the eval cache (if the worker wrote them)."""
-        if candidate_results.exists():
+    def adopt_eval_cache(self, candidate_results: Optional[Path]) -> None:
+        """Make a promoted candidate's validation results the eval cache (if the worker wrote them).
+
+        None drops the cache (a new version of the served weights with another logit offset:
+        ``training.prior_correction``'s refresh; the cached results are the old offset's).
+        """
+        if candidate_results is None:
+            self.eval_cache_path.unlink(missing_ok=True)
+        elif candidate_results.exists():
             atomic.move(candidate_results, self.eval_cache_path)
 
     def keep_for_resume(self, candidate: Path) -> None:

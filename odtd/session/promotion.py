@@ -21,6 +21,7 @@ from odtd.home.replay_buffer import update_buffer
 from odtd.home.versions import ModelRepo, prune
 from odtd.policy import Policy
 from odtd.session.acceptance import reference_refusal, refusal_reason
+from odtd.session.result import PriorRefresh, read_prior_refresh
 from odtd.store.database import Store
 from odtd.store.records import JUDGED, SessionRecord
 from odtd.trainer.protocol.launch import diverged
@@ -74,10 +75,13 @@ class Promotion:
                 details.reference_paired_origin)
         record.details.forgetting = self._forgetting(before, before if refusal else after)
         candidate = job_dir / "candidate.npz"
+        refreshed = self._refreshed(result, before) if refusal and current is not None else None
+        if refreshed is not None:
+            record.details.kept_for_resume = self._resumable(candidate, before, after)
+            self._promote_refreshed(record, pending, result, refusal, refreshed, candidate)
+            return
         if refusal:
-            within = self.policy.training.resume_within
-            record.details.kept_for_resume = (within is not None and candidate.exists()
-                                              and after >= before - within / 100.0)
+            record.details.kept_for_resume = self._resumable(candidate, before, after)
             record.outcome, record.reason = "rolled_back", refusal + "; kept the served model"
             self._commit(record, pending, new_version=None, manifest=None)
             self._settled(record, self._after_refusal, record, candidate)
@@ -97,6 +101,60 @@ class Promotion:
             raise
         self._settled(record, self._after_promotion, record, job_dir, version)
 
+    def _refreshed(self, result: dict[str, Any], before: Optional[float]
+                   ) -> Optional[PriorRefresh]:
+        """The served model with its priors estimated anew, where it passes acceptance with a gain."""
+        refreshed = read_prior_refresh(result, self.store.meta("classes"))
+        if refreshed is None or before is None or refreshed.accuracy is None or \
+                refreshed.accuracy <= before:
+            return None
+        acceptance = self.policy.acceptance
+        refusal = refusal_reason(before, refreshed.accuracy, acceptance.tolerance / 100.0,
+                                 acceptance.confidence_z, refreshed.paired)
+        return refreshed if refusal is None else None
+
+    def _promote_refreshed(self, record: SessionRecord, pending: list[dict[str, Any]],
+                           result: dict[str, Any], refusal: str, refreshed: PriorRefresh,
+                           candidate: Path) -> None:
+        """Serve the served weights with the device's priors estimated anew, as a new version.
+
+        The trained candidate was refused; the served model with a new offset passed the
+        acceptance test with a gain (``priors.refresh_served``). Its weights are the served
+        ones, so the reference set scores as before.
+        """
+        current = record.model_version_before
+        details = record.details
+        details.prior_refresh = {"candidate_accuracy": record.accuracy_after,
+                                 "candidate_refusal": refusal, "priors": refreshed.priors}
+        record.accuracy_after = refreshed.accuracy
+        details.holdout_accuracy_after = refreshed.holdout_accuracy
+        details.reference_accuracy_after = details.reference_accuracy_before
+        details.paired, details.reference_paired = refreshed.paired, None
+        details.per_class_after = refreshed.per_class
+        details.forgetting = self._forgetting(record.accuracy_before, refreshed.accuracy)
+        version, manifest = self.repo.add_version(
+            self.repo.weights_path(current), classes=self.store.meta("classes"),
+            input_shape=self.store.meta("input_shape"), param_count=result.get("param_count"),
+            parent=current, session_id=record.id, metrics={"accuracy": refreshed.accuracy},
+            weight_names=result.get("weight_names"), logit_offset=refreshed.logit_offset)
+        record.outcome, record.model_version_after = "promoted", version
+        record.reason = (f"the device's class priors estimated anew: the served model with them "
+                         f"{refreshed.accuracy:.2%} vs {record.accuracy_before:.2%}; the trained "
+                         f"candidate was refused ({refusal})")
+        try:
+            self._commit(record, pending, new_version=version, manifest=manifest)
+        except BaseException:
+            self._discard(version, current)
+            raise
+        self._settled(record, self._after_refresh, record, candidate, version)
+
+    def _resumable(self, candidate: Path, before: Optional[float], after: Optional[float]
+                   ) -> bool:
+        """Whether a refused candidate is kept for the next session to go on from."""
+        within = self.policy.training.resume_within
+        return within is not None and candidate.exists() and after is not None and \
+            before is not None and after >= before - within / 100.0
+
     def _after_refusal(self, record: SessionRecord, candidate: Path) -> None:
         if record.details.kept_for_resume:
             self.repo.keep_for_resume(candidate)
@@ -106,6 +164,16 @@ class Promotion:
     def _after_promotion(self, record: SessionRecord, job_dir: Path, version: int) -> None:
         self.repo.adopt_eval_cache(job_dir / CANDIDATE_EVAL_CACHE)
         self.repo.clear_resume()  # the promoted candidate is current: go on from there
+        self._promoted(record, version)
+
+    def _after_refresh(self, record: SessionRecord, candidate: Path, version: int) -> None:
+        # The new version's weights are the ones the eval cache was scored on, but not its
+        # offset: the cache is dropped. The refused candidate may still be gone on from.
+        self.repo.adopt_eval_cache(None)
+        self._after_refusal(record, candidate)
+        self._promoted(record, version)
+
+    def _promoted(self, record: SessionRecord, version: int) -> None:
         self.store.log_event("promoted", f"{self.repo.name} v{version} is current",
                              session_id=record.id)
         pruned = prune(self.home, self.store, keep=self.policy.models.keep_versions)

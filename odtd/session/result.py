@@ -8,7 +8,7 @@ the set has; the others, the paired counts and what the worker chose go to its d
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from odtd.store.records import SessionRecord
 from odtd.trainer.protocol.launch import WARMUP_STEPS
@@ -16,11 +16,22 @@ from odtd.trainer.protocol.launch import WARMUP_STEPS
 GROUP_VALIDATION, GROUP_HOLDOUT, GROUP_REFERENCE = 0, 1, 2  # docs/worker-protocol.md
 
 
+class PriorRefresh(NamedTuple):
+    """The served model with the device's priors estimated anew (the worker's ``prior_refresh``)."""
+
+    logit_offset: list[float]
+    accuracy: Optional[float]  # on the group the acceptance test reads, as ``accuracy_after``
+    holdout_accuracy: Optional[float]
+    paired: Optional[dict[str, int]]  # against the served model as it is, on that group
+    per_class: Optional[dict[str, Any]]
+    priors: dict[str, Any]  # the estimate (``details.priors``'s keys)
+
+
 def read_result(record: SessionRecord, result: dict[str, Any], classes: list[str]) -> None:
     """Fill the record's accuracy fields and details from the worker's result event."""
     before = result.get("by_group_before") or {}
     after = result.get("by_group_after") or {}
-    primary = str(GROUP_VALIDATION) if str(GROUP_VALIDATION) in before else str(GROUP_HOLDOUT)
+    primary = _primary(before)
     record.accuracy_before = before.get(primary, result.get("accuracy_before"))
     record.accuracy_after = after.get(primary, result.get("accuracy_after"))
     details = record.details
@@ -44,6 +55,24 @@ def read_result(record: SessionRecord, result: dict[str, Any], classes: list[str
     details.lr_attempts = result.get("lr_attempts") or None
     details.priors = result.get("priors")
     details.pseudo_labels = result.get("pseudo_labels")
+
+
+def read_prior_refresh(result: dict[str, Any], classes: list[str]) -> Optional[PriorRefresh]:
+    """The worker's ``prior_refresh`` (``training.prior_correction``), None where it has none."""
+    refresh = result.get("prior_refresh")
+    if not refresh:
+        return None
+    by_group = refresh.get("by_group") or {}
+    primary = _primary(result.get("by_group_before") or {})
+    return PriorRefresh(refresh["logit_offset"], by_group.get(primary),
+                        by_group.get(str(GROUP_HOLDOUT)),
+                        (refresh.get("paired_by_group") or {}).get(primary),
+                        _by_class(classes, refresh.get("per_class")), refresh.get("priors") or {})
+
+
+def _primary(by_group_before: dict[str, Any]) -> str:
+    # The group the acceptance test reads: the validation set's, else the held-out images'.
+    return str(GROUP_VALIDATION) if str(GROUP_VALIDATION) in by_group_before else str(GROUP_HOLDOUT)
 
 
 def throughput_sps(steps: list[dict[str, Any]]) -> Optional[float]:

@@ -36,7 +36,7 @@ _OMITTED_AT_DEFAULT = {"attempts": [], "kept_for_resume": False,
                        "bn_weights_tried": None, "trained_share": None,
                        "trained_shares_tried": None, "learning_rate": None,
                        "lr_attempts": None, "precision_reason": None, "federated": None,
-                       "priors": None, "pseudo_labels": None}
+                       "priors": None, "pseudo_labels": None, "prior_refresh": None}
 
 
 @dataclass
@@ -93,6 +93,10 @@ class SessionDetails:
         pseudo_labels: The device's images without a label the session trained on
             (``training.pseudo_labels``): ``offered``, ``kept``, ``threshold``, ``by_class``;
             or ``status: skipped`` and why; None with the option off.
+        prior_refresh: Where the trained candidate was refused and the served model with the
+            device's priors estimated anew was promoted instead (``training.prior_correction``):
+            the candidate's ``candidate_accuracy`` and ``candidate_refusal``, and ``priors``
+            (the new estimate); None otherwise.
         extra: Keys of a stored row this release does not know, kept as they were.
     """
 
@@ -127,6 +131,7 @@ class SessionDetails:
     federated: Optional[Dict[str, Any]] = None
     priors: Optional[Dict[str, Any]] = None
     pseudo_labels: Optional[Dict[str, Any]] = None
+    prior_refresh: Optional[Dict[str, Any]] = None
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:

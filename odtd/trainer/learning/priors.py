@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from odtd.trainer.learning.evaluation import REFERENCE_GROUP, unless_stopped
+from odtd.trainer.learning.evaluation import REFERENCE_GROUP, paired_counts, unless_stopped
 
 SMOOTHING = 1.0  # a Dirichlet pseudo-count per class: no class's prior is ever 0
 _CALIBRATION_ROUNDS = 10  # turns of temperature, then biases
@@ -197,14 +197,10 @@ def correct_priors(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
                    should_stop: Callable[[], bool], fields: Dict[str, Any]) -> bool:
     """A training job's step: the candidate's logit offset (job key ``prior_correction``).
 
-    Estimated on the trained model (``logit_offset``): calibrated on the validation set's
-    reference group where it holds an image per class, else on the rehearsed images of the
-    original domain (``data["priors"]``, ``worker.data.load_prior_data``), else not (a home
-    with neither: the model taken as calibrated on even classes); the device's labelled
-    images (the session's, earlier days') counted by their labels, its images without a
-    label by the model's posteriors. ``fields`` get ``logit_offset_after`` (None: no offset) and
-    ``priors`` (what was estimated, or why not); ``validation`` (``training.Validation``)
-    then scores the candidate with it. Without ``prior_correction`` the candidate has none.
+    Estimated on the trained model (``estimate``). ``fields`` get ``logit_offset_after`` (None:
+    no offset) and ``priors`` (what was estimated, or why not); ``validation``
+    (``training.Validation``) then scores the candidate with it. Without ``prior_correction``
+    the candidate has none.
 
     Returns:
         Whether the candidate's offset differs from the one its tries were scored with (the
@@ -212,41 +208,93 @@ def correct_priors(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
     """
     had = None if validation is None else validation.offset["vector"]
     offset, fields["priors"] = None, None
-    sets = data.get("priors")
-    if job["prior_correction"] and (sets is None or validation is None):
-        fields["priors"] = {"status": "skipped", "reason": "no device images or no validation set"}
-    elif job["prior_correction"]:
-        logits_of = logits_function(job, validation.eval_step, should_stop)
-        groups = validation.groups
-        reference = np.zeros(len(validation.y), dtype=bool) if groups is None else \
-            groups.astype(str) == REFERENCE_GROUP
-        classes = len(job["classes"])
-        if int(np.sum(reference)) >= classes:
-            calibration, calibrated_on = (validation.x[reference], validation.y[reference]), "reference"
-        elif len(sets["calibration"][1]) >= classes:
-            calibration, calibrated_on = sets["calibration"], "rehearsed"
-        else:  # no image of the original domain: the model taken as calibrated, classes as even
-            calibration, calibrated_on = None, "none"
-        estimate = logit_offset(
-            None if calibration is None else unless_stopped(logits_of(calibration[0])),
-            None if calibration is None else calibration[1], sets["labels"],
-            unless_stopped(logits_of(sets["unlabelled"])), classes)
-        if estimate is None:
-            fields["priors"] = {"status": "skipped", "reason": "no image of the device's"}
-        else:
-            offset = estimate.offset.astype(np.float32)
-            fields["priors"] = {
-                "status": "estimated", "calibrated_on": calibrated_on,
-                "calibration_images": 0 if calibration is None else int(len(calibration[1])),
-                "device": [round(float(p), 5) for p in estimate.device],
-                "source": [round(float(p), 5) for p in estimate.source],
-                "temperature": round(estimate.temperature, 4), "labelled": estimate.labelled,
-                "unlabelled": estimate.unlabelled, "em_steps": estimate.em_steps,
-                "disagreement_z": estimate.disagreement_z, "set_aside": estimate.set_aside}
+    if job["prior_correction"]:
+        offset, fields["priors"] = estimate(job, data, validation, should_stop)
     fields["logit_offset_after"] = None if offset is None else [round(float(v), 6) for v in offset]
     if validation is not None:
         validation.offset["vector"] = offset
-    return not (had is offset or (had is not None and offset is not None and np.array_equal(had, offset)))
+    return not _same(had, offset)
+
+
+def refresh_served(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
+                   before_correct: np.ndarray, should_stop: Callable[[], bool],
+                   fields: Dict[str, Any]) -> None:
+    """A training job's step before training: the served model with its priors estimated anew.
+
+    Run while the model holds the served weights. A promoted version keeps the offset it was
+    scored with; the device's mix moves on, and a session whose trained candidate is refused
+    would leave it behind. With ``prior_correction`` this estimates the offset on the served
+    model (``estimate``) and scores the served model with it; ``fields["prior_refresh"]`` gets
+    the offset, the estimate, the scores by group and the paired counts against the served
+    model as it is (``before_correct``). The session serves it only where the candidate is
+    refused and this passes the acceptance test with a gain (``session.promotion``). Nothing
+    where the offset is the one served.
+    """
+    if not job["prior_correction"] or validation is None or job["mode"] != "train":
+        return
+    offset, info = estimate(job, data, validation, should_stop)
+    served = validation.offset["vector"]
+    if offset is None or _same(served, offset):
+        return
+    validation.offset["vector"] = offset
+    try:
+        scores = unless_stopped(validation.score())
+    finally:
+        validation.offset["vector"] = served
+    correct = scores.pop("correct")
+    scores.pop("losses")
+    fields["prior_refresh"] = {
+        "logit_offset": [round(float(v), 6) for v in offset], "priors": info,
+        "by_group": scores["by_group"], "per_class": scores["per_class"],
+        "paired_by_group": paired_counts(before_correct, correct, validation.groups)}
+
+
+def _same(had: Optional[np.ndarray], offset: Optional[np.ndarray]) -> bool:
+    return had is offset or (had is not None and offset is not None and np.array_equal(had, offset))
+
+
+def estimate(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
+             should_stop: Callable[[], bool]) -> Tuple[Optional[np.ndarray], Dict[str, Any]]:
+    """The model's offset for the device's priors as it now holds weights, and what was estimated.
+
+    Calibrated on the validation set's reference group where it holds an image per class, else
+    on the rehearsed images of the original domain (``data["priors"]``,
+    ``worker.data.load_prior_data``), else not (a home with neither: the model taken as
+    calibrated on even classes); the device's labelled images (the session's, earlier days')
+    counted by their labels, its images without a label by the model's posteriors.
+
+    Returns:
+        ``(offset, priors)``: the offset (None where none was estimated) and the record's
+        ``priors`` (``status`` ``estimated`` with the estimate, or ``skipped`` and why).
+    """
+    sets = data.get("priors")
+    if sets is None or validation is None:
+        return None, {"status": "skipped", "reason": "no device images or no validation set"}
+    logits_of = logits_function(job, validation.eval_step, should_stop)
+    groups = validation.groups
+    reference = np.zeros(len(validation.y), dtype=bool) if groups is None else \
+        groups.astype(str) == REFERENCE_GROUP
+    classes = len(job["classes"])
+    if int(np.sum(reference)) >= classes:
+        calibration, calibrated_on = (validation.x[reference], validation.y[reference]), "reference"
+    elif len(sets["calibration"][1]) >= classes:
+        calibration, calibrated_on = sets["calibration"], "rehearsed"
+    else:  # no image of the original domain: the model taken as calibrated, classes as even
+        calibration, calibrated_on = None, "none"
+    found = logit_offset(
+        None if calibration is None else unless_stopped(logits_of(calibration[0])),
+        None if calibration is None else calibration[1], sets["labels"],
+        unless_stopped(logits_of(sets["unlabelled"])), classes)
+    if found is None:
+        return None, {"status": "skipped", "reason": "no image of the device's"}
+    return found.offset.astype(np.float32), {
+        "status": "estimated", "calibrated_on": calibrated_on,
+        "calibration_images": 0 if calibration is None else int(len(calibration[1])),
+        "device": [round(float(p), 5) for p in found.device],
+        "source": [round(float(p), 5) for p in found.source],
+        "temperature": round(found.temperature, 4), "labelled": found.labelled,
+        "unlabelled": found.unlabelled, "em_steps": found.em_steps,
+        "disagreement_z": found.disagreement_z, "set_aside": found.set_aside}
 
 
 def logits_function(job: Dict[str, Any], eval_step: Callable[[Any, Any], Any],

@@ -95,10 +95,9 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
                        ) -> Dict[str, Any]:
     """Evaluate before, train, evaluate after; return the result fields this produces.
 
-    The steps, in order: ``prepare_model``, ``score_before``, ``pseudo.pseudo_label``,
-    ``distillation_targets``,
-    ``adapt_before``, ``train``, ``settle_batchnorm``, ``average``, ``priors.correct_priors``,
-    ``score_after``. A stop
+    The steps, in order: ``prepare_model``, ``score_before``, ``priors.refresh_served``,
+    ``pseudo.pseudo_label``, ``distillation_targets``, ``adapt_before``, ``train``,
+    ``settle_batchnorm``, ``average``, ``priors.correct_priors``, ``score_after``. A stop
     requested during any of them ends the job ``interrupted`` with the fields so far.
 
     With ``served_weights`` (the job's ``served_weights`` arrays) the "before" figures are that
@@ -117,6 +116,8 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         before = None
         if validation is not None:
             before = score_before(job, model, precision, validation, served_weights, emit, fields)
+            with serving(model, served_weights):  # should the candidate be refused
+                priors.refresh_served(job, data, validation, before.correct, should_stop, fields)
         if job["pseudo_labels"] is not None and job["mode"] == "train":
             with serving(model, served_weights):  # the model the candidate must beat labels them
                 pseudo.pseudo_label(job, data, validation and validation.eval_step, should_stop, fields)
