@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from odtd.config import StorageConfig
 from odtd.errors import StoreError
-from odtd.home.disk import make_room
+from odtd.home.disk import make_room, session_need
 from odtd.home.ingest import Ingestor, discover_unlabelled
 from odtd.home.paths import UNLABELLED_FOLDER, Home
 from odtd.home.replay_buffer import choose_replay, update_buffer
@@ -335,6 +335,30 @@ def test_pruning_takes_the_oldest_unlabelled_samples_no_session_reads_and_a_labe
         report = odtctl_json("ingest", str(tmp_path / "again"), home=home.root)
         assert (report["accepted"], report["duplicates"]) == (6, 0)
         assert odtctl_json("status", home=home.root)["samples"]["unlabelled"] == 8
+
+
+def test_a_sessions_predicted_writes_count_the_unlabelled_images_it_reads_and_a_weights_copy(
+        release_home, tmp_path, monkeypatch):
+    """The train file carries the newest ``UNLABELLED_READ`` images without a label where the
+    policy reads them (never more), and ``prior_correction`` may add a copy of the weights."""
+    monkeypatch.setattr("odtd.home.disk.UNLABELLED_READ", 8)
+    unlabelled_images(tmp_path / "seen", count=12, seed=33)
+    home = Home(release_home)
+    store = home.open_store()
+    try:
+        Ingestor.for_home(home, store).ingest(discover_unlabelled(tmp_path / "seen"),
+                                              day="2026-11-03")
+        weights = tmp_path / "weights.npz"
+        weights.write_bytes(b"w" * 5000)
+        pixels = int(np.prod(store.meta("input_shape")))
+        plain = session_need(home, store, 10, weights)
+        reads = session_need(home, store, 10, weights, unlabelled=True)
+        copies = session_need(home, store, 10, weights, copies_weights=True)
+    finally:
+        store.close()
+    assert reads.parts["job data"] - plain.parts["job data"] == 8 * pixels  # 8 of the 12
+    assert copies.parts["version"] - plain.parts["version"] == 5000
+    assert reads.parts["candidate"] == copies.parts["candidate"] == 5000
 
 
 def test_migration_9_keeps_the_pruned_rows_and_takes_an_unlabelled_one(tmp_path):

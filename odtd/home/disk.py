@@ -112,7 +112,8 @@ def _blocks(size_bytes: int, block_bytes: int) -> int:
 
 
 def session_need(home: Home, store: Store, samples: int, weights: Path,
-                 device_images: int = 0, unlabelled: bool = False) -> Need:
+                 device_images: int = 0, unlabelled: bool = False,
+                 copies_weights: bool = False) -> Need:
     """A session's writes: its job data, the candidate, the version and the rest.
 
     Args:
@@ -125,6 +126,8 @@ def session_need(home: Home, store: Store, samples: int, weights: Path,
             adaptation, distillation, the class priors (at most ``DEVICE_READ``).
         unlabelled: whether it adds the images without a label (the class priors' EM, the
             pseudo-labels: the newest ``UNLABELLED_READ``).
+        copies_weights: whether a new version may be a copy of the served weights (the class
+            priors estimated anew where the candidate is refused: ``prior_correction``).
     """
     pixels = math.prod(store.meta("input_shape"))
     counts = store.sample_counts()
@@ -136,8 +139,10 @@ def session_need(home: Home, store: Store, samples: int, weights: Path,
     evaluation += counts["holdout"] * (pixels + 16)
     # Promoted, the candidate becomes the version by a rename: a new version adds its
     # directory and manifest, not a second copy of the weights.
+    # ...unless it is the served weights with another offset: a copy, the candidate kept.
+    version = VERSION_BYTES + (_size(weights) if copies_weights else 0)
     return Need({"job data": train + evaluation, "candidate": _size(weights),
-                 "version": VERSION_BYTES, "logs and records": SESSION_MARGIN_BYTES})
+                 "version": version, "logs and records": SESSION_MARGIN_BYTES})
 
 
 def _size(path: Path) -> int:
@@ -331,13 +336,15 @@ def room_for_session(home: Home, store: Store, storage: StorageConfig, policy: A
         store: its database.
         storage: ``odtd.yaml``'s ``storage``.
         policy: the active policy (``models.keep_versions``; what the train file carries:
-            ``training.reads_device_images``, ``training.reads_unlabelled``).
+            ``training.reads_device_images``, ``training.reads_unlabelled``; whether a
+            version may copy the weights: ``training.prior_correction``).
         rows: the sample rows it trains on (new and rehearsed).
         weights: the current version's weights file.
     """
     training = policy.training
     need = session_need(home, store, len(rows), weights,
-                        DEVICE_READ if training.reads_device_images else 0, training.reads_unlabelled)
+                        DEVICE_READ if training.reads_device_images else 0, training.reads_unlabelled,
+                        training.prior_correction)
     return room_for(home, store, storage, need, "this session",
                     lambda: policy.models.keep_versions, locked=True)
 
