@@ -75,11 +75,16 @@ class Promotion:
                 details.reference_paired_origin)
         record.details.forgetting = self._forgetting(before, before if refusal else after)
         candidate = job_dir / "candidate.npz"
-        refreshed = self._refreshed(result, before) if refusal and current is not None else None
+        refreshed = read_prior_refresh(result, self.store.meta("classes")) \
+            if refusal and current is not None else None
         if refreshed is not None:
-            record.details.kept_for_resume = self._resumable(candidate, before, after)
-            self._promote_refreshed(record, pending, result, refusal, refreshed, candidate)
-            return
+            details.prior_refresh = {"accuracy": refreshed.accuracy, "served": False,
+                                     "priors": refreshed.priors}
+            if before is not None and refreshed.accuracy is not None and \
+                    refreshed.accuracy > before:
+                record.details.kept_for_resume = self._resumable(candidate, before, after)
+                self._promote_refreshed(record, pending, result, refusal, refreshed, candidate)
+                return
         if refusal:
             record.details.kept_for_resume = self._resumable(candidate, before, after)
             record.outcome, record.reason = "rolled_back", refusal + "; kept the served model"
@@ -101,31 +106,22 @@ class Promotion:
             raise
         self._settled(record, self._after_promotion, record, job_dir, version)
 
-    def _refreshed(self, result: dict[str, Any], before: Optional[float]
-                   ) -> Optional[PriorRefresh]:
-        """The served model with its priors estimated anew, where it passes acceptance with a gain."""
-        refreshed = read_prior_refresh(result, self.store.meta("classes"))
-        if refreshed is None or before is None or refreshed.accuracy is None or \
-                refreshed.accuracy <= before:
-            return None
-        acceptance = self.policy.acceptance
-        refusal = refusal_reason(before, refreshed.accuracy, acceptance.tolerance / 100.0,
-                                 acceptance.confidence_z, refreshed.paired)
-        return refreshed if refusal is None else None
-
     def _promote_refreshed(self, record: SessionRecord, pending: list[dict[str, Any]],
                            result: dict[str, Any], refusal: str, refreshed: PriorRefresh,
                            candidate: Path) -> None:
         """Serve the served weights with the device's priors estimated anew, as a new version.
 
-        The trained candidate was refused; the served model with a new offset passed the
-        acceptance test with a gain (``priors.refresh_served``). Its weights are the served
-        ones, so the reference set scores as before.
+        The trained candidate was refused; the served model with a new offset
+        (``priors.refresh_served``) scored higher on the group the acceptance test reads. Its
+        gain is judged as measured, not by ``acceptance.confidence_z``: the offset is estimated
+        from the device's labelled images, none of them in the evaluation set, and each day's
+        labels make the estimate better; the check is that it does not lose there. Its weights
+        are the served ones, so the reference set scores as before.
         """
         current = record.model_version_before
         details = record.details
-        details.prior_refresh = {"candidate_accuracy": record.accuracy_after,
-                                 "candidate_refusal": refusal, "priors": refreshed.priors}
+        details.prior_refresh.update(served=True, candidate_accuracy=record.accuracy_after,
+                                     candidate_refusal=refusal)
         record.accuracy_after = refreshed.accuracy
         details.holdout_accuracy_after = refreshed.holdout_accuracy
         details.reference_accuracy_after = details.reference_accuracy_before

@@ -93,10 +93,11 @@ class SessionDetails:
         pseudo_labels: The device's images without a label the session trained on
             (``training.pseudo_labels``): ``offered``, ``kept``, ``threshold``, ``by_class``;
             or ``status: skipped`` and why; None with the option off.
-        prior_refresh: Where the trained candidate was refused and the served model with the
-            device's priors estimated anew was promoted instead (``training.prior_correction``):
-            the candidate's ``candidate_accuracy`` and ``candidate_refusal``, and ``priors``
-            (the new estimate); None otherwise.
+        prior_refresh: Where the trained candidate was refused, the served model with the
+            device's priors estimated anew (``training.prior_correction``): its ``accuracy``,
+            the estimate (``priors``) and whether it was ``served`` in the candidate's place (then
+            with the candidate's ``candidate_accuracy`` and ``candidate_refusal``); None
+            otherwise.
         extra: Keys of a stored row this release does not know, kept as they were.
     """
 
