@@ -219,28 +219,27 @@ def correct_priors(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
 def refresh_served(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
                    before_correct: np.ndarray, should_stop: Callable[[], bool],
                    fields: Dict[str, Any]) -> None:
-    """A training job's step before training: the served model with its priors estimated anew.
+    """The served model with its priors estimated anew, for a session whose candidate is refused.
 
-    Run while the model holds the served weights. A promoted version keeps the offset it was
-    scored with; the device's mix moves on, and a session whose trained candidate is refused
-    would leave it behind. With ``prior_correction`` this estimates the offset on the served
-    model (``estimate``) and scores the served model with it; ``fields["prior_refresh"]`` gets
-    the offset, the estimate, the scores by group and the paired counts against the served
-    model as it is (``before_correct``). The session serves it only where the candidate is
-    refused and this passes the acceptance test with a gain (``session.promotion``). Nothing
-    where the offset is the one served.
+    Run while the model holds the served weights (``training.refresh_priors``). A promoted
+    version keeps the offset it was scored with; the device's mix moves on, and a refused
+    candidate would leave the served model's offset behind. This estimates the offset on the
+    served model (``estimate``) and scores the served model with it; ``fields["prior_refresh"]``
+    gets the offset, the estimate, the scores by group and per class and the paired counts
+    against the served model as it is (``before_correct``). The session serves it in the
+    candidate's place where it scores higher (``session.promotion``). Nothing where the offset
+    is the one served (the job's ``logit_offset``).
     """
-    if not job["prior_correction"] or validation is None or job["mode"] != "train":
-        return
     offset, info = estimate(job, data, validation, should_stop)
-    served = validation.offset["vector"]
+    served = None if job["logit_offset"] is None else np.asarray(job["logit_offset"], np.float32)
     if offset is None or _same(served, offset):
         return
+    scored_with = validation.offset["vector"]  # the candidate's, if it has one
     validation.offset["vector"] = offset
     try:
         scores = unless_stopped(validation.score())
     finally:
-        validation.offset["vector"] = served
+        validation.offset["vector"] = scored_with
     correct = scores.pop("correct")
     scores.pop("losses")
     fields["prior_refresh"] = {
