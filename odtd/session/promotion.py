@@ -91,20 +91,32 @@ class Promotion:
             self._commit(record, pending, new_version=None, manifest=None)
             self._settled(record, self._after_refusal, record, candidate)
             return
+        version = self._promote(
+            record, pending, result, candidate, result.get("logit_offset_after"), move=True,
+            reason="accepted" if before is not None else "no evaluation data: promoted unguarded")
+        self._settled(record, self._after_promotion, record, job_dir, version)
+
+    def _promote(self, record: SessionRecord, pending: list[dict[str, Any]],
+                 result: dict[str, Any], weights: Path, logit_offset: Optional[list[float]],
+                 move: bool, reason: str) -> int:
+        """Store ``weights`` as the next version, commit the session promoted; the version.
+
+        The record's ``accuracy_after`` is the new version's. A failed commit removes the
+        version again, and the pointer stays where it was.
+        """
+        current = record.model_version_before
         version, manifest = self.repo.add_version(
-            candidate, classes=self.store.meta("classes"), input_shape=self.store.meta("input_shape"),
+            weights, classes=self.store.meta("classes"), input_shape=self.store.meta("input_shape"),
             param_count=result.get("param_count"), parent=current, session_id=record.id,
-            metrics={"accuracy": after}, weight_names=result.get("weight_names"),
-            logit_offset=result.get("logit_offset_after"), move=True)
-        record.outcome = "promoted"
-        record.reason = "accepted" if before is not None else "no evaluation data: promoted unguarded"
-        record.model_version_after = version
+            metrics={"accuracy": record.accuracy_after}, weight_names=result.get("weight_names"),
+            logit_offset=logit_offset, move=move)
+        record.outcome, record.reason, record.model_version_after = "promoted", reason, version
         try:
             self._commit(record, pending, new_version=version, manifest=manifest)
         except BaseException:
             self._discard(version, current)
             raise
-        self._settled(record, self._after_promotion, record, job_dir, version)
+        return version
 
     def _promote_refreshed(self, record: SessionRecord, pending: list[dict[str, Any]],
                            result: dict[str, Any], refusal: str, refreshed: PriorRefresh,
@@ -118,7 +130,6 @@ class Promotion:
         labels make the estimate better; the check is that it does not lose there. Its weights
         are the served ones, so the reference set scores as before.
         """
-        current = record.model_version_before
         details = record.details
         details.prior_refresh.update(served=True, candidate_accuracy=record.accuracy_after,
                                      candidate_refusal=refusal)
@@ -128,20 +139,12 @@ class Promotion:
         details.paired, details.reference_paired = refreshed.paired, None
         details.per_class_after = refreshed.per_class
         details.forgetting = self._forgetting(record.accuracy_before, refreshed.accuracy)
-        version, manifest = self.repo.add_version(
-            self.repo.weights_path(current), classes=self.store.meta("classes"),
-            input_shape=self.store.meta("input_shape"), param_count=result.get("param_count"),
-            parent=current, session_id=record.id, metrics={"accuracy": refreshed.accuracy},
-            weight_names=result.get("weight_names"), logit_offset=refreshed.logit_offset)
-        record.outcome, record.model_version_after = "promoted", version
-        record.reason = (f"the device's class priors estimated anew: the served model with them "
-                         f"{refreshed.accuracy:.2%} vs {record.accuracy_before:.2%}; the trained "
-                         f"candidate was refused ({refusal})")
-        try:
-            self._commit(record, pending, new_version=version, manifest=manifest)
-        except BaseException:
-            self._discard(version, current)
-            raise
+        version = self._promote(
+            record, pending, result, self.repo.weights_path(record.model_version_before),
+            refreshed.logit_offset, move=False,
+            reason=f"the device's class priors estimated anew: the served model with them "
+                   f"{refreshed.accuracy:.2%} vs {record.accuracy_before:.2%}; the trained "
+                   f"candidate was refused ({refusal})")
         self._settled(record, self._after_refresh, record, candidate, version)
 
     def _resumable(self, candidate: Path, before: Optional[float], after: Optional[float]
