@@ -11,13 +11,16 @@ import pytest
 from conftest import CLASSES as HOME_CLASSES
 from conftest import odtctl, odtctl_json, write_images
 
+from odtd.trainer.learning.evaluation import evaluate
 from odtd.trainer.learning.priors import (
     DISAGREEMENT_Z,
     calibrate,
     disagreement,
     estimate_priors,
     logit_offset,
+    refresh_served,
 )
+from odtd.trainer.learning.training import Validation
 
 
 def _logits(rng, labels, classes, signal=2.5, noise=1.5):
@@ -67,6 +70,54 @@ def test_without_calibration_images_the_labels_alone_set_the_offset():
 
 
 @pytest.mark.trains
+class _Array(np.ndarray):
+    def numpy(self):
+        return np.asarray(self)
+
+
+def test_a_refresh_scores_the_device_images_anew_and_keeps_the_reference_rows_as_scored():
+    """The served model with a new offset is run on the device's images only: the reference
+    rows (no offset applies there) keep the served model's results, and the rest match a
+    full scoring with the new offset."""
+    classes, rng = 4, np.random.default_rng(7)
+    y = np.array([0] * 30 + [1] * 6 + [2] * 2 + [3] * 2 + list(range(4)) * 5)
+    groups = np.array(["0"] * 40 + ["2"] * 20)
+    logits = _logits(rng, y, classes, signal=1.0, noise=1.5)
+    x = np.arange(len(y), dtype=np.float32)[:, None]  # each image names its row
+    ran = []
+
+    def eval_step(images, labels):
+        rows = images[:, 0].astype(int)
+        ran.extend(rows.tolist())
+        return np.zeros(len(rows)).view(_Array), logits[rows].copy().view(_Array)
+
+    offset = {"vector": None}
+    device = groups != "2"
+
+    def score(cached=None):
+        vector = offset["vector"]
+        return evaluate(eval_step, x, y, classes, 16, lambda: False, groups, cached,
+                        None if vector is None else (vector, device))
+
+    validation = Validation(x, y, groups, score, None, offset, eval_step)
+    before = score()
+    job = {"logit_offset": None, "eval_batch_size": 16, "batch_size": 16,
+           "classes": ["a", "b", "c", "d"]}
+    data = {"priors": {"labels": np.array([0] * 40 + [1] * 8), "unlabelled": x[:0],
+                       "calibration": (x[:0], y[:0])}}
+    fields, ran[:] = {}, []
+    refresh_served(job, data, validation, (before["correct"], before["losses"]), lambda: False,
+                   fields)
+    refresh = fields["prior_refresh"]
+    # The first 20 rows run are the reference set the calibration reads; then the score's.
+    assert ran[:20] == list(range(40, 60)) and set(ran[20:]) == set(np.flatnonzero(device))
+    assert refresh["by_group"]["2"] == before["by_group"]["2"]
+    offset["vector"] = np.asarray(refresh["logit_offset"], np.float32)
+    assert refresh["by_group"]["0"] == score()["by_group"]["0"]
+    assert refresh["by_group"]["0"] > before["by_group"]["0"]  # mostly class 0: the offset helps
+    assert refresh["paired_by_group"]["2"] == {"gained": 0, "lost": 0, "samples": 20}
+
+
 def test_a_promoted_version_keeps_its_offset_in_its_manifest(home, tmp_path):
     policy = (home / "policy.yaml").read_text()
     (home / "policy.yaml").write_text(policy.replace("training:\n", "training:\n  prior_correction: true\n"))

@@ -23,7 +23,12 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from odtd.trainer.learning.evaluation import REFERENCE_GROUP, paired_counts, unless_stopped
+from odtd.trainer.learning.evaluation import (
+    REFERENCE_GROUP,
+    offset_rows,
+    paired_counts,
+    unless_stopped,
+)
 
 SMOOTHING = 1.0  # a Dirichlet pseudo-count per class: no class's prior is ever 0
 _CALIBRATION_ROUNDS = 10  # turns of temperature, then biases
@@ -217,7 +222,7 @@ def correct_priors(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
 
 
 def refresh_served(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
-                   before_correct: np.ndarray, should_stop: Callable[[], bool],
+                   before: Tuple[np.ndarray, np.ndarray], should_stop: Callable[[], bool],
                    fields: Dict[str, Any]) -> None:
     """The served model with its priors estimated anew, for a session whose candidate is refused.
 
@@ -226,18 +231,21 @@ def refresh_served(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
     candidate would leave the served model's offset behind. This estimates the offset on the
     served model (``estimate``) and scores the served model with it; ``fields["prior_refresh"]``
     gets the offset, the estimate, the scores by group and per class and the paired counts
-    against the served model as it is (``before_correct``). The session serves it in the
-    candidate's place where it scores higher (``session.promotion``). Nothing where the offset
-    is the one served (the job's ``logit_offset``).
+    against the served model as it is (``before``: its correctness and loss on each validation
+    image; the images no offset applies to, the reference set, keep them unscored). The session
+    serves it in the candidate's place where it scores higher (``session.promotion``). Nothing
+    where the offset is the one served (the job's ``logit_offset``).
     """
     offset, info = estimate(job, data, validation, should_stop)
     served = None if job["logit_offset"] is None else np.asarray(job["logit_offset"], np.float32)
     if offset is None or _same(served, offset):
         return
+    unchanged = ~offset_rows(validation.groups, data.get("validation_offset_rows"),
+                             len(validation.y))
     scored_with = validation.offset["vector"]  # the candidate's, if it has one
     validation.offset["vector"] = offset
     try:
-        scores = unless_stopped(validation.score())
+        scores = unless_stopped(validation.score((unchanged,) + tuple(before)))
     finally:
         validation.offset["vector"] = scored_with
     correct = scores.pop("correct")
@@ -245,7 +253,7 @@ def refresh_served(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
     fields["prior_refresh"] = {
         "logit_offset": [round(float(v), 6) for v in offset], "priors": info,
         "by_group": scores["by_group"], "per_class": scores["per_class"],
-        "paired_by_group": paired_counts(before_correct, correct, validation.groups)}
+        "paired_by_group": paired_counts(before[0], correct, validation.groups)}
 
 
 def _same(had: Optional[np.ndarray], offset: Optional[np.ndarray]) -> bool:

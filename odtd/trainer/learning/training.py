@@ -85,6 +85,7 @@ class Before(NamedTuple):
     # The home's first model's correctness on each reference image (``origin_eval_cache``),
     # read once: the choosers' check and the candidate's paired counts both use it.
     origin_correct: Optional[np.ndarray] = None
+    losses: Optional[np.ndarray] = None  # each validation image's loss
 
 
 def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
@@ -164,7 +165,8 @@ def refresh_priors(job: Dict[str, Any], model: Any, data: Dict[str, Any],
     if not job["prior_correction"] or job["mode"] != "train" or load_served is None:
         return
     with serving(model, load_served()):
-        priors.refresh_served(job, data, validation, before.correct, should_stop, fields)
+        priors.refresh_served(job, data, validation, (before.correct, before.losses),
+                              should_stop, fields)
 
 
 def prepare_model(tf: Any, job: Dict[str, Any], model: Any,
@@ -241,7 +243,7 @@ def score_before(job: Dict[str, Any], model: Any, precision: str, validation: Va
         spared = reference_check(correct, validation.groups, REFERENCE_GROUP,
                                  job["reference_tolerance"], job["confidence_z"], origin,
                                  job["reference_origin"])
-    return Before(correct, refused, spared, origin)
+    return Before(correct, refused, spared, origin, losses)
 
 
 def distillation_targets(tf: Any, job: Dict[str, Any], model: Any, data: Dict[str, Any],
