@@ -40,8 +40,8 @@ from odtd.trainer.learning.evaluation import (
     score_candidate,
     unless_stopped,
 )
+from odtd.trainer.learning.scope import set_trainable_scope
 from odtd.trainer.learning.step import Emit, Trained, iterate_batches, release_free_heap, train_steps
-from odtd.trainer.models.imported import leaf_layers
 from odtd.trainer.plans.fused_batchnorm import fuse, keep_relu_apart
 
 
@@ -417,37 +417,3 @@ def reference_held(by_group_before: Optional[Dict[str, float]], origin: Optional
     if before is None or origin is None:
         return before
     return max(before, origin)
-
-
-def set_trainable_scope(tf: Any, model: Any, scope: Any) -> int:
-    """Train only part of the model; every other leaf layer is frozen.
-
-    ``scope`` is ``all``, ``head`` (the last layer that holds weights), ``batchnorm`` (the
-    BatchNormalization layers' scale and offset alone: every convolution and dense layer stays
-    as loaded) or N (the last N layers that hold weights).
-
-    A frozen BatchNormalization runs in inference mode (tf.keras 2 and Keras 3): its moving
-    statistics stay as loaded, so recalibration leaves them alone too. Layers a model file was
-    saved frozen with (``trainable = False``, a transfer-learning base) train like the rest:
-    the scope is the policy's alone.
-
-    Returns:
-        How many weight-holding layers train.
-    """
-    model.trainable = True  # the policy decides, not the flags a model file was saved with
-    layers = [layer for _, layer in leaf_layers(model) if layer.weights]
-    if scope == "all":
-        return len(layers)
-    if scope == "batchnorm":
-        kept = set(id(layer) for layer in batchnorm_layers(tf, model))
-        if not kept:
-            raise ValueError("nothing to train: training.trainable is batchnorm and the model "
-                             "has no BatchNormalization layer")
-        for layer in layers:
-            if id(layer) not in kept:
-                layer.trainable = False
-        return len(kept)
-    keep = 1 if scope == "head" else int(scope)
-    for layer in layers[:max(0, len(layers) - keep)]:
-        layer.trainable = False
-    return min(keep, len(layers))
