@@ -52,9 +52,18 @@ def flower_bin() -> Path:
     return Path(sys.executable).parent
 
 
+# How often a SuperNode's SuperExec asks it for a message to start a ClientApp on (Flower's
+# FLWR_SUPEREXEC_TASK_POLL_INTERVAL; its default is 1 s).
+SUPEREXEC_POLL_S = "0.25"
+
+
 def environment(flwr_home: Path) -> dict:
-    """The environment of Flower's processes: this venv's bin first, a private FLWR_HOME."""
+    """The environment of Flower's processes: this venv's bin first, a private FLWR_HOME.
+
+    The SuperExec polls at ``SUPEREXEC_POLL_S`` unless the caller's environment sets its own.
+    """
     env = dict(os.environ, FLWR_HOME=str(flwr_home), PYTHONUNBUFFERED="1")
+    env.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", SUPEREXEC_POLL_S)
     env["PATH"] = f"{flower_bin()}{os.pathsep}{env.get('PATH', '')}"
     return env
 
