@@ -5,6 +5,7 @@ tests/test_worker.py (the real worker on tinycnn, the option on and off, the sam
 """
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -176,6 +177,57 @@ def test_a_refused_candidate_leaves_the_served_model_with_its_priors_estimated_a
     # The served weights' cached results were scored with the old offset: the next session
     # scores the new version afresh.
     assert not (models / "eval-cache.npz").exists()
+
+
+def test_the_served_model_with_new_priors_is_served_where_it_beats_an_accepted_candidate(home, tmp_path):
+    # The worker scores the served weights with the device's priors estimated anew in every
+    # session (``prior_refresh``). A candidate the guard accepts is still not served where that
+    # scores higher on the acceptance group: the version is the served weights, the new offset.
+    from odtd.home.paths import Home
+    from odtd.home.versions import ModelRepo
+    from odtd.policy import load_policy
+    from odtd.session.promotion import Promotion
+    from odtd.store.records import SessionRecord
+
+    odtd_home = Home(home)
+    store = odtd_home.open_store()
+    repo = ModelRepo(home / "models", "tinycnn")
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    offset = [0.9] + [-0.1] * (len(HOME_CLASSES) - 1)
+
+    def conclude(refreshed_accuracy):
+        shutil.copyfile(repo.weights_path(repo.current()), job_dir / "candidate.npz")
+        record = SessionRecord(day="2026-11-29", trigger="cli", model_version_before=repo.current(),
+                               accuracy_before=0.5, accuracy_after=0.8)
+        store.start_session(record)
+        result = {"prior_refresh": {"logit_offset": offset, "priors": {"status": "estimated"},
+                                    "by_group": {"1": refreshed_accuracy}}}
+        Promotion(odtd_home, store, repo, load_policy(home / "policy.yaml"),
+                  lambda message: None).conclude(record, [], job_dir, result)
+        return record
+
+    try:
+        below = conclude(0.75)  # the candidate (80%) beats the new priors: the candidate
+        assert below.outcome == "promoted" and below.reason == "accepted"
+        assert below.details.prior_refresh == {"accuracy": 0.75, "served": False,
+                                               "priors": {"status": "estimated"}}
+        assert repo.manifest(repo.current()).get("logit_offset") is None
+        served_sha = repo.manifest(repo.current())["sha256"]
+        above = conclude(0.85)  # the new priors (85%) beat the candidate: they are served
+        assert above.outcome == "promoted", above.reason
+        assert above.reason.startswith("the device's class priors estimated anew: the served "
+                                       "model with them 85.00% vs 50.00%")
+        assert above.reason.endswith("the trained candidate scored 80.00%")
+        assert above.accuracy_after == 0.85
+        assert above.details.prior_refresh["served"] and \
+            above.details.prior_refresh["candidate_accuracy"] == 0.8
+        assert above.details.prior_refresh["candidate_refusal"] is None
+        manifest = repo.manifest(repo.current())
+        assert manifest["sha256"] == served_sha and manifest["parent"] == below.model_version_after
+        assert manifest["logit_offset"] == pytest.approx(offset)
+    finally:
+        store.close()
 
 
 def _check_the_export_carries_the_offset(home, manifest_path, offset, tmp_path):

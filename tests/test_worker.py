@@ -861,6 +861,12 @@ def test_prior_correction_raises_the_devices_accuracy_and_leaves_the_reference_a
     # the gain is the offset's alone, whatever a TensorFlow version's steps would learn.
     assert on["by_group_after"]["1"] >= off["by_group_after"]["1"] + 0.2, (on, off)
     assert on["by_group_after"]["2"] == off["by_group_after"]["2"]
+    # Before anything trains, the served weights are scored with the priors estimated anew
+    # (``prior_refresh``): here the same weights (0 epochs), so the same offset and scores.
+    assert "prior_refresh" not in off
+    refresh = on["prior_refresh"]
+    np.testing.assert_allclose(refresh["logit_offset"], offset, atol=1e-5)
+    assert refresh["by_group"]["1"] == on["by_group_after"]["1"]
     # An evaluate job applies a model's offset to the rows its file names.
     rows = np.zeros(90, dtype=bool)
     rows[:60] = True

@@ -76,12 +76,13 @@ class Promotion:
         record.details.forgetting = self._forgetting(before, before if refusal else after)
         candidate = job_dir / "candidate.npz"
         refreshed = read_prior_refresh(result, self.store.meta("classes")) \
-            if refusal and current is not None else None
+            if current is not None else None
         if refreshed is not None:
             details.prior_refresh = {"accuracy": refreshed.accuracy, "served": False,
                                      "priors": refreshed.priors}
-            if before is not None and refreshed.accuracy is not None and \
-                    refreshed.accuracy > before:
+            anew = refreshed.accuracy  # the served model with the new priors
+            beaten = refusal is not None or (after is not None and anew is not None and anew > after)
+            if beaten and before is not None and anew is not None and anew > before:
                 record.details.kept_for_resume = self._resumable(candidate, before, after)
                 self._promote_refreshed(record, pending, result, refusal, refreshed, candidate)
                 return
@@ -119,19 +120,21 @@ class Promotion:
         return version
 
     def _promote_refreshed(self, record: SessionRecord, pending: list[dict[str, Any]],
-                           result: dict[str, Any], refusal: str, refreshed: PriorRefresh,
-                           candidate: Path) -> None:
+                           result: dict[str, Any], refusal: Optional[str],
+                           refreshed: PriorRefresh, candidate: Path) -> None:
         """Serve the served weights with the device's priors estimated anew, as a new version.
 
-        The trained candidate was refused; the served model with a new offset
-        (``priors.refresh_served``) scored higher on the group the acceptance test reads. Its
-        gain is judged as measured, not by ``acceptance.confidence_z``: the offset is estimated
-        from the device's labelled images, none of them in the evaluation set, and each day's
-        labels make the estimate better; the check is that it does not lose there. Its weights
-        are the served ones, so the reference set scores as before.
+        The served model with a new offset (``priors.refresh_served``) scored higher on the
+        group the acceptance test reads than the served model and than the trained candidate,
+        which was refused (``refusal``; None: it would have passed, but scored lower). Its gain
+        over the served model is judged as measured, not by ``acceptance.confidence_z``: the
+        offset is estimated from the device's labelled images, none of them in the evaluation
+        set, and each day's labels make the estimate better; the check is that it does not
+        lose there. Its weights are the served ones, so the reference set scores as before.
         """
         details = record.details
-        details.prior_refresh.update(served=True, candidate_accuracy=record.accuracy_after,
+        candidate_accuracy = record.accuracy_after
+        details.prior_refresh.update(served=True, candidate_accuracy=candidate_accuracy,
                                      candidate_refusal=refusal)
         record.accuracy_after = refreshed.accuracy
         details.holdout_accuracy_after = refreshed.holdout_accuracy
@@ -144,7 +147,8 @@ class Promotion:
             refreshed.logit_offset, move=False,
             reason=f"the device's class priors estimated anew: the served model with them "
                    f"{refreshed.accuracy:.2%} vs {record.accuracy_before:.2%}; the trained "
-                   f"candidate was refused ({refusal})")
+                   + (f"candidate was refused ({refusal})" if refusal is not None else
+                      f"candidate scored {candidate_accuracy:.2%}"))
         self._settled(record, self._after_refresh, record, candidate, version)
 
     def _resumable(self, candidate: Path, before: Optional[float], after: Optional[float]

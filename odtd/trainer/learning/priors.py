@@ -223,8 +223,8 @@ def correct_priors(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
 
 def refresh_served(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
                    before: Tuple[np.ndarray, np.ndarray], should_stop: Callable[[], bool],
-                   fields: Dict[str, Any]) -> None:
-    """The served model with its priors estimated anew, for a session whose candidate is refused.
+                   fields: Dict[str, Any]) -> Optional[np.ndarray]:
+    """The served model with its priors estimated anew.
 
     Run while the model holds the served weights (``training.refresh_priors``). A promoted
     version keeps the offset it was scored with; the device's mix moves on, and a refused
@@ -233,13 +233,17 @@ def refresh_served(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
     gets the offset, the estimate, the scores by group and per class and the paired counts
     against the served model as it is (``before``: its correctness and loss on each validation
     image; the images no offset applies to, the reference set, keep them unscored). The session
-    serves it in the candidate's place where it scores higher (``session.promotion``). Nothing
-    where the offset is the one served (the job's ``logit_offset``).
+    serves it where it scores above the served model and the trained candidate
+    (``session.promotion``).
+
+    Returns:
+        The new offset; None where none was estimated or it is the one served (the job's
+        ``logit_offset``): then nothing goes to ``fields``.
     """
     offset, info = estimate(job, data, validation, should_stop)
     served = None if job["logit_offset"] is None else np.asarray(job["logit_offset"], np.float32)
     if offset is None or _same(served, offset):
-        return
+        return None
     unchanged = ~offset_rows(validation.groups, data.get("validation_offset_rows"),
                              len(validation.y))
     scored_with = validation.offset["vector"]  # the candidate's, if it has one
@@ -254,6 +258,7 @@ def refresh_served(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
         "logit_offset": [round(float(v), 6) for v in offset], "priors": info,
         "by_group": scores["by_group"], "per_class": scores["per_class"],
         "paired_by_group": paired_counts(before[0], correct, validation.groups)}
+    return offset
 
 
 def _same(had: Optional[np.ndarray], offset: Optional[np.ndarray]) -> bool:

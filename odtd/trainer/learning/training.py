@@ -92,16 +92,14 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
                        data: Dict[str, Any], should_stop: Callable[[], bool], emit: Emit,
                        served_weights: Optional[List[np.ndarray]] = None,
                        scored_after: Optional[Dict[str, np.ndarray]] = None,
-                       keep_trained: Optional[Callable[[List[np.ndarray]], None]] = None,
-                       load_served: Optional[Callable[[], List[np.ndarray]]] = None
+                       keep_trained: Optional[Callable[[List[np.ndarray]], None]] = None
                        ) -> Dict[str, Any]:
     """Evaluate before, train, evaluate after; return the result fields this produces.
 
-    The steps, in order: ``prepare_model``, ``score_before``, ``pseudo.pseudo_label``,
-    ``distillation_targets``, ``adapt_before``, ``train``, ``settle_batchnorm``, ``average``,
-    ``priors.correct_priors``, ``score_after``, and where the candidate fails the acceptance
-    test (or training diverged) ``refresh_priors``. A stop requested during any of them ends
-    the job ``interrupted`` with the fields so far.
+    The steps, in order: ``prepare_model``, ``score_before``, ``refresh_priors``,
+    ``pseudo.pseudo_label``, ``distillation_targets``, ``adapt_before``, ``train``,
+    ``settle_batchnorm``, ``average``, ``priors.correct_priors``, ``score_after``. A stop
+    requested during any of them ends the job ``interrupted`` with the fields so far.
 
     With ``served_weights`` (the job's ``served_weights`` arrays) the "before" figures are that
     model's (the one the candidate must beat), and so is distillation's teacher; training then
@@ -110,7 +108,6 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
     (``keys``, ``correct``, ``losses``: ``evalcache.save``'s arguments).
     ``keep_trained``, if given, is handed the trained weights before ``average`` changes
     them (not called where nothing is averaged: the candidate is then the trained model).
-    ``load_served``, if given, reads the served model's weights (``refresh_priors``).
     """
     fields = {"status": "interrupted"}  # type: Dict[str, Any]
     try:
@@ -120,6 +117,8 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         before = None
         if validation is not None:
             before = score_before(job, model, precision, validation, served_weights, emit, fields)
+            refresh_priors(job, model, data, validation, before, served_weights, should_stop,
+                           fields)
         if job["pseudo_labels"] is not None and job["mode"] == "train":
             with serving(model, served_weights):  # the model the candidate must beat labels them
                 pseudo.pseudo_label(job, data, validation and validation.eval_step, should_stop, fields)
@@ -129,8 +128,6 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
             fields["adapt_seconds"] = adapt_before(tf, job, model, device_split, should_stop)
         trained = train(tf, job, model, precision, data["train_data"][0], data["train_data"][1],
                         teacher, should_stop, emit, fields)
-        if trained.diverged_at_step is not None and before is not None:  # no candidate
-            refresh_priors(job, model, data, validation, before, load_served, should_stop, fields)
         if trained.diverged_at_step is not None or should_stop():
             return fields  # no candidate: nothing more to score
         after = settle_batchnorm(tf, job, model, data, device_split, validation, before,
@@ -142,10 +139,7 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         if priors.correct_priors(job, data, validation, should_stop, fields):
             after = None  # any chooser's scores were without the candidate's offset
         if validation is not None:
-            correct_after = score_after(job, validation, before, after, emit, fields, scored_after)
-            if before.refused is not None and before.refused({"correct": correct_after}):
-                refresh_priors(job, model, data, validation, before, load_served, should_stop,
-                               fields)
+            score_after(job, validation, before, after, emit, fields, scored_after)
         fields["status"] = "ok"
     except Stopped:
         pass
@@ -154,19 +148,25 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
 
 def refresh_priors(job: Dict[str, Any], model: Any, data: Dict[str, Any],
                    validation: Validation, before: Before,
-                   load_served: Optional[Callable[[], List[np.ndarray]]],
+                   served_weights: Optional[List[np.ndarray]],
                    should_stop: Callable[[], bool], fields: Dict[str, Any]) -> None:
-    """The served model with the device's priors estimated anew, for a refused candidate.
+    """The served model with the device's priors estimated anew, before anything trains.
 
-    ``priors.refresh_served`` on the served weights (``load_served``); the model holds the
-    candidate's again after it. Only with ``prior_correction``, and only where the candidate
-    will be refused: a promoted candidate carries its own new offset.
+    ``priors.refresh_served`` on the served weights (``served_weights``, else the model as
+    loaded). Only with ``prior_correction`` in a training job. The session serves it where it
+    scores above both the served model and the trained candidate (``session.promotion``); its
+    offset is the one the choosers (``settle_batchnorm``, ``average``) then score their tries
+    with, so a share or mixture is judged under the device's priors of today, not under the
+    served model's older offset (or none, before the first promotion): a try that learned the
+    device's uneven mix from its labels is not counted twice over.
     """
-    if not job["prior_correction"] or job["mode"] != "train" or load_served is None:
+    if not job["prior_correction"] or job["mode"] != "train":
         return
-    with serving(model, load_served()):
-        priors.refresh_served(job, data, validation, (before.correct, before.losses),
-                              should_stop, fields)
+    with serving(model, served_weights):
+        offset = priors.refresh_served(job, data, validation, (before.correct, before.losses),
+                                       should_stop, fields)
+    if offset is not None:
+        validation.offset["vector"] = offset
 
 
 def prepare_model(tf: Any, job: Dict[str, Any], model: Any,

@@ -211,11 +211,8 @@ def run(job: Dict[str, Any], data: Dict[str, Tuple[np.ndarray, np.ndarray]],
     elif mode in ("train", "profile"):
         keep_trained = None if job["trained_out"] is None or mode != "train" else \
             (lambda weights: write_weights(weights, job["trained_out"]))
-        served_file = job["served_weights"] or job["weights_in"]
-        load_served = None if served_file is None else (
-            lambda: read_weights(served_file, model.get_weights(), names))
         result.update(train_and_evaluate(tf, job, model, precision, data, should_stop, emit,
-                                         served_weights, scored_after, keep_trained, load_served))
+                                         served_weights, scored_after, keep_trained))
     if result["status"] == "ok" and mode not in ("profile", "export") \
             and job["weights_out"] is not None:
         write_weights(model.get_weights(), job["weights_out"])
