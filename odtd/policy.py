@@ -153,6 +153,11 @@ class TrainingPolicy(_Strict):
         "images; labelled images counted by their labels) and keep them with the version as "
         "an offset on its logits: the device's images are scored with it, the reference set "
         "without; guarded like any candidate (docs/priors.md)")
+    balanced_loss: bool = Field(
+        default=False, description="train as if the session's images were evenly mixed: the "
+        "log of their class frequencies is added to the logits the loss reads (logit "
+        "adjustment), so the weights do not learn the device's uneven mix from its labels; "
+        "with prior_correction its offset then adds the mix once (docs/priors.md)")
     pseudo_labels: Optional[float] = Field(
         default=None, ge=0, le=1, description="train on the device's images without a label "
         "too, labelled by the served model where it is this sure (its mean probability over "

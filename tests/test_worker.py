@@ -879,6 +879,34 @@ def test_prior_correction_raises_the_devices_accuracy_and_leaves_the_reference_a
     assert events[-1]["by_group_after"] == on["by_group_after"]
 
 
+def test_a_balanced_loss_does_not_learn_the_class_mix(tmp_path, initial):
+    # Random images, nine in ten labelled class 0: all a model can learn from them is the
+    # mix. Scored on other random images all labelled class 0, the loss is the mean of
+    # -log p(class 0). One epoch (as a session's): trained plainly, the model calls class 0
+    # likelier than it did; with the balanced loss, not (the adjustment took the mix; the
+    # few other images pull the other way). Many epochs on few images overfit either way.
+    _skewed(tmp_path / "train.npz", 96, seed=11)
+    rng = np.random.default_rng(12)
+    np.savez(tmp_path / "val.npz", x=rng.integers(0, 256, (90, 32, 32, 3), dtype=np.uint8),
+             y=np.zeros(90, np.int64))
+    results, losses = {}, {}
+    for on in (True, False):
+        name = "on" if on else "off"
+        code, events, stderr = run_worker(write_job(
+            tmp_path, name, weights_in=str(initial[0]), weights_out=str(tmp_path / f"{name}.npz"),
+            epochs=1, train_data=str(tmp_path / "train.npz"),
+            validation_data=str(tmp_path / "val.npz"), balanced_loss=on))
+        assert code == 0, stderr
+        results[name] = events[-1]
+        losses[name] = {e["phase"]: e["loss"] for e in by_event(events, "eval")}
+    adjustment = results["on"]["balanced_loss"]
+    assert len(adjustment) == len(CLASSES) and np.argmax(adjustment) == 0
+    assert "balanced_loss" not in results["off"]
+    assert losses["on"]["before"] == losses["off"]["before"]
+    assert losses["off"]["after"] < losses["off"]["before"] - 0.3, losses
+    assert losses["on"]["after"] > losses["on"]["before"], losses
+
+
 def test_the_entropy_objective_reads_no_label(tmp_path, initial):
     # TENT's objective: the same images under other labels train to the same weights; the
     # labels' cross-entropy does not.

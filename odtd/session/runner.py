@@ -282,7 +282,7 @@ class SessionRunner:
             recalibrate_bn=training.recalibrate_bn, bn_device_share=training.bn_device_share,
             distill=training.distill, trained_share=training.trained_share,
             prior_correction=training.prior_correction, pseudo_labels=training.pseudo_labels,
-            bn_class_balanced=training.bn_class_balanced,
+            bn_class_balanced=training.bn_class_balanced, balanced_loss=training.balanced_loss,
             logit_offset=self.repo.manifest(current).get("logit_offset"),
             average_with="start" if record.details.federated else "served",
             proximal_mu=float((record.details.federated or {}).get("proximal_mu") or 0.0),

@@ -115,7 +115,8 @@ def make_forward(tf: Any, model: Any, job: Dict[str, Any]) -> Any:
 
 
 def make_train_step(tf: Any, model: Any, forward_model: Any, optimizer: Any,
-                    job: Dict[str, Any]) -> Callable[[Any, Any, Any, Any], Any]:
+                    job: Dict[str, Any], adjustment: Optional[np.ndarray] = None
+                    ) -> Callable[[Any, Any, Any, Any], Any]:
     """Return a step ``(uint8 images, int64 labels, teacher, weights) -> mean loss``.
 
     One step updates the weights once, ``forward_model`` (``make_forward``) giving the model's
@@ -128,6 +129,9 @@ def make_train_step(tf: Any, model: Any, forward_model: Any, optimizer: Any,
     whose gradients are summed before one update: the same step as the whole batch at the
     memory of a micro-batch (a BatchNorm that trains normalises each micro-batch by its own
     statistics).
+
+    ``adjustment`` (one float per class), if given, is added to the logits the labels'
+    cross-entropy reads (``balanced_adjustment``), not to those distillation reads.
     """
     from odtd.trainer.learning.distill import distillation_loss
     from odtd.trainer.models import networks
@@ -141,6 +145,7 @@ def make_train_step(tf: Any, model: Any, forward_model: Any, optimizer: Any,
     pad = augment_pad_px(input_shape)
     # A recomputation updates BatchNorm's moving statistics a second time: put them back.
     checkpointed = forward_model if hasattr(forward_model, "restore_statistics") else None
+    shift = None if adjustment is None else tf.constant(adjustment, tf.float32)
     signature = [networks.images_spec(job), tf.TensorSpec([None], tf.int64),
                  tf.TensorSpec([None, len(job["classes"])], tf.float32),
                  tf.TensorSpec([None], tf.float32), tf.TensorSpec([], tf.float32)]
@@ -155,7 +160,9 @@ def make_train_step(tf: Any, model: Any, forward_model: Any, optimizer: Any,
             if job["objective"] == "entropy":  # the predictions' own entropy: no label is read
                 losses = -tf.reduce_sum(tf.nn.softmax(logits) * tf.nn.log_softmax(logits), axis=-1)
             else:
-                losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+                losses = tf.nn.sparse_softmax_cross_entropy_with_logits(
+                    labels=labels, logits=logits if shift is None else logits + tf.cast(
+                        shift, logits.dtype))
             if job["distill"]:  # traced only when distilling: the plain step stays as it was
                 losses += distillation_loss(tf, logits, teacher, weights)
             loss = tf.reduce_sum(losses) / total
@@ -269,9 +276,23 @@ class Trained(NamedTuple):
     heap_released: Optional[bool]
 
 
+def balanced_adjustment(labels: np.ndarray, classes: int) -> np.ndarray:
+    """The logit adjustment that trains as if ``labels`` were evenly mixed (``balanced_loss``).
+
+    ``log`` of each class's frequency among the training images (one pseudo-count each),
+    centred on 0: added to the logits in the cross-entropy, the class mix is in the loss and
+    the weights need not learn it (logit adjustment, Menon et al., ICLR 2021). The model then
+    predicts as if every class were as likely, as it was trained on the server, and
+    ``prior_correction``'s offset adds the device's mix once.
+    """
+    counts = np.bincount(np.asarray(labels, np.int64), minlength=classes).astype(np.float64) + 1.0
+    adjustment = np.log(counts / counts.sum())
+    return (adjustment - adjustment.mean()).astype(np.float32)
+
+
 def train_steps(tf: Any, job: Dict[str, Any], model: Any, precision: str, inputs: Tuple[Any, ...],
                 batches: List[Tuple[int, np.ndarray]], should_stop: Callable[[], bool],
-                emit: Emit) -> Trained:
+                emit: Emit, adjustment: Optional[np.ndarray] = None) -> Trained:
     """Run the job's steps over ``batches``; after a divergence, again at a lower rate.
 
     A train job's step that ``diverging`` finds ends the attempt. While ``diverged_retries``
@@ -288,6 +309,7 @@ def train_steps(tf: Any, job: Dict[str, Any], model: Any, precision: str, inputs
         batches: ``(epoch, indices)`` per step, from ``step.iterate_batches``.
         should_stop: true once a stop was asked for (at the next step boundary).
         emit: prints a worker event (``step``, ``retry``).
+        adjustment: added to the logits in the labels' loss (``balanced_adjustment``), if given.
     """
     profiling = job["mode"] == "profile"
     retries = 0 if profiling else job["diverged_retries"]
@@ -302,7 +324,7 @@ def train_steps(tf: Any, job: Dict[str, Any], model: Any, precision: str, inputs
         forward = make_forward(tf, model, job)
         pool_first = list(getattr(forward, "swapped", []))
         train_step = make_train_step(tf, model, forward, make_optimizer(tf, job, precision, rate),
-                                     job)
+                                     job, adjustment)
         diverged_at, first_loss = None, float("nan")
         for index, (epoch, indices) in enumerate(batches):
             if should_stop():

@@ -41,7 +41,14 @@ from odtd.trainer.learning.evaluation import (
     unless_stopped,
 )
 from odtd.trainer.learning.scope import set_trainable_scope
-from odtd.trainer.learning.step import Emit, Trained, iterate_batches, release_free_heap, train_steps
+from odtd.trainer.learning.step import (
+    Emit,
+    Trained,
+    balanced_adjustment,
+    iterate_batches,
+    release_free_heap,
+    train_steps,
+)
 from odtd.trainer.plans.fused_batchnorm import fuse, keep_relu_apart
 
 
@@ -289,7 +296,12 @@ def train(tf: Any, job: Dict[str, Any], model: Any, precision: str, x_train: np.
     batches = list(iterate_batches(len(y_train), job["batch_size"],
                                    None if profiling else job["epochs"], job["max_steps"],
                                    np.random.RandomState(job["seed"])))
-    trained = train_steps(tf, job, model, precision, inputs, batches, should_stop, emit)
+    adjustment = None
+    if job["balanced_loss"] and not profiling and job["objective"] != "entropy":
+        adjustment = balanced_adjustment(y_train, len(job["classes"]))
+        fields["balanced_loss"] = [round(float(v), 4) for v in adjustment]
+    trained = train_steps(tf, job, model, precision, inputs, batches, should_stop, emit,
+                          adjustment)
     fields.update(steps=trained.steps, samples=trained.samples, train_seconds=trained.seconds,
                   pool_first=trained.pool_first, heap_released=trained.heap_released,
                   learning_rate=trained.learning_rate, clip_norm=job["clip_norm"])

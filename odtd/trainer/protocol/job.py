@@ -63,6 +63,9 @@ JOB_KEYS = {
     # ``logit_offset``: the loaded (served) model's, applied where the model is scored on the
     # device's images (a validation file's ``offset`` rows; else every group but the reference).
     "prior_correction": ("bool", False),
+    # The labels' loss reads the logits plus the log of the training images' class mix
+    # (learning/step.py, ``balanced_adjustment``): the weights do not learn the mix.
+    "balanced_loss": ("bool", False),
     # The device's images without a label (``unlabelled_x``) the served model is this sure of
     # (both views agreeing) join the training data with its labels (learning/pseudo.py).
     "pseudo_labels": ("share", None),
