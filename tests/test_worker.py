@@ -882,9 +882,11 @@ def test_prior_correction_raises_the_devices_accuracy_and_leaves_the_reference_a
 def test_a_balanced_loss_does_not_learn_the_class_mix(tmp_path, initial):
     # Random images, nine in ten labelled class 0: all a model can learn from them is the
     # mix. Scored on other random images all labelled class 0, the loss is the mean of
-    # -log p(class 0). One epoch (as a session's): trained plainly, the model calls class 0
-    # likelier than it did; with the balanced loss, not (the adjustment took the mix; the
-    # few other images pull the other way). Many epochs on few images overfit either way.
+    # -log p(class 0): trained plainly (one epoch, a gentle rate, as a session's) the model
+    # calls class 0 likelier than it did, toward the mix's 0.9; with the balanced loss its
+    # optimum is the even 1/3, and it ends well short of the plain one (tf.keras 2 and
+    # Keras 3 start tinycnn elsewhere and move at their own pace; many epochs on few images
+    # overfit either way).
     _skewed(tmp_path / "train.npz", 96, seed=11)
     rng = np.random.default_rng(12)
     np.savez(tmp_path / "val.npz", x=rng.integers(0, 256, (90, 32, 32, 3), dtype=np.uint8),
@@ -894,7 +896,7 @@ def test_a_balanced_loss_does_not_learn_the_class_mix(tmp_path, initial):
         name = "on" if on else "off"
         code, events, stderr = run_worker(write_job(
             tmp_path, name, weights_in=str(initial[0]), weights_out=str(tmp_path / f"{name}.npz"),
-            epochs=1, train_data=str(tmp_path / "train.npz"),
+            epochs=1, learning_rate=0.002, train_data=str(tmp_path / "train.npz"),
             validation_data=str(tmp_path / "val.npz"), balanced_loss=on))
         assert code == 0, stderr
         results[name] = events[-1]
@@ -904,7 +906,7 @@ def test_a_balanced_loss_does_not_learn_the_class_mix(tmp_path, initial):
     assert "balanced_loss" not in results["off"]
     assert losses["on"]["before"] == losses["off"]["before"]
     assert losses["off"]["after"] < losses["off"]["before"] - 0.3, losses
-    assert losses["on"]["after"] > losses["on"]["before"], losses
+    assert losses["on"]["after"] > losses["off"]["after"] + 0.3, losses
 
 
 def test_the_entropy_objective_reads_no_label(tmp_path, initial):
