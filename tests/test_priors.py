@@ -15,6 +15,7 @@ from conftest import odtctl, odtctl_json, write_images
 from odtd.trainer.learning.evaluation import evaluate
 from odtd.trainer.learning.priors import (
     DISAGREEMENT_Z,
+    better_offset,
     calibrate,
     disagreement,
     estimate_priors,
@@ -117,6 +118,40 @@ def test_a_refresh_scores_the_device_images_anew_and_keeps_the_reference_rows_as
     assert refresh["by_group"]["0"] == score()["by_group"]["0"]
     assert refresh["by_group"]["0"] > before["by_group"]["0"]  # mostly class 0: the offset helps
     assert refresh["paired_by_group"]["2"] == {"gained": 0, "lost": 0, "samples": 20}
+
+
+def test_the_candidate_keeps_the_offset_it_scores_higher_with():
+    """Of the candidate's own offset and the served model's priors estimated anew, the one
+    under which it scores higher on the acceptance group (only that group's images run)."""
+    classes, rng = 4, np.random.default_rng(8)
+    y = np.array([0] * 30 + [1] * 6 + [2] * 2 + [3] * 2 + list(range(4)) * 5)
+    groups = np.array(["0"] * 40 + ["2"] * 20)
+    logits = _logits(rng, y, classes, signal=1.0, noise=1.5)
+    x = np.arange(len(y), dtype=np.float32)[:, None]
+    ran = []
+
+    def eval_step(images, labels):
+        rows = images[:, 0].astype(int)
+        ran.extend(rows.tolist())
+        return np.zeros(len(rows)).view(_Array), logits[rows].copy().view(_Array)
+
+    validation = Validation(x, y, groups, None, None, {"vector": None}, eval_step)
+    job = {"eval_batch_size": 16, "batch_size": 16, "classes": ["a", "b", "c", "d"]}
+    even = np.zeros(classes, np.float32)
+    skewed = np.array([3.0, 0.0, -1.5, -1.5], np.float32)  # the acceptance group's mix
+    accuracy = {name: float(np.mean(np.argmax(logits[:40] + vector, axis=1) == y[:40]))
+                for name, vector in (("even", even), ("skewed", skewed))}
+    assert accuracy["skewed"] > accuracy["even"]
+    info = {}
+    assert better_offset(job, validation, even, skewed, lambda: False, info) is skewed
+    assert info == {"offset": "served", "offset_accuracy": {
+        "candidate": round(accuracy["even"], 5), "served": round(accuracy["skewed"], 5)}}
+    assert sorted(ran) == list(range(40))  # the reference rows did not run
+    info = {}
+    assert better_offset(job, validation, skewed, even, lambda: False, info) is skewed
+    assert info["offset"] == "candidate"
+    assert better_offset(job, validation, skewed, skewed.copy(), lambda: False, info) is skewed
+    assert info["offset"] == "candidate"  # a tie keeps the candidate's
 
 
 def test_a_promoted_version_keeps_its_offset_in_its_manifest(home, tmp_path):
