@@ -13,7 +13,7 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, Iterable, List, Optional, Tuple, cast
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord
 from flwr.serverapp import Grid, ServerApp
@@ -33,41 +33,19 @@ app = ServerApp()
 REPLY_POLL_S = 0.25
 
 
-class PromptGrid(Grid):
+class PromptGrid:
     """The SuperLink's grid, the round's replies asked for every ``REPLY_POLL_S``.
 
-    Everything else is the grid Flower gave the ServerApp; ``send_and_receive`` is Flower's
-    (push the messages, pull their replies until all are in or ``timeout`` passes) with a
-    shorter wait between pulls.
+    ``send_and_receive`` is Flower's (push the messages, pull their replies until all are in or
+    ``timeout`` passes) with a shorter wait between pulls; every other attribute is the grid's
+    Flower gave the ServerApp, as it is (its ``get_nodes``, ``close``, ... included).
     """
 
     def __init__(self, grid: Grid, poll_s: float = REPLY_POLL_S) -> None:
         self.grid, self.poll_s = grid, poll_s
 
-    def set_run(self, run: Any) -> None:
-        """The run, to Flower's grid."""
-        self.grid.set_run(run)
-
-    @property
-    def run(self) -> Any:
-        """Flower's grid's run."""
-        return self.grid.run
-
-    def create_message(self, *args: Any, **kwargs: Any) -> Message:
-        """A message, by Flower's grid."""
-        return self.grid.create_message(*args, **kwargs)
-
-    def get_node_ids(self) -> Iterable[int]:
-        """The connected devices, by Flower's grid."""
-        return self.grid.get_node_ids()
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        """Send, by Flower's grid."""
-        return self.grid.push_messages(messages)
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        """The replies in so far, by Flower's grid."""
-        return self.grid.pull_messages(message_ids)
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.grid, name)
 
     def send_and_receive(self, messages: Iterable[Message], *,
                          timeout: Optional[float] = None) -> Iterable[Message]:
@@ -221,7 +199,7 @@ def main(grid: Grid, context: Context) -> None:
         train_config = ConfigRecord({"batchnorm": settings.batchnorm, "layout": layout,
                                      "local-epochs": settings.local_epochs or 0,
                                      "learning-rate": settings.learning_rate or 0.0})
-        result = strategy.start(grid=PromptGrid(grid), initial_arrays=ArrayRecord(packed),
+        result = strategy.start(grid=cast(Grid, PromptGrid(grid)), initial_arrays=ArrayRecord(packed),
                                 num_rounds=settings.rounds, timeout=settings.round_timeout_s,
                                 train_config=train_config,
                                 evaluate_config=ConfigRecord({"batchnorm": settings.batchnorm,
