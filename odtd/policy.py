@@ -152,7 +152,8 @@ class TrainingPolicy(_Strict):
         "the candidate's outputs, calibrated on the reference set, else on the rehearsed "
         "images; labelled images counted by their labels) and keep them with the version as "
         "an offset on its logits: the device's images are scored with it, the reference set "
-        "without; guarded like any candidate (docs/priors.md)")
+        "without; guarded like any candidate; the served model with the priors estimated "
+        "anew is served where it scores higher (docs/priors.md)")
     balanced_loss: bool = Field(
         default=False, description="train as if the session's images were evenly mixed: the "
         "log of their class frequencies is added to the logits the loss reads (logit "

@@ -845,7 +845,7 @@ def test_prior_correction_raises_the_devices_accuracy_and_leaves_the_reference_a
         name = "on" if on else "off"
         code, events, stderr = run_worker(write_job(
             tmp_path, name, weights_in=str(initial[0]), weights_out=str(tmp_path / f"{name}.npz"),
-            epochs=0, train_data=str(tmp_path / "train.npz"),
+            epochs=0, train_data=str(tmp_path / "train.npz"), trained_share="auto",
             validation_data=str(tmp_path / "val.npz"), prior_correction=on))
         assert code == 0, stderr
         results[name] = events[-1]
@@ -867,6 +867,11 @@ def test_prior_correction_raises_the_devices_accuracy_and_leaves_the_reference_a
     refresh = on["prior_refresh"]
     np.testing.assert_allclose(refresh["logit_offset"], offset, atol=1e-5)
     assert refresh["by_group"]["1"] == on["by_group_after"]["1"]
+    # ``trained_share: auto`` ranks its tries (all the same weights here) under that offset:
+    # each scores what the served model with the new priors does, not what it did before.
+    assert on["trained_shares_tried"] and all(
+        tried["1"] == refresh["by_group"]["1"] for tried in on["trained_shares_tried"].values())
+    assert on["by_group_before"]["1"] < refresh["by_group"]["1"]
     # An evaluate job applies a model's offset to the rows its file names.
     rows = np.zeros(90, dtype=bool)
     rows[:60] = True

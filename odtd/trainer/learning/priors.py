@@ -277,7 +277,7 @@ def refresh_served(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
         return None
     unchanged = ~offset_rows(validation.groups, data.get("validation_offset_rows"),
                              len(validation.y))
-    scored_with = validation.offset["vector"]  # the candidate's, if it has one
+    scored_with = validation.offset["vector"]  # the served model's: restored after
     validation.offset["vector"] = offset
     try:
         scores = unless_stopped(validation.score((unchanged,) + tuple(before)))
