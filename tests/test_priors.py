@@ -118,11 +118,14 @@ def test_a_refresh_scores_the_device_images_anew_and_keeps_the_reference_rows_as
     assert refresh["by_group"]["0"] == score()["by_group"]["0"]
     assert refresh["by_group"]["0"] > before["by_group"]["0"]  # mostly class 0: the offset helps
     assert refresh["paired_by_group"]["2"] == {"gained": 0, "lost": 0, "samples": 20}
+    assert refresh["acceptance"] == {"served": round(before["by_group"]["0"], 5),
+                                     "refresh": round(refresh["by_group"]["0"], 5)}
 
 
 def test_the_candidate_keeps_the_offset_it_scores_higher_with():
-    """Of the candidate's own offset and the served model's priors estimated anew, the one
-    under which it scores higher on the acceptance group (only that group's images run)."""
+    """Of the candidate's own offset, the served version's and the served model's priors
+    estimated anew, the one under which it scores highest on the acceptance group (only that
+    group's images run)."""
     classes, rng = 4, np.random.default_rng(8)
     y = np.array([0] * 30 + [1] * 6 + [2] * 2 + [3] * 2 + list(range(4)) * 5)
     groups = np.array(["0"] * 40 + ["2"] * 20)
@@ -143,15 +146,23 @@ def test_the_candidate_keeps_the_offset_it_scores_higher_with():
                 for name, vector in (("even", even), ("skewed", skewed))}
     assert accuracy["skewed"] > accuracy["even"]
     info = {}
-    assert better_offset(job, validation, even, skewed, lambda: False, info) is skewed
+    assert better_offset(job, validation, [("candidate", even), ("served", skewed)],
+                         lambda: False, info) is skewed
     assert info == {"offset": "served", "offset_accuracy": {
         "candidate": round(accuracy["even"], 5), "served": round(accuracy["skewed"], 5)}}
     assert sorted(ran) == list(range(40))  # the reference rows did not run
     info = {}
-    assert better_offset(job, validation, skewed, even, lambda: False, info) is skewed
+    assert better_offset(job, validation, [("candidate", skewed), ("served", even)],
+                         lambda: False, info) is skewed
     assert info["offset"] == "candidate"
-    assert better_offset(job, validation, skewed, skewed.copy(), lambda: False, info) is skewed
-    assert info["offset"] == "candidate"  # a tie keeps the candidate's
+    # A tie keeps the earlier; an offset the same as an earlier one, or none, is left out.
+    assert better_offset(job, validation, [("candidate", skewed), ("served", None),
+                                           ("refresh", skewed.copy())], lambda: False, info) is skewed
+    assert info == {"offset": "candidate", "offset_accuracy": {"candidate": round(accuracy["skewed"], 5)}}
+    # The third (today's estimate on the served model) where it is the one that scores highest.
+    assert better_offset(job, validation, [("candidate", even), ("served", even - 1.0),
+                                           ("refresh", skewed)], lambda: False, info) is skewed
+    assert info["offset"] == "refresh"
 
 
 def test_a_promoted_version_keeps_its_offset_in_its_manifest(home, tmp_path):

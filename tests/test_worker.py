@@ -872,6 +872,27 @@ def test_prior_correction_raises_the_devices_accuracy_and_leaves_the_reference_a
     assert on["trained_shares_tried"] and all(
         tried["1"] == refresh["by_group"]["1"] for tried in on["trained_shares_tried"].values())
     assert on["by_group_before"]["1"] < refresh["by_group"]["1"]
+    # A served version whose offset scores higher than today's estimate: here the day's labels
+    # are mostly class 1 while the held-out images stay mostly class 0, and the served offset
+    # calls every image class 0. The tries are ranked under it, and the candidate keeps it
+    # over its own estimate and today's (the same weights: the same estimate).
+    served = [8.0, -4.0, -4.0]
+    np.savez(tmp_path / "moved.npz", x=rng.integers(0, 256, (120, 32, 32, 3), dtype=np.uint8),
+             y=np.where(device, 1, train_y).astype(np.int64), device=device)
+    code, events, stderr = run_worker(write_job(
+        tmp_path, "served", weights_in=str(initial[0]), weights_out=str(tmp_path / "served.npz"),
+        epochs=0, train_data=str(tmp_path / "moved.npz"), trained_share="auto",
+        validation_data=str(tmp_path / "val.npz"), prior_correction=True, logit_offset=served))
+    assert code == 0, stderr
+    kept = events[-1]
+    assert kept["prior_refresh"]["acceptance"]["served"] > kept["prior_refresh"]["acceptance"]["refresh"]
+    assert kept["prior_refresh"]["acceptance"]["served"] == round(kept["by_group_before"]["1"], 5)
+    assert all(tried["1"] == kept["by_group_before"]["1"]
+               for tried in kept["trained_shares_tried"].values())
+    assert kept["priors"]["offset"] == "served" and kept["logit_offset_after"] == served
+    scored = kept["priors"]["offset_accuracy"]
+    assert set(scored) == {"candidate", "served", "refresh"}
+    assert scored["served"] > max(scored["candidate"], scored["refresh"])
     # An evaluate job applies a model's offset to the rows its file names.
     rows = np.zeros(90, dtype=bool)
     rows[:60] = True

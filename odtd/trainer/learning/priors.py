@@ -19,7 +19,7 @@ evenly mixed by construction: the reference guard still judges the features, not
 Numpy only. Python 3.6-compatible.
 """
 
-from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -203,9 +203,9 @@ def correct_priors(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
                    should_stop: Callable[[], bool], fields: Dict[str, Any]) -> bool:
     """A training job's step: the candidate's logit offset (job key ``prior_correction``).
 
-    Estimated on the trained model (``estimate``), or the offset its tries were scored with
-    (the served model's priors estimated anew, ``refresh_served``) where that scores higher on
-    the candidate (``better_offset``). ``fields`` get ``logit_offset_after`` (None: no offset)
+    Estimated on the trained model (``estimate``), or the served version's offset, or the
+    served model's priors estimated anew (``refresh_served``), whichever the candidate scores
+    highest with (``better_offset``). ``fields`` get ``logit_offset_after`` (None: no offset)
     and ``priors`` (what was estimated, or why not); ``validation`` (``training.Validation``)
     then scores the candidate with it. Without ``prior_correction`` the candidate has none.
 
@@ -217,27 +217,36 @@ def correct_priors(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
     offset, fields["priors"] = None, None
     if job["prior_correction"]:
         offset, fields["priors"] = estimate(job, data, validation, should_stop)
-        if offset is not None and had is not None:
-            offset = better_offset(job, validation, offset, had, should_stop, fields["priors"])
+        refresh = fields.get("prior_refresh")
+        others = [("served", job["logit_offset"]),
+                  ("refresh", None if refresh is None else refresh["logit_offset"])]
+        if offset is not None and any(vector is not None for _, vector in others):
+            offset = better_offset(job, validation, [("candidate", offset)] + others,
+                                   should_stop, fields["priors"])
     fields["logit_offset_after"] = None if offset is None else [round(float(v), 6) for v in offset]
     if validation is not None:
         validation.offset["vector"] = offset
     return not _same(had, offset)
 
 
-def better_offset(job: Dict[str, Any], validation: Any, own: np.ndarray, served: np.ndarray,
+def better_offset(job: Dict[str, Any], validation: Any,
+                  offsets: List[Tuple[str, Optional[np.ndarray]]],
                   should_stop: Callable[[], bool], info: Dict[str, Any]) -> np.ndarray:
-    """The offset the candidate scores higher with: its own, or ``served``'s.
+    """The offset of ``offsets`` (named, in order of preference) the candidate scores highest with.
 
-    ``served`` is the offset estimated on the served model; the score, on the group the
-    acceptance test reads. The candidate's own estimate is calibrated on the original domain
-    (the reference set), where a session's training on the device's uneven mix shows
-    otherwise than through the device's camera: on an imported DenseNet40 behind a dusk
-    camera, a day-1 candidate scored 55.8% on validation with its own offset and 72.7% with
-    the served model's priors estimated anew. One pass of the candidate over that group's
-    images; the two offsets are compared on its logits. ``info`` (the record's ``priors``)
-    gets ``offset`` (which was kept: ``candidate`` or ``served``) and both accuracies; ties
-    keep the candidate's.
+    The names: ``candidate`` (its own estimate), ``served`` (the served version's offset) and
+    ``refresh`` (the served model's priors estimated anew, ``refresh_served``); an offset that
+    is None or the same as an earlier one is left out. The score, on the group the acceptance
+    test reads. The candidate's own estimate is calibrated on the original domain (the
+    reference set), where a session's training on the device's uneven mix shows otherwise
+    than through the device's camera: on an imported DenseNet40 behind a dusk camera, a day-1
+    candidate scored 55.8% on validation with its own offset and 72.7% with the base model's
+    priors. A later estimate on a trained model is calibrated so too: the version served from
+    that day-1 candidate scored 72.5% with the base model's offset and 64.7% with its own
+    priors estimated anew, so the served version's offset is a choice of its own. One pass of
+    the candidate over that group's images; the offsets are compared on its logits. ``info``
+    (the record's ``priors``) gets ``offset`` (the name kept) and each one's accuracy; a tie
+    keeps the earlier.
     """
     group = acceptance_group(validation.groups)
     rows = np.ones(len(validation.y), dtype=bool) if group is None else \
@@ -245,11 +254,16 @@ def better_offset(job: Dict[str, Any], validation: Any, own: np.ndarray, served:
     logits = unless_stopped(logits_function(job, validation.eval_step, should_stop)(
         validation.x[rows]))
     labels = validation.y[rows]
-    scores = {name: float(np.mean(np.argmax(logits + vector, axis=1) == labels)) if len(labels)
-              else 0.0 for name, vector in (("candidate", own), ("served", served))}
-    kept = "served" if scores["served"] > scores["candidate"] else "candidate"
-    info.update(offset=kept, offset_accuracy={k: round(v, 5) for k, v in scores.items()})
-    return served if kept == "served" else own
+    kept = []  # type: List[Tuple[str, np.ndarray]]
+    for name, vector in offsets:
+        if vector is not None and not any(_same(vector, seen) for _, seen in kept):
+            kept.append((name, np.asarray(vector, np.float32)))
+    scores = [(float(np.mean(np.argmax(logits + vector, axis=1) == labels)) if len(labels)
+               else 0.0, -order) for order, (_, vector) in enumerate(kept)]
+    best = kept[scores.index(max(scores))]
+    info.update(offset=best[0], offset_accuracy={
+        name: round(score[0], 5) for (name, _), score in zip(kept, scores)})
+    return best[1]
 
 
 def refresh_served(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
@@ -269,7 +283,8 @@ def refresh_served(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
 
     Returns:
         The new offset; None where none was estimated or it is the one served (the job's
-        ``logit_offset``): then nothing goes to ``fields``.
+        ``logit_offset``): then nothing goes to ``fields``. ``acceptance`` in the record holds
+        the served model's accuracy on the acceptance group with its own offset and with this.
     """
     offset, info = estimate(job, data, validation, should_stop)
     served = None if job["logit_offset"] is None else np.asarray(job["logit_offset"], np.float32)
@@ -285,10 +300,14 @@ def refresh_served(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
         validation.offset["vector"] = scored_with
     correct = scores.pop("correct")
     scores.pop("losses")
+    group = acceptance_group(validation.groups)
+    rows = slice(None) if group is None else validation.groups.astype(str) == group
     fields["prior_refresh"] = {
         "logit_offset": [round(float(v), 6) for v in offset], "priors": info,
         "by_group": scores["by_group"], "per_class": scores["per_class"],
-        "paired_by_group": paired_counts(before[0], correct, validation.groups)}
+        "paired_by_group": paired_counts(before[0], correct, validation.groups),
+        "acceptance": {"served": round(float(np.mean(before[0][rows])), 5),
+                       "refresh": round(float(np.mean(correct[rows])), 5)}}
     return offset
 
 

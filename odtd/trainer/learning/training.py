@@ -161,18 +161,22 @@ def refresh_priors(job: Dict[str, Any], model: Any, data: Dict[str, Any],
 
     ``priors.refresh_served`` on the served weights (``served_weights``, else the model as
     loaded). Only with ``prior_correction`` in a training job. The session serves it where it
-    scores above both the served model and the trained candidate (``session.promotion``); its
-    offset is the one the choosers (``settle_batchnorm``, ``average``) then score their tries
-    with, so a share or mixture is judged under the device's priors of today, not under the
-    served model's older offset (or none, before the first promotion): a try that learned the
-    device's uneven mix from its labels is not counted twice over.
+    scores above both the served model and the trained candidate (``session.promotion``).
+    Where it scores at least as high as the served version's own offset on the acceptance
+    group, its offset is the one the choosers (``settle_batchnorm``, ``average``) then score
+    their tries with, so a share or mixture is judged under the device's priors of today, not
+    under an older offset (or none, before the first promotion): a try that learned the
+    device's uneven mix from its labels is not counted twice over. Where it scores lower (an
+    estimate on trained weights, calibrated on the reference images, can be worse than the
+    one the version was promoted with) the tries keep the served version's.
     """
     if not job["prior_correction"] or job["mode"] != "train":
         return
     with serving(model, served_weights):
         offset = priors.refresh_served(job, data, validation, (before.correct, before.losses),
                                        should_stop, fields)
-    if offset is not None:
+    if offset is not None and fields["prior_refresh"]["acceptance"]["refresh"] >= \
+            fields["prior_refresh"]["acceptance"]["served"]:
         validation.offset["vector"] = offset
 
 
