@@ -14,7 +14,9 @@ Published (TX2, DenseNet40, plain fine-tuning): test accuracy 60.65% -> 61.32% o
    (c) clean: the same sessions on (a)'s images as the original domain saw them (with --shift);
    (d) plain fine-tuning as published (SGD 0.005, momentum 0.9, batch 16, 3 epochs, no replay,
    no guard); (e) adabn: BatchNorm statistics re-estimated on the device's images so far, no
-   training; (f) none: the base model.
+   training; (f) none: the base model; (g) priors: the base model with the device's class
+   priors (EM); (h) tent: TENT, online; (i) labels: (a)'s recipe with its label-free options
+   (prior_correction, pseudo_labels, bn_class_balanced) off, on (a)'s labelled images alone.
 3. --shift NAME (odtd/sim/shifts.py): the device's camera differs: the day's images, (a)'s
    held-out share of them and the validation set are shifted; pre-training and replay never.
 4. Scoring (odtd/sim/scoring.py): every arm's model, image by image, on a fixed class-balanced
@@ -60,6 +62,7 @@ from odtd.sim.arms import (
     SessionArm,
     Trial,
     buffered_images,
+    labels_only,
     link_home,
     parse_arms,
 )
@@ -207,8 +210,8 @@ def run_seed(args, seed: int, arms: list, trial: Trial, data: dict, tests: Scori
     for arm in arms:
         if arm in SESSION_ARMS:
             home = link_home(template, trial.work / "homes" / f"s{seed}-{arm}")
-            write_policy(home.root, odtd_policy(Path(args.policy), args.precision, seed - args.seed),
-                         args.policy)
+            policy = odtd_policy(Path(args.policy), args.precision, seed - args.seed)
+            write_policy(home.root, labels_only(policy) if arm == "labels" else policy, args.policy)
             pool = ReplayPool(ds, data["buffered_idx"], seed + 5) if arm == "replay" else None
             built[arm] = SessionArm(arm, trial, home, ds, pool)
         elif arm == "plain":

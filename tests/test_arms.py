@@ -10,6 +10,7 @@ import pytest
 
 from odtd.config import TelemetryConfig
 from odtd.errors import ConfigError
+from odtd.home.paths import Home
 from odtd.session.acceptance import paired_standard_error
 from odtd.sim import datasets
 from odtd.sim.arms import ARMS, Day, ReplayPool, Trial, link_home, parse_arms
@@ -26,15 +27,16 @@ from odtd.sim.scoring import (
 
 
 def test_arms_by_name_or_letter_in_order_and_all_that_apply():
-    assert parse_arms(None, shifted=True) == [arm for arm in ARMS if arm not in ("priors", "tent")]
+    assert parse_arms(None, shifted=True) == [arm for arm in ARMS if arm not in ("priors", "tent", "labels")]
     assert parse_arms("all", shifted=False) == ["odtd", "replay", "plain", "adabn", "none"]
     assert parse_arms("e, a,b", shifted=False) == ["odtd", "replay", "adabn"]
     assert parse_arms("none,plain", shifted=False) == ["plain", "none"]
     # The priors arm (g) applies where the device's classes are uneven.
     assert parse_arms(None, shifted=True, priors=True, uneven=True) == list(ARMS)
     assert "priors" not in parse_arms(None, shifted=True) and parse_arms("g", False) == ["priors"]
-    # TENT (h) in any scenario but the even, shuffled, labelled stream.
-    assert parse_arms(None, shifted=False, uneven=True)[-1] == "tent"
+    # TENT (h) and labels only (i) in any scenario but the even, shuffled, labelled stream.
+    assert parse_arms(None, shifted=False, uneven=True)[-2:] == ["tent", "labels"]
+    assert "labels" not in parse_arms(None, shifted=True)
 
 
 @pytest.mark.parametrize("text, shifted, message", [
@@ -235,3 +237,34 @@ def test_tent_trains_batchnorms_scale_and_offset_online_and_nothing_else(home, t
     shutil.copyfile(first["weights"], tmp_path / "day1.npz")
     tent.day(Day(2, "2026-01-02", [], x[::-1].copy(), y, False))
     assert changed(tmp_path / "day1.npz", tent.weights)  # the next day goes on from the first's
+
+
+def test_the_labels_arm_runs_odtd_on_the_labelled_images_with_the_label_free_options_off(home, tmp_path):
+    """(i): the same recipe as (a) but prior_correction, pseudo_labels and bn_class_balanced,
+    on the day's labelled images (shifted as (a)'s, some held out), none without a label."""
+    from odtd.policy import load_policy
+    from odtd.sim.arms import SessionArm, labels_only
+
+    policy = load_policy(home / "policy.yaml")
+    options = {"prior_correction": True, "pseudo_labels": 0.9, "bn_class_balanced": True}
+    policy = policy.model_copy(update={"training": policy.training.model_copy(update=options)})
+    recipe = labels_only(policy)
+    assert (recipe.training.prior_correction, recipe.training.pseudo_labels,
+            recipe.training.bn_class_balanced) == (False, None, False)
+    assert recipe.training.model_dump(exclude=set(options)) == \
+        policy.training.model_dump(exclude=set(options))
+    (home / "policy.yaml").write_text(json.dumps(recipe.model_dump()))
+    x, y = datasets.synthetic(40, "device", seed=12)
+    day = Day(1, "2026-01-01", [f"{i}.png" for i in range(40)], x, y, True,
+              unlabelled=datasets.synthetic(16, "device", seed=13)[0])
+    trial = Trial("tinycnn", list(datasets.CLASSES), [32, 32, 3], "fp32", tmp_path)
+    arm = SessionArm("labels", trial, Home(home), datasets.ImageDataset.__new__(datasets.ImageDataset))
+    try:
+        record = arm.day(day)
+        session = arm.store.sessions(limit=1)[0]
+        held = len(arm.store.samples("holdout"))
+    finally:
+        arm.close()
+    assert record["ingested"] == 40 and held > 0  # the labelled images only, some held out
+    assert day.trained is None  # (a)'s record of what it trained on is (a)'s alone
+    assert record["outcome"] in ("promoted", "rolled_back") and session.details.priors is None

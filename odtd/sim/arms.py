@@ -46,7 +46,7 @@ from odtd.errors import ConfigError
 from odtd.home.ingest import DEFAULT_HOLDOUT_EVERY, Ingestor, discover
 from odtd.home.paths import UNLABELLED_FOLDER, Home
 from odtd.home.versions import ModelRepo
-from odtd.policy import load_policy
+from odtd.policy import Policy, load_policy
 from odtd.session.runner import SessionRunner
 from odtd.sim import datasets
 from odtd.trainer.protocol.job import make_job
@@ -61,8 +61,11 @@ ARMS = {
     "none": "(f) no training: the base model",
     "priors": "(g) the base model with the device's class priors (EM over its images); no training",
     "tent": "(h) TENT: BatchNorm's scale and offset trained online by entropy; no labels",
+    "labels": "(i) odtd with labels only: the policy's label-free options off, no images without "
+              "labels",
 }
-SESSION_ARMS = ("odtd", "replay", "clean")
+SESSION_ARMS = ("odtd", "replay", "clean", "labels")
+OWN_IMAGES = ("odtd", "labels")  # the session arms that ingest the device's images themselves
 CONTROLS = ("replay", "clean")  # what (a) is compared with day by day
 
 
@@ -73,7 +76,7 @@ def parse_arms(text: Optional[str], shifted: bool, priors: bool = False, uneven:
     Args:
         text: comma-separated names or letters (``odtd,replay`` or ``a,b``); None or ``all``:
             every arm that applies (``clean`` only with a shift, ``priors`` with uneven priors,
-            ``tent`` in any scenario but the even, shuffled, labelled stream).
+            ``tent`` and ``labels`` in any scenario but the even, shuffled, labelled stream).
         shifted: a camera shift is set.
         priors: the device's classes are uneven (``--priors``).
         uneven: any of ``--priors``, ``--stream``, ``--unlabelled`` is set.
@@ -83,7 +86,7 @@ def parse_arms(text: Optional[str], shifted: bool, priors: bool = False, uneven:
     """
     if text is None or text == "all":
         return [name for name in ARMS if (shifted or name != "clean") and (priors or name != "priors")
-                and (uneven or name != "tent")]
+                and (uneven or name not in ("tent", "labels"))]
     by_letter = {chr(ord("a") + index): name for index, name in enumerate(ARMS)}
     chosen = set()
     for word in filter(None, (part.strip() for part in text.split(","))):
@@ -101,6 +104,17 @@ def parse_arms(text: Optional[str], shifted: bool, priors: bool = False, uneven:
         raise ConfigError(f"--arms {text}: replay and clean repeat odtd's days with other images; "
                           "add odtd")
     return [name for name in ARMS if name in chosen]
+
+
+def labels_only(policy: Policy) -> Policy:
+    """``policy`` with the options that learn without labels off: the ``labels`` arm's recipe.
+
+    ``prior_correction``, ``pseudo_labels`` and ``bn_class_balanced`` (what issue 55 added
+    for a device's uneven, unlabelled world); everything else as configured.
+    """
+    training = policy.training.model_copy(update={
+        "prior_correction": False, "pseudo_labels": None, "bn_class_balanced": False})
+    return policy.model_copy(update={"training": training})
 
 
 @dataclass
@@ -234,7 +248,7 @@ class SessionArm:
     """(a), (b) or (c): a home of its own, a session a day through odtd's real path.
 
     Args:
-        name: ``odtd``, ``replay`` or ``clean``.
+        name: ``odtd``, ``replay``, ``clean`` or ``labels``.
         trial: the shared settings (its ``meter`` measures the sessions).
         home: this arm's home (see `link_home`), its policy in ``policy.yaml``.
         dataset: the data set the day's names come from.
@@ -250,7 +264,7 @@ class SessionArm:
                                     energy_meter=trial.meter)
         # (b) and (c) train on as many new images as (a): none of theirs is held out.
         self.ingestor = Ingestor.for_home(home, self.store, config,
-                                          holdout_every=DEFAULT_HOLDOUT_EVERY if name == "odtd" else 0)
+                                          holdout_every=DEFAULT_HOLDOUT_EVERY if name in OWN_IMAGES else 0)
         self.repo = ModelRepo(home.models, trial.model)
 
     def day(self, day: Day) -> dict[str, Any]:
@@ -287,7 +301,7 @@ class SessionArm:
     def _write(self, day: Day, folder: Path) -> list[Path]:
         """Write this arm's files of the day; return their paths."""
         classes = self.trial.classes
-        if self.name == "odtd":
+        if self.name in OWN_IMAGES:
             if not day.shifted:  # the original files, as the camera wrote them
                 return self.dataset.extract("train", day.names, folder)
             return datasets.write_image_folder(day.x, day.y, classes, folder)
