@@ -160,6 +160,15 @@ def acceptance_group(groups: Optional[np.ndarray]) -> Optional[str]:
     return next((g for g in ("0", "1") if g in names), None)
 
 
+def acceptance_rows(groups: Optional[np.ndarray], count: int) -> np.ndarray:
+    """Which of ``count`` evaluation images the acceptance test reads.
+
+    ``acceptance_group``'s; every one without such a group.
+    """
+    group = acceptance_group(groups)
+    return np.ones(count, dtype=bool) if group is None else groups.astype(str) == group
+
+
 def score_group(score: Callable[..., Optional[Dict[str, Any]]], groups: np.ndarray, group: str
                 ) -> Optional[Dict[str, Any]]:
     """``score`` (``evaluate`` with ``cached`` passed on) on one group of the evaluation set.

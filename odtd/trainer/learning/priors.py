@@ -25,7 +25,7 @@ import numpy as np
 
 from odtd.trainer.learning.evaluation import (
     REFERENCE_GROUP,
-    acceptance_group,
+    acceptance_rows,
     offset_rows,
     paired_counts,
     unless_stopped,
@@ -248,21 +248,21 @@ def better_offset(job: Dict[str, Any], validation: Any,
     (the record's ``priors``) gets ``offset`` (the name kept) and each one's accuracy; a tie
     keeps the earlier.
     """
-    group = acceptance_group(validation.groups)
-    rows = np.ones(len(validation.y), dtype=bool) if group is None else \
-        validation.groups.astype(str) == group
+    rows = acceptance_rows(validation.groups, len(validation.y))
     logits = unless_stopped(logits_function(job, validation.eval_step, should_stop)(
         validation.x[rows]))
     labels = validation.y[rows]
-    kept = []  # type: List[Tuple[str, np.ndarray]]
+    kept, scores = [], {}  # type: List[Tuple[str, np.ndarray]], Dict[str, float]
     for name, vector in offsets:
         if vector is not None and not any(_same(vector, seen) for _, seen in kept):
             kept.append((name, np.asarray(vector, np.float32)))
-    scores = [(float(np.mean(np.argmax(logits + vector, axis=1) == labels)) if len(labels)
-               else 0.0, -order) for order, (_, vector) in enumerate(kept)]
-    best = kept[scores.index(max(scores))]
-    info.update(offset=best[0], offset_accuracy={
-        name: round(score[0], 5) for (name, _), score in zip(kept, scores)})
+            scores[name] = float(np.mean(np.argmax(logits + kept[-1][1], axis=1) == labels)) \
+                if len(labels) else 0.0
+    best = kept[0]
+    for name, vector in kept[1:]:  # strictly higher: a tie keeps the earlier
+        if scores[name] > scores[best[0]]:
+            best = (name, vector)
+    info.update(offset=best[0], offset_accuracy={k: round(v, 5) for k, v in scores.items()})
     return best[1]
 
 
@@ -300,8 +300,7 @@ def refresh_served(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
         validation.offset["vector"] = scored_with
     correct = scores.pop("correct")
     scores.pop("losses")
-    group = acceptance_group(validation.groups)
-    rows = slice(None) if group is None else validation.groups.astype(str) == group
+    rows = acceptance_rows(validation.groups, len(validation.y))
     fields["prior_refresh"] = {
         "logit_offset": [round(float(v), 6) for v in offset], "priors": info,
         "by_group": scores["by_group"], "per_class": scores["per_class"],
