@@ -87,6 +87,10 @@ def main() -> int:
     parser.add_argument("--pretrain-samples", type=int, default=1000)
     parser.add_argument("--pretrain-epochs", type=int, default=3)
     parser.add_argument("--test-images", type=int, default=200)
+    parser.add_argument("--local-epochs", type=int,
+                        help="each device's epochs a round (the server's; default: its policy's)")
+    parser.add_argument("--learning-rate", type=float,
+                        help="each device's rate in a round (the server's; default: its policy's)")
     parser.add_argument("--batchnorm", choices=("fedavg", "fedbn"), default="fedavg")
     parser.add_argument("--strategy", choices=("fedavg", "fedavgm", "fedprox"), default="fedavg")
     parser.add_argument("--proximal-mu", type=float, default=0.01)
@@ -106,6 +110,7 @@ def main() -> int:
                              pretrain_epochs=args.pretrain_epochs, validation_samples=200,
                              seed=args.seed, shift=args.shift, policy=args.policy)
     options = FleetSimulation(devices=args.devices, alpha=args.alpha, test_per_device=args.test_images,
+                              local_epochs=args.local_epochs, learning_rate=args.learning_rate,
                               batchnorm=args.batchnorm, model_file=args.model_file,
                               replay_seed=args.replay_seed, strategy=args.strategy,
                               proximal_mu=args.proximal_mu,

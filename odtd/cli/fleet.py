@@ -137,7 +137,8 @@ def fleet_simulate(args: argparse.Namespace) -> int:
         validation_samples=args.validation_samples, seed=args.seed, policy=args.policy,
         shift=args.shift)
     options = FleetSimulation(devices=args.devices, alpha=args.alpha, test_per_device=args.test_images,
-                              local_epochs=args.local_epochs, batchnorm=args.batchnorm,
+                              local_epochs=args.local_epochs, learning_rate=args.learning_rate,
+                              batchnorm=args.batchnorm,
                               model_file=args.model_file, replay_seed=args.replay_seed,
                               strategy=args.strategy, proximal_mu=args.proximal_mu,
                               device_validation=args.device_validation, each=each)
@@ -233,6 +234,8 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
                         "(every tenth is the reference set guarding the clean domain; default 500)")
     m.add_argument("--local-epochs", type=int,
                    help="each device's epochs a round (default: its policy's, as alone)")
+    m.add_argument("--learning-rate", type=float,
+                   help="each device's learning rate in a round (default: its policy's, as alone)")
     m.add_argument("--batchnorm", choices=("fedavg", "fedbn"), default="fedavg",
                    help="BatchNorm parameters averaged (fedavg) or kept per device (fedbn)")
     m.add_argument("--strategy", choices=("fedavg", "fedavgm", "fedprox"), default="fedavg",

@@ -58,6 +58,8 @@ class FleetSimulation:
         test_per_device: Test images of each device's mix.
         local_epochs: Each device's epochs a round; None: its policy's, as the device alone
             trains (so the arms differ only in where a round starts).
+        learning_rate: The devices' rate in a round (the server's ``learning_rate``); None:
+            each policy's, as alone.
         batchnorm: ``fedavg`` or ``fedbn`` (docs/fleet.md).
         strategy: The server's (``fedavg``, ``fedavgm``, ``fedprox``; ``proximal_mu`` for
             FedProx), as the server's YAML names it.
@@ -77,6 +79,7 @@ class FleetSimulation:
     alpha: float = 0.5
     test_per_device: int = 200
     local_epochs: Optional[int] = None
+    learning_rate: Optional[float] = None
     batchnorm: str = "fedavg"
     model_file: Optional[str] = None
     replay_seed: int = 500
@@ -304,6 +307,7 @@ def simulate_fleet(out: Path, options: FleetSimulation, progress: Callable[[str]
             config = out / f"fleet-round-{r}.yaml"
             config.write_text(json.dumps({
                 "rounds": 1, "min_devices": options.devices, "local_epochs": options.local_epochs,
+                "learning_rate": options.learning_rate,
                 "batchnorm": options.batchnorm, "round_timeout_s": 3600,
                 "strategy": options.strategy, "proximal_mu": options.proximal_mu,
                 "initial_weights": str(global_weights), "record": str(out / "rounds.db"),
