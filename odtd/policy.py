@@ -143,6 +143,11 @@ class TrainingPolicy(_Strict):
         "average of the days' candidates; auto = try 0.25, 0.5, 0.75 and 1 on the evaluation "
         "set and keep the best on validation that loses at most "
         "acceptance.reference_tolerance on the reference set; 1 = the trained weights as they are")
+    federated_mix: bool = Field(
+        default=False, description="in a fleet's round (trained_share auto): the candidate, "
+        "the round's model plus this device's update, is then averaged with the model this "
+        "device serves too, at the share that scores best on its validation images (1 = as it "
+        "was): the global and the device's own model mixed, as APFL does; docs/fleet.md")
     bn_class_balanced: bool = Field(
         default=False, description="with bn_device_share: measure the device's statistics "
         "class by class (by the images' labels) and weigh every class alike, so that a run of "

@@ -507,6 +507,36 @@ def test_a_fleet_round_is_not_held_back_by_a_local_refusals_backoff(home, tmp_pa
     assert round_.samples_new > 0 and (exchange / "out.npz").exists()
 
 
+def test_federated_mix_averages_a_rounds_candidate_with_the_served_model_too(home, tmp_path):
+    # training.federated_mix: the round's session asks the worker for the second average (the
+    # candidate with the device's served model), and the session row records what it kept.
+    from odtd.home.paths import Home
+    from odtd.policy import load_policy
+    from odtd.session.federated import FederatedRound
+    from odtd.session.runner import SessionRunner
+
+    policy = (home / "policy.yaml").read_text()
+    (home / "policy.yaml").write_text(policy.replace(
+        "training:\n", "training:\n  trained_share: auto\n  federated_mix: true\n", 1))
+    write_images(tmp_path / "images", per_class=3, seed=6)
+    odtctl("ingest", str(tmp_path / "images"), home=home)
+    h = Home(home)
+    store = h.open_store()
+    runner = SessionRunner(h, store, h.load_config(), load_policy(h.policy_path(h.load_config())))
+    _, _, arrays = _served(home)
+    exchange = home / "run" / "fleet"
+    exchange.mkdir(parents=True, exist_ok=True)
+    np.savez(exchange / "global.npz", **{k: v * np.asarray(0.9, v.dtype) if v.dtype.kind == "f"
+                                          else v for k, v in arrays.items()})
+    round_ = runner.run(trigger="fleet", federated=FederatedRound(
+        "run", 1, str(exchange / "global.npz"), str(exchange / "out.npz")))
+    store.close()
+    assert round_.outcome in ("promoted", "rolled_back"), round_.reason
+    assert round_.details.trained_share is not None
+    assert round_.details.served_share is not None
+    assert len(round_.details.served_shares_tried) == 4
+
+
 def test_hand_back_gives_the_server_the_trained_weights_whole_not_the_devices_average(tmp_path):
     """``trained_share`` averaged the device's candidate with the round's start: the server
     still gets the trained weights whole (FedAvg averages the devices' updates); without an

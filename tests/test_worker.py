@@ -558,6 +558,40 @@ def test_a_federated_round_averages_with_its_start_not_the_served_model(tmp_path
                                            err_msg=f"{anchor} whole {name}")
 
 
+def test_a_federated_candidate_is_mixed_with_the_served_model_where_that_scores_higher(
+        tmp_path, initial, data):
+    # The device serves a model that knows its validation images; the round starts from one
+    # that does not (the untrained weights) and barely moves. With training.federated_mix
+    # (average_with start+served) and trained_share auto the round's candidate is then
+    # averaged with the served model too, at the share that scores best: less than all of the
+    # candidate. Without it (start), and in a local session (served), no second average.
+    served = tmp_path / "served.npz"
+    code, _, stderr = run_worker(write_job(
+        tmp_path, "teach", weights_in=str(initial[0]), weights_out=str(served), epochs=40,
+        train_data=data["validation_data"], batch_size=12, learning_rate=0.05))
+    assert code == 0, stderr
+
+    def result(name, average_with):
+        code, events, stderr = run_worker(write_job(
+            tmp_path, name, weights_in=str(initial[0]), weights_out=str(tmp_path / f"{name}.npz"),
+            epochs=1, train_data=data["train_data"], validation_data=data["validation_data"],
+            batch_size=20, learning_rate=1e-6, trained_share="auto", average_with=average_with,
+            served_weights=str(served)))
+        assert code == 0, stderr
+        return by_event(events, "result")[0]
+
+    federated = result("round", "start+served")
+    assert federated["accuracy_before"] == 1.0  # the served model, which the candidate must beat
+    assert len(federated["served_shares_tried"]) == 4
+    assert federated["served_share"] < 1.0
+    # The mix kept scores above every try of the first average (the candidate without it).
+    assert federated["accuracy_after"] > max(max(t.values()) for t in
+                                             federated["trained_shares_tried"].values())
+    for name, anchor in (("plain-round", "start"), ("local", "served")):
+        unmixed = result(name, anchor)
+        assert "served_share" not in unmixed and "trained_share" in unmixed
+
+
 def test_fedprox_proximal_term_keeps_the_weights_near_their_start(tmp_path, initial, data):
     # The same eight steps with and without FedProx's proximal term: with it every trained
     # weight ends nearer its start (the round's global model), and mu 0 is the plain step.

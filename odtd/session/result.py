@@ -45,6 +45,8 @@ def read_result(record: SessionRecord, result: dict[str, Any], classes: list[str
     details.bn_weights_tried = result.get("bn_shares_tried") or None
     details.trained_share = result.get("trained_share")
     details.trained_shares_tried = result.get("trained_shares_tried") or None
+    details.served_share = result.get("served_share")
+    details.served_shares_tried = result.get("served_shares_tried") or None
     details.paired = (result.get("paired_by_group") or {}).get(primary)
     details.per_class_before = _by_class(classes, result.get("per_class_before"))
     details.per_class_after = _by_class(classes, result.get("per_class_after"))

@@ -284,7 +284,8 @@ class SessionRunner:
             prior_correction=training.prior_correction, pseudo_labels=training.pseudo_labels,
             bn_class_balanced=training.bn_class_balanced, balanced_loss=training.balanced_loss,
             logit_offset=self.repo.manifest(current).get("logit_offset"),
-            average_with="start" if record.details.federated else "served",
+            average_with=("start+served" if training.federated_mix else "start")
+            if record.details.federated else "served",
             proximal_mu=float((record.details.federated or {}).get("proximal_mu") or 0.0),
             reference_tolerance=None if self.policy.acceptance.reference_tolerance is None
             else self.policy.acceptance.reference_tolerance / 100.0,

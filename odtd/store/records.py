@@ -34,7 +34,8 @@ _OMITTED_AT_DEFAULT = {"attempts": [], "kept_for_resume": False,
                        "reference_paired": None, "reference_paired_origin": None,
                        "bn_device_weight": None,
                        "bn_weights_tried": None, "trained_share": None,
-                       "trained_shares_tried": None, "learning_rate": None,
+                       "trained_shares_tried": None, "served_share": None,
+                       "served_shares_tried": None, "learning_rate": None,
                        "lr_attempts": None, "precision_reason": None, "federated": None,
                        "priors": None, "pseudo_labels": None, "prior_refresh": None}
 
@@ -70,6 +71,9 @@ class SessionDetails:
         trained_share: The trained weights' share of the candidate (``training.trained_share``
             below 1 or ``auto``; None otherwise): the rest is the served model's.
         trained_shares_tried: ``auto``'s candidates, as ``bn_weights_tried``.
+        served_share: A federated round's candidate's share where it was then averaged with
+            the device's served model (the rest; None in a local session).
+        served_shares_tried: Those tries, as ``bn_weights_tried``.
         per_class_before: Class name -> accuracy of the served model (None: no samples).
         per_class_after: Class name -> accuracy of the candidate.
         forgetting: Best accuracy any kept model had on the evaluation set minus the kept
@@ -119,6 +123,8 @@ class SessionDetails:
     bn_weights_tried: Optional[Dict[str, Dict[str, float]]] = None
     trained_share: Optional[float] = None
     trained_shares_tried: Optional[Dict[str, Dict[str, float]]] = None
+    served_share: Optional[float] = None
+    served_shares_tried: Optional[Dict[str, Dict[str, float]]] = None
     per_class_before: Optional[Dict[str, Optional[float]]] = None
     per_class_after: Optional[Dict[str, Optional[float]]] = None
     forgetting: Optional[float] = None

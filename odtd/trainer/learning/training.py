@@ -143,6 +143,9 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
             if keep_trained is not None:
                 keep_trained(model.get_weights())
             after = average(job, model, served, validation, before, fields)
+            if mixes_served(job, served_weights, validation):
+                after = average(job, model, served_weights, validation, before, fields,
+                                AUTO, "served_share")
         if priors.correct_priors(job, data, validation, should_stop, fields):
             after = None  # any chooser's scores were without the candidate's offset
         if validation is not None:
@@ -358,23 +361,42 @@ def settle_batchnorm(tf: Any, job: Dict[str, Any], model: Any, data: Dict[str, A
     return None
 
 
-def average(job: Dict[str, Any], model: Any, served: List[np.ndarray],
-            validation: Optional[Validation], before: Optional[Before], fields: Dict[str, Any]
-            ) -> Optional[Dict[str, Any]]:
-    """The candidate as the trained weights averaged with the served ones.
+def average(job: Dict[str, Any], model: Any, partner: List[np.ndarray],
+            validation: Optional[Validation], before: Optional[Before], fields: Dict[str, Any],
+            share: Any = None, field: str = "trained_share") -> Optional[Dict[str, Any]]:
+    """The candidate as the model's weights averaged with ``partner``.
+
+    ``share`` is the model's (default: ``training.trained_share``); what was kept goes to
+    ``fields[field]`` and, under ``auto``, the tries to ``fields[field + "s_tried"]``.
 
     Returns:
         The candidate's evaluation where ``auto`` chose the share by scoring it, else None (a
         mixture's earlier score is stale now).
     """
     averaged = unless_stopped(average_with_served(
-        model, served, job["trained_share"], validation and validation.score,
-        validation and validation.groups, _reference_bar(job, fields), job["reference_tolerance"],
+        model, partner, job["trained_share"] if share is None else share,
+        validation and validation.score, validation and validation.groups,
+        _reference_bar(job, fields), job["reference_tolerance"],
         before and before.refused, before and before.spared))
-    fields["trained_share"] = averaged.share
+    fields[field] = averaged.share
     if averaged.tried:
-        fields["trained_shares_tried"] = averaged.tried
+        fields[field + "s_tried"] = averaged.tried
     return averaged.scores
+
+
+def mixes_served(job: Dict[str, Any], served_weights: Optional[List[np.ndarray]],
+                 validation: Optional[Validation]) -> bool:
+    """Whether a federated round's candidate is averaged with the device's served model too.
+
+    The round's model plus the device's update (averaged with the round's start) is then
+    averaged with the model the device serves, at the share that scores best on the device's
+    validation images (``auto``'s rule; 1: the candidate as it was): the global and the
+    personal model mixed in weight space, as APFL does (Deng et al., 2020). Only where the
+    job asks (``average_with: start+served``, ``training.federated_mix``) under
+    ``trained_share: auto``, with the served weights and a validation set to choose by.
+    """
+    return job["average_with"] == "start+served" and job["trained_share"] == AUTO \
+        and served_weights is not None and validation is not None
 
 
 def score_after(job: Dict[str, Any], validation: Validation, before: Before,

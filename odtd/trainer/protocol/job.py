@@ -58,7 +58,9 @@ JOB_KEYS = {
     "bn_class_balanced": ("bool", False),
     "distill": ("float", 0.0),
     "trained_share": ("share_or_auto", 1.0),
-    "average_with": ("str", "served"),  # what trained_share averages with: served or start weights
+    # What trained_share averages with: the served or the start weights (then, ``start+served``,
+    # the served ones too: ``learning.training.mixes_served``).
+    "average_with": ("str", "served"),
     # The device's class priors as an offset on the candidate's logits (learning/priors.py);
     # ``logit_offset``: the loaded (served) model's, applied where the model is scored on the
     # device's images (a validation file's ``offset`` rows; else every group but the reference).
@@ -106,7 +108,9 @@ MODE_REQUIRES = {
 INPUT_SCALES = ("0-255", "0-1", "-1-1")  # networks.INPUT_SCALES, without TensorFlow
 OUTPUTS = ("logits", "softmax")
 OBJECTIVES = ("labels", "entropy")
-AVERAGE_WITH = ("served", "start")  # a federated round's anchor is its start: the global model
+# A federated round's anchor is its start, the global model; then, with ``training.federated_mix``,
+# the device's served model too (``start+served``).
+AVERAGE_WITH = ("served", "start", "start+served")
 
 
 class BadJob(Exception):
