@@ -97,7 +97,7 @@ def test_status_inbox_and_train_now_wait(daemon_home, tmp_path):
         for label_dir in (tmp_path / "drop").iterdir():
             shutil.copytree(label_dir, daemon_home / "inbox" / label_dir.name)
         inbox_empty = lambda: not any(p.is_file() for p in (daemon_home / "inbox").rglob("*"))
-        assert wait_for(inbox_empty, 10)
+        assert wait_for(inbox_empty, 60)  # a wait, not a speed goal: loaded 2-core CI hosts are slow
         counts = odtctl_json("status", home=daemon_home)["samples"]
         assert counts["pending"] + counts["holdout"] == 70
         session = odtctl_json("train-now", "--wait", home=daemon_home)
