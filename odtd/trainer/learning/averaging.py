@@ -7,6 +7,8 @@ part of what fine-tuning gained on the new data and more of what the start model
 after day a promoted average is the next session's served model, so the served model is an
 exponential moving average of the days' candidates, which damps their day-to-day swings.
 
+``mixes_served``: whether a federated round's candidate is averaged with the served model too.
+
 ``auto`` scores each of ``AUTO_SHARES`` on the evaluation set and keeps one by the rule
 ``bn_device_share: auto`` keeps a mixture by (``batchnorm.choose_mixture``): the best on the
 device's validation images among the shares that lose at most the reference tolerance on the
@@ -81,3 +83,18 @@ def average_with_served(model: Any, served: List[np.ndarray], share: Any,
         return None
     assign(chosen.value)
     return Averaged(*chosen)
+
+
+def mixes_served(job: Dict[str, Any], served_weights: Optional[List[np.ndarray]],
+                 validation: Any) -> bool:
+    """Whether a federated round's candidate is averaged with the device's served model too.
+
+    The round's model plus the device's update (averaged with the round's start) is then
+    averaged with the model the device serves, at the share that scores best on the device's
+    validation images (``auto``'s rule; 1: the candidate as it was): the global and the
+    personal model mixed in weight space, as APFL does (Deng et al., 2020). Only where the
+    job asks (``average_with: start+served``, ``training.federated_mix``) under
+    ``trained_share: auto``, with the served weights and a validation set to choose by.
+    """
+    return job["average_with"] == "start+served" and job["trained_share"] == AUTO \
+        and served_weights is not None and validation is not None

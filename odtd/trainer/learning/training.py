@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tu
 import numpy as np
 
 from odtd.trainer.learning import evalcache, priors, pseudo
-from odtd.trainer.learning.averaging import average_with_served
+from odtd.trainer.learning.averaging import average_with_served, mixes_served
 from odtd.trainer.learning.batchnorm import (
     AUTO,
     AUTO_WEIGHT_BEFORE,
@@ -382,21 +382,6 @@ def average(job: Dict[str, Any], model: Any, partner: List[np.ndarray],
     if averaged.tried:
         fields[field + "s_tried"] = averaged.tried
     return averaged.scores
-
-
-def mixes_served(job: Dict[str, Any], served_weights: Optional[List[np.ndarray]],
-                 validation: Optional[Validation]) -> bool:
-    """Whether a federated round's candidate is averaged with the device's served model too.
-
-    The round's model plus the device's update (averaged with the round's start) is then
-    averaged with the model the device serves, at the share that scores best on the device's
-    validation images (``auto``'s rule; 1: the candidate as it was): the global and the
-    personal model mixed in weight space, as APFL does (Deng et al., 2020). Only where the
-    job asks (``average_with: start+served``, ``training.federated_mix``) under
-    ``trained_share: auto``, with the served weights and a validation set to choose by.
-    """
-    return job["average_with"] == "start+served" and job["trained_share"] == AUTO \
-        and served_weights is not None and validation is not None
 
 
 def score_after(job: Dict[str, Any], validation: Validation, before: Before,
