@@ -359,6 +359,34 @@ def test_fleet_plot_draws_a_run_and_refuses_an_empty_record(tmp_path):
     assert empty.returncode == 1 and "no run yet" in empty.stderr and "Traceback" not in empty.stderr
 
 
+def test_fleet_status_all_shows_every_runs_rounds_as_fleet_simulate_records_them(tmp_path):
+    from odtd.fleet.rounds import DeviceReply, RoundLog, RoundRecord
+
+    record = tmp_path / "rounds.db"
+    log = RoundLog(record)
+    for day, run_id in enumerate(("11", "5", "8"), start=1):  # one run of one round a day
+        log.start_run(run_id, {})
+        log.add_round(RoundRecord(run_id, 1, "2026-11-30T00:00:00+00:00", 10.0 * day, [
+            DeviceReply("1", "trained", metrics={"num-examples": 10, "accuracy-after": 0.1 * day})],
+            metrics={"accuracy-after": 0.1 * day}))
+        log.finish_run(run_id)
+    log.close()
+    latest = odtctl_json("fleet", "status", "--record", str(record))
+    assert latest["run"]["run_id"] == "8" and len(latest["rounds"]) == 1
+    every = odtctl_json("fleet", "status", "--record", str(record), "--all")
+    assert [(r["round"], r["run_round"], r["run_id"]) for r in every["rounds"]] == \
+        [(1, 1, "11"), (2, 1, "5"), (3, 1, "8")]
+    assert every["run"]["run_id"] == "3 runs"
+    text = odtctl("fleet", "status", "--record", str(record), "--all").stdout.splitlines()
+    assert text[0].startswith("3 runs, the first started")
+    assert [line.split()[0] for line in text[2:]] == ["1", "2", "3"]
+    assert [line.split()[6] for line in text[2:]] == ["0.100", "0.200", "0.300"]
+    plotted = odtctl_json("fleet", "plot", "--record", str(record), "--all", "--out", str(tmp_path / "p.png"))
+    assert plotted["rounds"] == 3
+    both = odtctl("fleet", "status", "--record", str(record), "--all", "--run", "5", check=False)
+    assert both.returncode == 2 and "not allowed" in both.stderr
+
+
 def test_server_settings_choose_flowers_strategy_and_fedprox_reaches_the_session(tmp_path):
     from flwr.serverapp.strategy import FedAvgM, FedProx
 

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from odtd.cli.output import command, emit, progress
 from odtd.errors import OdtdError
+from odtd.report.fleet_plot import round_mean
 
 
 def _figure(value: Any, fmt: str) -> str:
@@ -23,28 +24,14 @@ def _figure(value: Any, fmt: str) -> str:
     return format(value, fmt)
 
 
-def _aggregate(r: dict[str, Any], key: str) -> Any:
-    """The round's aggregate of ``key`` (Flower's, weighted by examples).
-
-    Where one device's NaN (a figure it did not measure) made Flower's NaN: the same mean over
-    the devices that measured it.
-    """
-    value = r["metrics"].get(key)
-    if value is None or not (isinstance(value, float) and math.isnan(value)):
-        return value
-    pairs = [(d["metrics"].get("num-examples") or 0, d["metrics"].get(key)) for d in r["devices"]
-             if d["outcome"] == "trained"]
-    pairs = [(n, v) for n, v in pairs if v is not None and not math.isnan(v) and n > 0]
-    return sum(n * v for n, v in pairs) / sum(n for n, _ in pairs) if pairs else None
-
-
 def status_table(report: dict[str, Any]) -> str:
     """The text form of ``fleet status``: one line a round, then each device that did not train.
 
     ``global``: the round's model on the devices' own samples, where an evaluate round scored it.
     """
-    run = report["run"]
-    lines = [f"run {run['run_id']} started {run['started_at']}, "
+    run, every = report["run"], report.get("every", False)
+    lines = [(f"{run['run_id']}, the first started {run['started_at']}, the last " if every else
+              f"run {run['run_id']} started {run['started_at']}, ")
              + (f"finished {run['finished_at']}" if run["finished_at"] else "not finished"),
              f"{'round':>5} {'asked':>5} {'trained':>7} {'declined':>8} {'silent':>6} "
              f"{'acc before':>10} {'acc after':>9} {'global':>6} {'joules':>8} {'seconds':>7} "
@@ -52,8 +39,8 @@ def status_table(report: dict[str, Any]) -> str:
     for r in report["rounds"]:
         evaluated = (r.get("evaluation") or {}).get("metrics") or {}
         lines.append(f"{r['round']:>5} {r['asked']:>5} {r['trained']:>7} {r['declined']:>8} "
-                     f"{r['no_reply']:>6} {_figure(_aggregate(r, 'accuracy-before'), '10.3f')} "
-                     f"{_figure(_aggregate(r, 'accuracy-after'), '9.3f')} "
+                     f"{r['no_reply']:>6} {_figure(round_mean(r, 'accuracy-before'), '10.3f')} "
+                     f"{_figure(round_mean(r, 'accuracy-after'), '9.3f')} "
                      f"{_figure(evaluated.get('accuracy'), '6.3f')} {_figure(r['joules'], '8.1f')} "
                      f"{r['seconds']:>7.1f} {_figure(r['outside_share'], '7.1%')} "
                      f"{_figure(r.get('flower_share'), '6.1%')}")
@@ -65,8 +52,12 @@ def status_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_report(record: Path, run_id: Optional[str]) -> dict[str, Any]:
+def run_report(record: Path, run_id: Optional[str], every: bool = False) -> dict[str, Any]:
     """A run's rounds from the server's record (the latest run without ``run_id``).
+
+    With ``every``, the rounds of every run in the record, the oldest run first, numbered on
+    (``round``; ``run_round`` is the round within its run, ``run_id`` its run): ``fleet
+    simulate`` starts one run of one round a day, so its days are the runs.
 
     Raises:
         StoreError: no record file there.
@@ -81,16 +72,25 @@ def run_report(record: Path, run_id: Optional[str]) -> dict[str, Any]:
         if not chosen:
             raise OdtdError(f"{record}: " + (f"no run {run_id}" if run_id else "no run yet")
                             + "; `odtctl fleet status --record FILE --json` lists what it holds")
-        run = chosen[0]
-        return {"record": str(record), "run": run, "runs": [r["run_id"] for r in runs],
-                "rounds": [r.to_dict() for r in log.rounds(run["run_id"])]}
+        if not every:
+            run = chosen[0]
+            return {"record": str(record), "run": run, "runs": [r["run_id"] for r in runs],
+                    "rounds": [r.to_dict() for r in log.rounds(run["run_id"])]}
+        oldest = list(reversed(runs))
+        rounds = [dict(r.to_dict(), run_round=r.round) for run in oldest
+                  for r in log.rounds(run["run_id"])]
+        for number, r in enumerate(rounds, start=1):
+            r["round"] = number
+        return {"record": str(record), "runs": [r["run_id"] for r in runs], "rounds": rounds,
+                "every": True, "run": {"run_id": f"{len(runs)} runs", "started_at": oldest[0]["started_at"],
+                        "finished_at": oldest[-1]["finished_at"]}}
     finally:
         log.close()
 
 
 def fleet_status(args: argparse.Namespace) -> int:
     """Show a run's rounds from the server's record."""
-    report = run_report(Path(args.record), args.run)
+    report = run_report(Path(args.record), args.run, args.all)
     emit(args, report, None if args.json else status_table(report))
     return 0
 
@@ -99,10 +99,11 @@ def fleet_plot(args: argparse.Namespace) -> int:
     """Draw a run's rounds from the server's record into a PNG."""
     from odtd.report.fleet_plot import plot_rounds
 
-    report = run_report(Path(args.record), args.run)
+    report = run_report(Path(args.record), args.run, args.all)
     out = plot_rounds(report, Path(args.out))
     emit(args, {"out": str(out), "run": report["run"]["run_id"], "rounds": len(report["rounds"])},
-         f"wrote {out} (run {report['run']['run_id']}, {len(report['rounds'])} rounds)")
+         f"wrote {out} ({'' if report.get('every') else 'run '}{report['run']['run_id']}, "
+         f"{len(report['rounds'])} rounds)")
     return 0
 
 
@@ -146,7 +147,8 @@ def fleet_simulate(args: argparse.Namespace) -> int:
     result["plot"] = _plot_simulation(result, Path(args.out))
     emit(args, result, None if args.json else "\n".join(
         result["table"] + [f"plot: {result['plot']}" if result["plot"] else "plot: none "
-                           "(pip install 'odtd[plot]')"]))
+                           "(pip install 'odtd[plot]')",
+                           f"rounds: odtctl fleet status --record {Path(args.out) / 'rounds.db'} --all"]))
     return 0
 
 
@@ -182,7 +184,11 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     fleet_sub = p.add_subparsers(dest="fleet_command", metavar="ACTION", required=True)
     run = argparse.ArgumentParser(add_help=False)  # which run of which record
     run.add_argument("--record", required=True, help="the server's record (the YAML's `record`)")
-    run.add_argument("--run", help="a run id (default: the latest)")
+    which = run.add_mutually_exclusive_group()
+    which.add_argument("--run", help="a run id (default: the latest)")
+    which.add_argument("--all", action="store_true",
+                       help="every run's rounds, the oldest first, numbered on "
+                            "(`fleet simulate` starts one run a day)")
     fleet_sub.add_parser("status", parents=[reader, run], help="a run's rounds from the server's record",
                          description="Show each round of a run: devices asked, trained, declined "
                                      "(and why), aggregated accuracy, joules, round time.")

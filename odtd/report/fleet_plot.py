@@ -28,6 +28,21 @@ def _value(value: Any) -> float:
     return float(value)
 
 
+def round_mean(r: Dict[str, Any], key: str) -> Any:
+    """A round's aggregate of ``key`` (Flower's, weighted by examples), as status and plot show it.
+
+    Where one device's NaN (a figure it did not measure) made Flower's NaN: the same mean over
+    the devices that measured it.
+    """
+    value = r["metrics"].get(key)
+    if value is None or not (isinstance(value, float) and math.isnan(value)):
+        return value
+    pairs = [(d["metrics"].get("num-examples") or 0, d["metrics"].get(key)) for d in r["devices"]
+             if d["outcome"] == "trained"]
+    pairs = [(n, v) for n, v in pairs if v is not None and not math.isnan(v) and n > 0]
+    return sum(n * v for n, v in pairs) / sum(n for n, _ in pairs) if pairs else None
+
+
 def plot_rounds(report: Dict[str, Any], out: Path) -> Path:
     """Draw a run's rounds (``odtctl fleet status --json``'s report) into a PNG.
 
@@ -40,7 +55,8 @@ def plot_rounds(report: Dict[str, Any], out: Path) -> Path:
     plt = pyplot()
     x = [r["round"] for r in rounds]
     fig, (ax_devices, ax_acc, ax_time, ax_energy) = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
-    fig.suptitle(f"fleet run {report['run']['run_id']}")
+    fig.suptitle(f"fleet: {report['run']['run_id']}" if report.get("every")
+                 else f"fleet run {report['run']['run_id']}")
     bottom = [0] * len(rounds)
     for key, label, colour in _OUTCOMES:
         counts = [r[key] for r in rounds]
@@ -51,7 +67,7 @@ def plot_rounds(report: Dict[str, Any], out: Path) -> Path:
 
     for key, label, style in (("accuracy-before", "before: the model the device served", "o--"),
                               ("accuracy-after", "after the device's session", "s-")):
-        ax_acc.plot(x, [100 * _value(r["metrics"].get(key)) for r in rounds], style, label=label)
+        ax_acc.plot(x, [100 * _value(round_mean(r, key)) for r in rounds], style, label=label)
     ax_acc.set_ylabel("accuracy on the devices'\nheld-out samples (%)")
     ax_acc.legend(loc="best", fontsize=8)
     ax_acc.grid(alpha=0.3)
