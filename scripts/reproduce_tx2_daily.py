@@ -228,6 +228,9 @@ def run_seed(args, seed: int, arms: list, trial: Trial, data: dict, tests: Scori
         else:
             built[arm] = BaseArm(data["base_weights"])
     run = RunLog(seed, arms, base.base, tests.daily)
+    day0 = run.rows[0]["arms"][arms[0]]  # every arm starts from the base model
+    log(f"seed {seed} day 0: every arm {' / '.join(f'{100 * day0[d]:.2f}' for d in tests.domains)}"
+        f" on the daily test images ({' / '.join(tests.domains)})")
     try:
         for number in range(1, args.days + 1):
             indices, unlabelled_idx = draws[number - 1]

@@ -57,6 +57,9 @@ def test_two_days_of_the_arms_with_a_camera_shift_on_an_imported_model(tmp_path)
     for arm in arms:  # every arm starts from the same base model, scored once
         assert rows[0]["arms"][arm]["validation"] == base["validation_accuracy"]
     assert rows[0]["arms"]["odtd"]["shifted"] == rows[0]["arms"]["none"]["shifted"]
+    day0 = rows[0]["arms"]["none"]  # the log's day-0 line, before day 1's
+    assert (f"seed 0 day 0: every arm {100 * day0['shifted']:.2f} / {100 * day0['clean']:.2f} on the "
+            "daily test images (shifted / clean)") in proc.stderr.split("seed 0 day 1:")[0]
     energy = {arm: 0.0 for arm in arms}
     for row in rows[1:]:
         day = row["arms"]
