@@ -376,13 +376,16 @@ def test_fleet_status_all_shows_every_runs_rounds_as_fleet_simulate_records_them
     every = odtctl_json("fleet", "status", "--record", str(record), "--all")
     assert [(r["round"], r["run_round"], r["run_id"]) for r in every["rounds"]] == \
         [(1, 1, "11"), (2, 1, "5"), (3, 1, "8")]
-    assert every["run"]["run_id"] == "3 runs"
+    assert every["run"] is None and every["label"] == "3 runs" and every["runs"] == ["8", "5", "11"]
     text = odtctl("fleet", "status", "--record", str(record), "--all").stdout.splitlines()
     assert text[0].startswith("3 runs, the first started")
     assert [line.split()[0] for line in text[2:]] == ["1", "2", "3"]
     assert [line.split()[6] for line in text[2:]] == ["0.100", "0.200", "0.300"]
     plotted = odtctl_json("fleet", "plot", "--record", str(record), "--all", "--out", str(tmp_path / "p.png"))
-    assert plotted["rounds"] == 3
+    assert (plotted["run"], plotted["rounds"]) == (None, 3)
+    again = RoundLog.open_existing(record)  # what the CLI printed is the record's every_round
+    assert again.every_round() == every["rounds"]
+    again.close()
     both = odtctl("fleet", "status", "--record", str(record), "--all", "--run", "5", check=False)
     assert both.returncode == 2 and "not allowed" in both.stderr
 

@@ -29,10 +29,11 @@ def status_table(report: dict[str, Any]) -> str:
 
     ``global``: the round's model on the devices' own samples, where an evaluate round scored it.
     """
-    run, every = report["run"], report.get("every", False)
-    lines = [(f"{run['run_id']}, the first started {run['started_at']}, the last " if every else
-              f"run {run['run_id']} started {run['started_at']}, ")
-             + (f"finished {run['finished_at']}" if run["finished_at"] else "not finished"),
+    run = report["run"]
+    span = report if run is None else run  # every run's (``--all``): the first's start, the last's end
+    lines = [f"{report['label']}" + (", the first" if run is None else "") + f" started "
+             f"{span['started_at']}, " + ("the last " if run is None else "")
+             + (f"finished {span['finished_at']}" if span["finished_at"] else "not finished"),
              f"{'round':>5} {'asked':>5} {'trained':>7} {'declined':>8} {'silent':>6} "
              f"{'acc before':>10} {'acc after':>9} {'global':>6} {'joules':>8} {'seconds':>7} "
              f"{'outside':>7} {'flower':>6}"]
@@ -55,9 +56,8 @@ def status_table(report: dict[str, Any]) -> str:
 def run_report(record: Path, run_id: Optional[str], every: bool = False) -> dict[str, Any]:
     """A run's rounds from the server's record (the latest run without ``run_id``).
 
-    With ``every``, the rounds of every run in the record, the oldest run first, numbered on
-    (``round``; ``run_round`` is the round within its run, ``run_id`` its run): ``fleet
-    simulate`` starts one run of one round a day, so its days are the runs.
+    With ``every``, every run's rounds (``RoundLog.every_round``), and ``run`` None. ``label``
+    names what the report holds (``run ID``, or ``N runs``) for its title.
 
     Raises:
         StoreError: no record file there.
@@ -72,18 +72,13 @@ def run_report(record: Path, run_id: Optional[str], every: bool = False) -> dict
         if not chosen:
             raise OdtdError(f"{record}: " + (f"no run {run_id}" if run_id else "no run yet")
                             + "; `odtctl fleet status --record FILE --json` lists what it holds")
-        if not every:
-            run = chosen[0]
-            return {"record": str(record), "run": run, "runs": [r["run_id"] for r in runs],
-                    "rounds": [r.to_dict() for r in log.rounds(run["run_id"])]}
-        oldest = list(reversed(runs))
-        rounds = [dict(r.to_dict(), run_round=r.round) for run in oldest
-                  for r in log.rounds(run["run_id"])]
-        for number, r in enumerate(rounds, start=1):
-            r["round"] = number
-        return {"record": str(record), "runs": [r["run_id"] for r in runs], "rounds": rounds,
-                "every": True, "run": {"run_id": f"{len(runs)} runs", "started_at": oldest[0]["started_at"],
-                        "finished_at": oldest[-1]["finished_at"]}}
+        report = {"record": str(record), "runs": [r["run_id"] for r in runs]}
+        if every:
+            return dict(report, run=None, label=f"{len(runs)} runs", rounds=log.every_round(),
+                        started_at=runs[-1]["started_at"], finished_at=runs[0]["finished_at"])
+        run = chosen[0]
+        return dict(report, run=run, label=f"run {run['run_id']}",
+                    rounds=[r.to_dict() for r in log.rounds(run["run_id"])])
     finally:
         log.close()
 
@@ -101,9 +96,9 @@ def fleet_plot(args: argparse.Namespace) -> int:
 
     report = run_report(Path(args.record), args.run, args.all)
     out = plot_rounds(report, Path(args.out))
-    emit(args, {"out": str(out), "run": report["run"]["run_id"], "rounds": len(report["rounds"])},
-         f"wrote {out} ({'' if report.get('every') else 'run '}{report['run']['run_id']}, "
-         f"{len(report['rounds'])} rounds)")
+    emit(args, {"out": str(out), "run": report["run"] and report["run"]["run_id"],
+                "rounds": len(report["rounds"])},
+         f"wrote {out} ({report['label']}, {len(report['rounds'])} rounds)")
     return 0
 
 
@@ -162,10 +157,8 @@ def _plot_simulation(result: dict[str, Any], out: Path) -> Optional[str]:
         return None
     from odtd.report.fleet_plot import plot_arms_per_device, plot_rounds
 
-    # One `flwr run` a day, of one round each: the days are the rounds.
-    plot_rounds({"run": {"run_id": f"simulated in {out}"},
-                 "rounds": [dict(r, round=n) for n, r in enumerate(result["rounds"], start=1)]},
-                out / "rounds.png")
+    # One `flwr run` a day, of one round each: the rounds are numbered by day (``every_round``).
+    plot_rounds({"label": f"simulated in {out}", "rounds": result["rounds"]}, out / "rounds.png")
     return str(plot_arms_per_device(result, out / "fleet.png"))
 
 

@@ -199,6 +199,19 @@ class RoundLog:
         return [{"run_id": r[0], "started_at": r[1], "finished_at": r[2],
                  "settings": json.loads(r[3] or "{}")} for r in rows]
 
+    def every_round(self) -> List[Dict[str, Any]]:
+        """Every run's rounds (``to_dict``), the oldest run first, numbered on.
+
+        ``round`` counts across the record; ``run_round`` is the round within its run
+        (``run_id``): ``fleet simulate`` starts one run of one round a day, so its days are the
+        runs (``odtctl fleet status --all``).
+        """
+        out: List[Dict[str, Any]] = []
+        for run in reversed(self.runs()):
+            for record in self.rounds(run["run_id"]):
+                out.append(dict(record.to_dict(), run_round=record.round, round=len(out) + 1))
+        return out
+
     def rounds(self, run_id: str) -> List[RoundRecord]:
         """A run's rounds in order, each with its devices."""
         out = []

@@ -355,7 +355,7 @@ def _scored(out: Path, devices: List[Dict[str, Any]], model: str, base_weights: 
         scores = {arm: device["tests"].score(path, full=True).accuracy() for arm, path in weights.items()}
         rows.append({"device": i, "mix": device["mix"], "accuracy": scores})
     log = RoundLog(out / "rounds.db")
-    rounds = [r.to_dict() for run in reversed(log.runs()) for r in log.rounds(run["run_id"])]
+    rounds = log.every_round()  # one run a day: ``round`` is the day
     log.close()
     domain = "shifted" if "shifted" in rows[0]["accuracy"]["base"] else "clean"
     diffs = [row["accuracy"]["fleet"][domain] - row["accuracy"]["alone"][domain] for row in rows]
@@ -389,8 +389,8 @@ def _table(rows: List[Dict[str, Any]], rounds: List[Dict[str, Any]], domain: str
     def share(value: Optional[float]) -> str:
         return "-" if value is None else format(value, ".0%")
 
-    for number, r in enumerate(rounds, start=1):
-        lines.append(f"round {number}: {r['trained']}/{r['asked']} trained, "
+    for r in rounds:
+        lines.append(f"round {r['round']}: {r['trained']}/{r['asked']} trained, "
                      f"{r['seconds']:.1f} s, joules {r['joules']}, outside the sessions "
                      f"{share(r['outside_share'])}, Flower's part {share(r['flower_share'])}")
     return lines

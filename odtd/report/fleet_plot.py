@@ -44,19 +44,18 @@ def round_mean(r: Dict[str, Any], key: str) -> Any:
 
 
 def plot_rounds(report: Dict[str, Any], out: Path) -> Path:
-    """Draw a run's rounds (``odtctl fleet status --json``'s report) into a PNG.
+    """Draw a report's rounds (``odtctl fleet status --json``'s: ``rounds``, ``label``) into a PNG.
 
     Raises:
         OdtdError: matplotlib is missing, or the run has no round yet.
     """
     rounds: List[Dict[str, Any]] = report["rounds"]
     if not rounds:
-        raise OdtdError(f"run {report['run']['run_id']}: no round recorded yet")
+        raise OdtdError(f"{report['label']}: no round recorded yet")
     plt = pyplot()
     x = [r["round"] for r in rounds]
     fig, (ax_devices, ax_acc, ax_time, ax_energy) = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
-    fig.suptitle(f"fleet: {report['run']['run_id']}" if report.get("every")
-                 else f"fleet run {report['run']['run_id']}")
+    fig.suptitle(f"fleet: {report['label']}")
     bottom = [0] * len(rounds)
     for key, label, colour in _OUTCOMES:
         counts = [r[key] for r in rounds]
