@@ -199,7 +199,9 @@ def test_promotion_clears_the_resumable_candidate(pretrained, tmp_path):
 
 
 @pytest.mark.parametrize("gained, lost, z, tolerance, refused", [
-    (0, 0, 2.0, 0.0, False),      # identical predictions: nothing to refuse
+    (0, 0, 2.0, 0.0, True),       # right and wrong on the same images: no gain clear of zero
+    (0, 0, 2.0, 0.01, False),     # ...but within a 1-point tolerance, as a small loss would be
+    (0, 0, 0.0, 0.0, False),      # measured as is: not below the served model
     (60, 40, 0.0, 0.0, False),    # +1 point, measured as is
     (40, 60, 0.0, 0.0, True),     # -1 point
     (40, 60, 0.0, 0.015, False),  # -1 point within a 1.5-point tolerance

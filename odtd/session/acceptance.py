@@ -2,7 +2,9 @@
 
 The policy's ``acceptance`` section sets it: a candidate is refused if its validation accuracy
 is below the served model's by more than ``tolerance``, or, with ``confidence_z`` > 0, if its
-gain is not that many standard errors of the paired difference clear of ``-tolerance``.
+gain is not that many standard errors of the paired difference clear of ``-tolerance`` (strictly:
+a candidate right and wrong on the same images as the served model has a gain of 0 and a
+standard error of 0, and is not clear of a tolerance of 0).
 """
 
 from __future__ import annotations
@@ -25,19 +27,24 @@ def refusal_reason(before: float, after: float, tolerance: float, confidence_z: 
     paired difference, is at least ``-tolerance`` (fractions, not points). The standard error
     comes from the images only one of the two models gets right (``paired``: ``gained``,
     ``lost``, ``samples``; McNemar): two models that disagree on few images differ reliably
-    by less than two that disagree on many.
+    by less than two that disagree on many. Tested that way, the margin must be strictly above
+    ``-tolerance``: a candidate the served model's equal on every image (gain 0, standard error
+    0) is no gain clear of a tolerance of 0, and promoting it would spend a version and reset
+    the schedule's backoff on nothing the validation set can tell. Measured as is
+    (``confidence_z`` 0, or no paired counts), a gain of exactly ``-tolerance`` passes.
     """
     gain = after - before
     bound = acceptance_margin(gain, paired, confidence_z)
-    if bound >= -tolerance:
+    tested = confidence_z > 0 and bool(paired) and bool(paired.get("samples"))
+    if bound > -tolerance or (not tested and bound >= -tolerance):
         return None
-    if confidence_z <= 0 or not paired or not paired.get("samples"):
+    if not tested:
         return f"validation accuracy {after:.2%} < {before:.2%} - {tolerance:.2%} tolerance"
     se = paired_standard_error(paired["gained"], paired["lost"], paired["samples"])
     allowed = 0.0 - 100 * tolerance  # 0.0 - 0.0 is 0.0, never -0.0
     return (f"validation accuracy {after:.2%} vs {before:.2%}: gain {100 * gain:+.2f} - "
-            f"{confidence_z:g} x {100 * se:.2f} (standard error) = {100 * bound:+.2f} points "
-            f"< {allowed:.2f} (tolerance)")
+            f"{confidence_z:g} x {100 * se:.2f} (standard error) = {100 * bound:+.2f} points, "
+            f"not above {allowed:.2f} (tolerance)")
 
 
 def reference_refusal(before: float, after: float, tolerance: float, confidence_z: float,
