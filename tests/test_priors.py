@@ -17,6 +17,8 @@ from odtd.trainer.learning.priors import (
     DISAGREEMENT_Z,
     better_offset,
     calibrate,
+    carried_offset,
+    correct_priors,
     disagreement,
     estimate_priors,
     logit_offset,
@@ -71,7 +73,65 @@ def test_without_calibration_images_the_labels_alone_set_the_offset():
     assert np.allclose(estimate.offset, np.log([9, 3, 1]) - np.log([9, 3, 1]).mean())
 
 
-@pytest.mark.trains
+def test_a_served_offset_carried_to_new_priors_is_its_own_calibration_with_them():
+    """The served offset moved to today's priors (``carried_offset``) is the offset its own
+    calibration (temperature, biases) gives today's priors: only the priors change."""
+    rng, classes = np.random.default_rng(11), 5
+    source_y = rng.integers(0, classes, 300)
+    calibration = (3.0 * _logits(rng, source_y, classes) + np.array([1.0, 0, 0, -1.0, 0]), source_y)
+    day1, day2 = np.array([0] * 9 + [1] * 3 + [2]), np.array([0] * 30 + [1] * 4 + [3] * 6)
+    first = logit_offset(*calibration, day1, np.zeros((0, classes)), classes)
+    later = logit_offset(*calibration, np.concatenate([day1, day2]), np.zeros((0, classes)), classes)
+    job = {"logit_offset": first.offset.tolist(), "logit_offset_priors": first.device.tolist(),
+           "logit_offset_temperature": first.temperature}
+    assert first.temperature == pytest.approx(3.0, rel=0.2)
+    np.testing.assert_allclose(carried_offset(job, later.device.tolist()), later.offset, atol=1e-5)
+    assert not np.allclose(later.offset, first.offset, atol=0.1)  # the priors did move
+    no_basis = dict(job, logit_offset_priors=None, logit_offset_temperature=None)
+    assert carried_offset(no_basis, later.device.tolist()) is None
+    assert carried_offset(dict(job, logit_offset=None), later.device.tolist()) is None
+
+
+def test_the_candidate_keeps_the_served_offset_carried_where_its_own_calibration_misleads():
+    """A trained model's calibration, fitted on the reference images, can read the original
+    domain otherwise than the device's camera shows it: here the model over-predicts class 0
+    on the reference rows only, so its own estimate holds class 0 down, while the device sees
+    mostly class 0. The served offset carried to today's priors (its calibration, the new
+    labels' priors) scores highest and is kept, with its basis for the manifest."""
+    classes, rng = 4, np.random.default_rng(12)
+    y = np.array([0] * 30 + [1] * 6 + [2] * 2 + [3] * 2 + list(range(4)) * 5)
+    groups = np.array(["0"] * 40 + ["2"] * 20)
+    logits = _logits(rng, y, classes, signal=1.0, noise=1.5)
+    logits[40:, 0] += 4.0  # the reference rows: class 0 over-predicted there alone
+    x = np.arange(len(y), dtype=np.float32)[:, None]
+
+    def eval_step(images, labels):
+        rows = images[:, 0].astype(int)
+        return np.zeros(len(rows)).view(_Array), logits[rows].copy().view(_Array)
+
+    validation = Validation(x, y, groups, None, None, {"vector": None}, eval_step)
+    job = {"prior_correction": True, "logit_offset": [0.0] * classes,
+           "logit_offset_priors": [0.25] * classes, "logit_offset_temperature": 1.0,
+           "eval_batch_size": 16, "batch_size": 16, "classes": ["a", "b", "c", "d"]}
+    data = {"priors": {"labels": np.array([0] * 40 + [1] * 6 + [2] * 2 + [3] * 2),
+                       "unlabelled": x[:0], "calibration": (x[:0], y[:0])}}
+    fields = {}
+    correct_priors(job, data, validation, lambda: False, fields)
+    priors = fields["priors"]
+    assert priors["calibrated_on"] == "reference" and priors["offset"] == "carried", priors
+    scores = priors["offset_accuracy"]
+    assert scores["carried"] > max(scores["candidate"], scores["served"]), scores
+    expected = np.log(priors["device"]) - np.mean(np.log(priors["device"]))
+    np.testing.assert_allclose(fields["logit_offset_after"], expected, atol=1e-5)
+    assert fields["logit_offset_basis_after"] == {"priors": priors["device"], "temperature": 1.0}
+    # Without what the served offset was estimated with there is nothing to carry.
+    fields = {}
+    correct_priors(dict(job, logit_offset_priors=None, logit_offset_temperature=None), data,
+                   Validation(x, y, groups, None, None, {"vector": None}, eval_step),
+                   lambda: False, fields)
+    assert "carried" not in fields["priors"]["offset_accuracy"]
+
+
 class _Array(np.ndarray):
     def numpy(self):
         return np.asarray(self)
@@ -183,9 +243,23 @@ def test_a_promoted_version_keeps_its_offset_in_its_manifest(home, tmp_path):
     models = home / "models" / "tinycnn"
     current = (models / "current").read_text().strip()
     assert current == f"v{session['model_version_after']}"
-    offset = json.loads((models / current / "manifest.json").read_text())["logit_offset"]
+    manifest = json.loads((models / current / "manifest.json").read_text())
+    offset = manifest["logit_offset"]
     assert len(offset) == len(HOME_CLASSES) and np.argmax(offset) == airplane
+    # What the kept offset was estimated with: the candidate's estimate or the served model's.
+    kept = priors if priors["offset"] == "candidate" else session["details"]["prior_refresh"]["priors"]
+    assert manifest["logit_offset_basis"] == {"priors": kept["device"],
+                                              "temperature": kept["temperature"]}
     _check_the_export_carries_the_offset(home, models / current / "manifest.json", offset, tmp_path)
+    # The next session has the served offset to carry to its own day's priors: more airplanes.
+    write_images(tmp_path / "day2", per_class=1, seed=23)
+    write_images(tmp_path / "day2", per_class=12, classes=HOME_CLASSES[:1], seed=24)
+    odtctl("ingest", str(tmp_path / "day2"), home=home)
+    odtctl("train-now", "--foreground", "--force", home=home)
+    details = odtctl_json("history", home=home)[0]["details"]
+    tried = set(details["priors"]["offset_accuracy"]) | set(
+        ((details.get("prior_refresh") or {}).get("priors") or {}).get("offset_accuracy") or {})
+    assert "carried" in tried, details
 
 
 @pytest.mark.trains

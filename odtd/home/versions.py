@@ -47,6 +47,19 @@ def check_weights_file(path: Path) -> list[str]:
     return keys
 
 
+def offset_job_keys(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A version's logit offset and what it was estimated with, as a worker job's keys.
+
+    ``logit_offset`` (None without one); ``logit_offset_priors`` and ``logit_offset_temperature``
+    from its ``logit_offset_basis`` (None for a version without one, an older one say: the
+    worker then has no offset to carry, ``learning.priors.carried_offset``).
+    """
+    basis = manifest.get("logit_offset_basis") or {}
+    return {"logit_offset": manifest.get("logit_offset"),
+            "logit_offset_priors": basis.get("priors"),
+            "logit_offset_temperature": basis.get("temperature")}
+
+
 class ModelRepo:
     """The versions of one model under ``HOME/models/<name>/``.
 
@@ -191,12 +204,15 @@ class ModelRepo:
         weight_names: Optional[list[str]] = None,
         logit_offset: Optional[list[float]] = None,
         move: bool = False,
+        logit_offset_basis: Optional[dict[str, Any]] = None,
     ) -> tuple[int, dict[str, Any]]:
         """Store ``weights`` as the next version (not yet current) and return (version, manifest).
 
         The version directory is assembled under a temporary name and renamed into place, so a
         half-written version is never visible. ``logit_offset``: the device's class priors as
-        an offset on the model's logits (``training.prior_correction``), kept in the manifest.
+        an offset on the model's logits (``training.prior_correction``), kept in the manifest,
+        with ``logit_offset_basis``: the priors and temperature it was estimated with (the
+        next session's ``logit_offset_priors`` and ``logit_offset_temperature``).
         """
         check_weights_file(weights)
         existing = self.versions()
@@ -223,6 +239,8 @@ class ModelRepo:
             }
             if logit_offset is not None:
                 manifest["logit_offset"] = list(logit_offset)
+                if logit_offset_basis is not None:
+                    manifest["logit_offset_basis"] = dict(logit_offset_basis)
             (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True),
                                                  encoding="utf-8")
         logger.info("stored %s v%d (parent %s)", self.name, version, parent)

@@ -94,13 +94,16 @@ class Promotion:
             return
         version = self._promote(
             record, pending, result, candidate, result.get("logit_offset_after"), move=True,
+            basis=result.get("logit_offset_basis_after"),
             reason="accepted" if before is not None else "no evaluation data: promoted unguarded")
         self._settled(record, self._after_promotion, record, job_dir, version)
 
     def _promote(self, record: SessionRecord, pending: list[dict[str, Any]],
                  result: dict[str, Any], weights: Path, logit_offset: Optional[list[float]],
-                 move: bool, reason: str) -> int:
+                 move: bool, reason: str, basis: Optional[dict[str, Any]] = None) -> int:
         """Store ``weights`` as the next version, commit the session promoted; the version.
+
+        ``logit_offset`` and its ``basis`` (what it was estimated with) go to its manifest.
 
         The record's ``accuracy_after`` is the new version's. A failed commit removes the
         version again, and the pointer stays where it was.
@@ -110,7 +113,7 @@ class Promotion:
             weights, classes=self.store.meta("classes"), input_shape=self.store.meta("input_shape"),
             param_count=result.get("param_count"), parent=current, session_id=record.id,
             metrics={"accuracy": record.accuracy_after}, weight_names=result.get("weight_names"),
-            logit_offset=logit_offset, move=move)
+            logit_offset=logit_offset, move=move, logit_offset_basis=basis)
         record.outcome, record.reason, record.model_version_after = "promoted", reason, version
         try:
             self._commit(record, pending, new_version=version, manifest=manifest)
@@ -144,7 +147,7 @@ class Promotion:
         details.forgetting = self._forgetting(record.accuracy_before, refreshed.accuracy)
         version = self._promote(
             record, pending, result, self.repo.weights_path(record.model_version_before),
-            refreshed.logit_offset, move=False,
+            refreshed.logit_offset, move=False, basis=refreshed.basis,
             reason=f"the device's class priors estimated anew: the served model with them "
                    f"{refreshed.accuracy:.2%} vs {record.accuracy_before:.2%}; the trained "
                    + (f"candidate was refused ({refusal})" if refusal is not None else

@@ -25,6 +25,7 @@ class PriorRefresh(NamedTuple):
     paired: Optional[dict[str, int]]  # against the served model as it is, on that group
     per_class: Optional[dict[str, Any]]
     priors: dict[str, Any]  # the estimate (``details.priors``'s keys)
+    basis: Optional[dict[str, Any]] = None  # what the offset was made with (manifest's)
 
 
 def read_result(record: SessionRecord, result: dict[str, Any], classes: list[str]) -> None:
@@ -69,7 +70,8 @@ def read_prior_refresh(result: dict[str, Any], classes: list[str]) -> Optional[P
     return PriorRefresh(refresh["logit_offset"], by_group.get(primary),
                         by_group.get(str(GROUP_HOLDOUT)),
                         (refresh.get("paired_by_group") or {}).get(primary),
-                        _by_class(classes, refresh.get("per_class")), refresh.get("priors") or {})
+                        _by_class(classes, refresh.get("per_class")), refresh.get("priors") or {},
+                        refresh.get("basis"))
 
 
 def _primary(by_group_before: dict[str, Any]) -> str:

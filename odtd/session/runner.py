@@ -26,7 +26,7 @@ from odtd.home.ingest import load_sample_arrays
 from odtd.home.paths import Home
 from odtd.home.replay_buffer import choose_replay
 from odtd.home.spec import ModelSpec
-from odtd.home.versions import ModelRepo
+from odtd.home.versions import ModelRepo, offset_job_keys
 from odtd.policy import Policy
 from odtd.session.admission import SKIP, admit_session
 from odtd.session.evalset import write_evaluation_set
@@ -283,7 +283,7 @@ class SessionRunner:
             distill=training.distill, trained_share=training.trained_share,
             prior_correction=training.prior_correction, pseudo_labels=training.pseudo_labels,
             bn_class_balanced=training.bn_class_balanced, balanced_loss=training.balanced_loss,
-            logit_offset=self.repo.manifest(current).get("logit_offset"),
+            **offset_job_keys(self.repo.manifest(current)),
             average_with=("start+served" if training.federated_mix else "start")
             if record.details.federated else "served",
             proximal_mu=float((record.details.federated or {}).get("proximal_mu") or 0.0),

@@ -204,9 +204,11 @@ def correct_priors(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
     """A training job's step: the candidate's logit offset (job key ``prior_correction``).
 
     Estimated on the trained model (``estimate``), or the served version's offset, or the
-    served model's priors estimated anew (``refresh_served``), whichever the candidate scores
-    highest with (``better_offset``). ``fields`` get ``logit_offset_after`` (None: no offset)
-    and ``priors`` (what was estimated, or why not); ``validation`` (``training.Validation``)
+    served model's priors estimated anew (``refresh_served``), or the served offset moved to
+    today's priors (``carried_offset``), whichever the candidate scores highest with
+    (``better_offset``). ``fields`` get ``logit_offset_after`` (None: no offset), its basis
+    ``logit_offset_basis_after`` (``offset_basis``) and ``priors`` (what was estimated, or why
+    not); ``validation`` (``training.Validation``)
     then scores the candidate with it. Without ``prior_correction`` the candidate has none.
 
     Returns:
@@ -214,16 +216,25 @@ def correct_priors(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
         served model's): a chooser's scores are then stale.
     """
     had = None if validation is None else validation.offset["vector"]
-    offset, fields["priors"] = None, None
+    offset, fields["priors"], basis = None, None, None
     if job["prior_correction"]:
         offset, fields["priors"] = estimate(job, data, validation, should_stop)
         refresh = fields.get("prior_refresh")
+        today = fields["priors"].get("device")
+        served = served_basis(job)
+        bases = {"candidate": offset_basis(fields["priors"]), "served": served,
+                 "refresh": None if refresh is None else refresh["basis"],
+                 "carried": None if today is None or served is None
+                 else dict(served, priors=today)}
         others = [("served", job["logit_offset"]),
-                  ("refresh", None if refresh is None else refresh["logit_offset"])]
+                  ("refresh", None if refresh is None else refresh["logit_offset"]),
+                  ("carried", carried_offset(job, today))]
         if offset is not None and any(vector is not None for _, vector in others):
             offset = better_offset(job, validation, [("candidate", offset)] + others,
                                    should_stop, fields["priors"])
+        basis = bases[fields["priors"].get("offset", "candidate")] if offset is not None else None
     fields["logit_offset_after"] = None if offset is None else [round(float(v), 6) for v in offset]
+    fields["logit_offset_basis_after"] = basis
     if validation is not None:
         validation.offset["vector"] = offset
     return not _same(had, offset)
@@ -234,19 +245,19 @@ def better_offset(job: Dict[str, Any], validation: Any,
                   should_stop: Callable[[], bool], info: Dict[str, Any]) -> np.ndarray:
     """The offset of ``offsets`` (named, in order of preference) the candidate scores highest with.
 
-    The names: ``candidate`` (its own estimate), ``served`` (the served version's offset) and
-    ``refresh`` (the served model's priors estimated anew, ``refresh_served``); an offset that
-    is None or the same as an earlier one is left out. The score, on the group the acceptance
-    test reads. The candidate's own estimate is calibrated on the original domain (the
-    reference set), where a session's training on the device's uneven mix shows otherwise
-    than through the device's camera: on an imported DenseNet40 behind a dusk camera, a day-1
-    candidate scored 55.8% on validation with its own offset and 72.7% with the base model's
-    priors. A later estimate on a trained model is calibrated so too: the version served from
-    that day-1 candidate scored 72.5% with the base model's offset and 64.7% with its own
-    priors estimated anew, so the served version's offset is a choice of its own. One pass of
-    the candidate over that group's images; the offsets are compared on its logits. ``info``
-    (the record's ``priors``) gets ``offset`` (the name kept) and each one's accuracy; a tie
-    keeps the earlier.
+    The names: ``candidate`` (its own estimate), ``served`` (the served version's offset),
+    ``refresh`` (the served model's priors estimated anew, ``refresh_served``) and ``carried`` (the
+    served offset moved to today's priors, ``carried_offset``); in ``refresh_served``, ``anew`` and
+    ``carried``. An offset that is None or the same as an earlier one is left out. The score, on the
+    group the acceptance test reads. The candidate's own estimate is calibrated on the original
+    domain (the reference set), where a session's training on the device's uneven mix shows
+    otherwise than through the device's camera: on an imported DenseNet40 behind a dusk camera, a
+    day-1 candidate scored 55.8% on validation with its own offset and 72.7% with the base model's
+    priors. A later estimate on a trained model is calibrated so too: the version served from that
+    day-1 candidate scored 72.5% with the base model's offset and 64.7% with its own priors
+    estimated anew, so the served version's offset is a choice of its own. One pass of the candidate
+    over that group's images; the offsets are compared on its logits. ``info`` (the record's
+    ``priors``) gets ``offset`` (the name kept) and each one's accuracy; a tie keeps the earlier.
     """
     rows = acceptance_rows(validation.groups, len(validation.y))
     logits = unless_stopped(logits_function(job, validation.eval_step, should_stop)(
@@ -274,10 +285,12 @@ def refresh_served(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
     Run while the model holds the served weights (``training.refresh_priors``). A promoted
     version keeps the offset it was scored with; the device's mix moves on, and a refused
     candidate would leave the served model's offset behind. This estimates the offset on the
-    served model (``estimate``) and scores the served model with it; ``fields["prior_refresh"]``
-    gets the offset, the estimate, the scores by group and per class and the paired counts
-    against the served model as it is (``before``: its correctness and loss on each validation
-    image; the images no offset applies to, the reference set, keep them unscored). The session
+    served model (``estimate``), or, where the served model scores higher with it, moves the
+    served offset to the priors of that estimate (``carried_offset``), and scores the served
+    model with it; ``fields["prior_refresh"]`` gets the offset, the estimate, its basis
+    (``offset_basis``), the scores by group and per class and the paired counts against the
+    served model as it is (``before``: its correctness and loss on each validation image; the
+    images no offset applies to, the reference set, keep them unscored). The session
     serves it where it scores above the served model and the trained candidate
     (``session.promotion``).
 
@@ -287,6 +300,13 @@ def refresh_served(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
         the served model's accuracy on the acceptance group with its own offset and with this.
     """
     offset, info = estimate(job, data, validation, should_stop)
+    basis = offset_basis(info)
+    carried = carried_offset(job, info.get("device"))
+    if offset is not None and carried is not None and not _same(offset, carried):
+        offset = better_offset(job, validation, [("anew", offset), ("carried", carried)],
+                               should_stop, info)
+        if info["offset"] == "carried":
+            basis = dict(served_basis(job), priors=info["device"])
     served = None if job["logit_offset"] is None else np.asarray(job["logit_offset"], np.float32)
     if offset is None or _same(served, offset):
         return None
@@ -302,12 +322,49 @@ def refresh_served(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
     scores.pop("losses")
     rows = acceptance_rows(validation.groups, len(validation.y))
     fields["prior_refresh"] = {
-        "logit_offset": [round(float(v), 6) for v in offset], "priors": info,
+        "logit_offset": [round(float(v), 6) for v in offset], "priors": info, "basis": basis,
         "by_group": scores["by_group"], "per_class": scores["per_class"],
         "paired_by_group": paired_counts(before[0], correct, validation.groups),
         "acceptance": {"served": round(float(np.mean(before[0][rows])), 5),
                        "refresh": round(float(np.mean(correct[rows])), 5)}}
     return offset
+
+
+def carried_offset(job: Dict[str, Any], device: Optional[List[float]]) -> Optional[np.ndarray]:
+    """The served version's offset moved to the device's priors ``device``, in its calibration.
+
+    ``temperature * (bias + log(pi_device / pi_source))`` with the temperature and biases the
+    served offset was estimated with (on the model it was estimated on, the base model before
+    the first training, say) and today's estimate of the device's priors: the served offset
+    plus ``temperature * (log device - log priors then)`` (job keys ``logit_offset_priors``
+    and ``logit_offset_temperature``), centred. A later estimate on trained weights is
+    calibrated on their reference images, where training on the device's mix shows otherwise
+    than through its camera; this keeps the calibration and moves only the priors, as the
+    device's labels add up. None without a served offset and what it was estimated with.
+    """
+    if job["logit_offset"] is None or job.get("logit_offset_priors") is None or device is None:
+        return None
+    moved = np.asarray(job["logit_offset"], np.float64) + job["logit_offset_temperature"] * (
+        np.log(np.asarray(device, np.float64)) - np.log(np.asarray(job["logit_offset_priors"],
+                                                                   np.float64)))
+    return (moved - moved.mean()).astype(np.float32)
+
+
+def offset_basis(info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """What an estimate's offset was made with (``carried_offset``'s basis), or None.
+
+    From ``estimate``'s record: the device's priors and the calibration's temperature.
+    """
+    if info.get("device") is None:
+        return None
+    return {"priors": info["device"], "temperature": info["temperature"]}
+
+
+def served_basis(job: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The served offset's basis, as the job gives it; None where it does not."""
+    if job.get("logit_offset_priors") is None:
+        return None
+    return {"priors": job["logit_offset_priors"], "temperature": job["logit_offset_temperature"]}
 
 
 def _same(had: Optional[np.ndarray], offset: Optional[np.ndarray]) -> bool:

@@ -75,6 +75,10 @@ JOB_KEYS = {
     # model's own predictions, no label read: TENT, with ``trainable: batchnorm``).
     "objective": ("str", "labels"),
     "logit_offset": ("vector", None),
+    # What the served offset was estimated with (learning/priors.py, ``carried_offset``): the
+    # device's class priors and the calibration's temperature; both or neither.
+    "logit_offset_priors": ("vector", None),
+    "logit_offset_temperature": ("positive_float", None),
     "reference_tolerance": ("share", None),
     "reference_origin": ("share", None),
     "acceptance_tolerance": ("share", None),
@@ -226,6 +230,13 @@ def load_job(path: str) -> Dict[str, Any]:
     if job["logit_offset"] is not None and len(job["logit_offset"]) != len(job["classes"]):
         raise BadJob("logit_offset holds {} numbers for {} classes".format(
             len(job["logit_offset"]), len(job["classes"])))
+    basis = job["logit_offset_priors"]
+    if basis is not None and (len(basis) != len(job["classes"]) or min(basis) <= 0):
+        raise BadJob("logit_offset_priors must hold {} positive numbers, got {!r}".format(
+            len(job["classes"]), basis))
+    if (basis is None) != (job["logit_offset_temperature"] is None):
+        raise BadJob("logit_offset_priors and logit_offset_temperature go together: give both or "
+                     "neither")
     if job["protocol"] != PROTOCOL_VERSION:
         raise BadJob("protocol={} is not supported; this worker speaks protocol {}".format(
             job["protocol"], PROTOCOL_VERSION))
