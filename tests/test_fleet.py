@@ -40,6 +40,9 @@ ROUNDS = 2
 CLOSED = 2  # the device whose gate is closed
 KILLED, KILLED_ROUND = 1, 1  # the device whose daemon is killed, and in which round
 WORKER_KILLED, WORKER_KILLED_ROUND = 0, 2  # the device whose trainer worker is killed, and when
+# The fleet's run may take this long; the killers, started with it, wait as long for their round
+# (on a loaded 2-core machine round 2 began after more than the 180 s they once waited).
+RUN_TIMEOUT_S = 240
 LOST = {KILLED_ROUND: "the daemon closed the connection",
         WORKER_KILLED_ROUND: "failed: worker killed by SIGKILL"}
 
@@ -96,7 +99,7 @@ def fleet(_base_home, tmp_path_factory):
                               f"round_timeout_s: 120\ninitial_weights: {initial}\nrecord: rounds.db\n")
             killer = pool.submit(_kill_and_restart, homes[KILLED], daemons)
             worker_killer = pool.submit(_kill_worker, homes[WORKER_KILLED])
-            status = local.run(config, progress=lines.append, timeout_s=240)
+            status = local.run(config, progress=lines.append, timeout_s=RUN_TIMEOUT_S)
             killer.result(timeout=5)
             served[WORKER_KILLED] = worker_killer.result(timeout=5)
             yield {"root": root, "homes": homes, "served": served, "status": status, "lines": lines,
@@ -119,16 +122,18 @@ def _kill_worker(home: Path) -> str:
     """SIGKILL the device's trainer worker in its session of the round; the version it served."""
     query = ("SELECT worker_pid FROM sessions WHERE trigger = 'fleet' AND worker_pid IS NOT NULL "
              f"AND details LIKE '%\"round\": {WORKER_KILLED_ROUND},%'")
-    wait_for(lambda: _rows(home / "odtd.db", query), 180, 0.05)
+    rows = wait_for(lambda: _rows(home / "odtd.db", query), RUN_TIMEOUT_S, 0.05)
+    assert rows, f"{home.name} started no session of round {WORKER_KILLED_ROUND} in {RUN_TIMEOUT_S} s"
     served = (home / "models/tinycnn/current").read_text()  # what round 1 left it serving
-    os.kill(_rows(home / "odtd.db", query)[0][0], signal.SIGKILL)
+    os.kill(rows[0][0], signal.SIGKILL)
     return served
 
 
 def _kill_and_restart(home: Path, daemons: list) -> None:
     """SIGKILL the device's daemon as its session of the round starts, and start it again."""
-    wait_for(lambda: _rows(home / "odtd.db", "SELECT id FROM sessions WHERE trigger = 'fleet' AND "
-                                             f"details LIKE '%\"round\": {KILLED_ROUND},%'"), 120, 0.05)
+    started = wait_for(lambda: _rows(home / "odtd.db", "SELECT id FROM sessions WHERE trigger = 'fleet' "
+                                     f"AND details LIKE '%\"round\": {KILLED_ROUND},%'"), RUN_TIMEOUT_S, 0.05)
+    assert started, f"{home.name} started no session of round {KILLED_ROUND} in {RUN_TIMEOUT_S} s"
     daemons[KILLED].kill()
     daemons[KILLED].wait()
     daemons[KILLED] = start_daemon(home)  # up again long before the next round reaches it
