@@ -85,11 +85,13 @@ def test_a_served_offset_carried_to_new_priors_is_its_own_calibration_with_them(
     job = {"logit_offset": first.offset.tolist(), "logit_offset_priors": first.device.tolist(),
            "logit_offset_temperature": first.temperature}
     assert first.temperature == pytest.approx(3.0, rel=0.2)
-    np.testing.assert_allclose(carried_offset(job, later.device.tolist()), later.offset, atol=1e-5)
+    carried, basis = carried_offset(job, later.device.tolist())
+    np.testing.assert_allclose(carried, later.offset, atol=1e-5)
+    assert basis == {"priors": later.device.tolist(), "temperature": first.temperature}
     assert not np.allclose(later.offset, first.offset, atol=0.1)  # the priors did move
     no_basis = dict(job, logit_offset_priors=None, logit_offset_temperature=None)
-    assert carried_offset(no_basis, later.device.tolist()) is None
-    assert carried_offset(dict(job, logit_offset=None), later.device.tolist()) is None
+    assert carried_offset(no_basis, later.device.tolist()) == (None, None)
+    assert carried_offset(dict(job, logit_offset=None), later.device.tolist()) == (None, None)
 
 
 def test_the_candidate_keeps_the_served_offset_carried_where_its_own_calibration_misleads():
@@ -206,22 +208,25 @@ def test_the_candidate_keeps_the_offset_it_scores_higher_with():
                 for name, vector in (("even", even), ("skewed", skewed))}
     assert accuracy["skewed"] > accuracy["even"]
     info = {}
-    assert better_offset(job, validation, [("candidate", even), ("served", skewed)],
-                         lambda: False, info) is skewed
+    kept, basis = better_offset(job, validation, [("candidate", even, "c"), ("served", skewed, "s")],
+                                lambda: False, info)
+    assert kept is skewed and basis == "s"  # the kept offset's basis, for the manifest
     assert info == {"offset": "served", "offset_accuracy": {
         "candidate": round(accuracy["even"], 5), "served": round(accuracy["skewed"], 5)}}
     assert sorted(ran) == list(range(40))  # the reference rows did not run
     info = {}
-    assert better_offset(job, validation, [("candidate", skewed), ("served", even)],
-                         lambda: False, info) is skewed
+    assert better_offset(job, validation, [("candidate", skewed, "c"), ("served", even, "s")],
+                         lambda: False, info)[1] == "c"
     assert info["offset"] == "candidate"
     # A tie keeps the earlier; an offset the same as an earlier one, or none, is left out.
-    assert better_offset(job, validation, [("candidate", skewed), ("served", None),
-                                           ("refresh", skewed.copy())], lambda: False, info) is skewed
+    kept, basis = better_offset(job, validation, [("candidate", skewed, "c"), ("served", None, "s"),
+                                                  ("refresh", skewed.copy(), "r")], lambda: False, info)
+    assert kept is skewed and basis == "c"
     assert info == {"offset": "candidate", "offset_accuracy": {"candidate": round(accuracy["skewed"], 5)}}
     # The third (today's estimate on the served model) where it is the one that scores highest.
-    assert better_offset(job, validation, [("candidate", even), ("served", even - 1.0),
-                                           ("refresh", skewed)], lambda: False, info) is skewed
+    kept, basis = better_offset(job, validation, [("candidate", even, "c"), ("served", even - 1.0, "s"),
+                                                  ("refresh", skewed, "r")], lambda: False, info)
+    assert kept is skewed and basis == "r"
     assert info["offset"] == "refresh"
 
 

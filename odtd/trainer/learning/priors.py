@@ -208,8 +208,8 @@ def correct_priors(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
     today's priors (``carried_offset``), whichever the candidate scores highest with
     (``better_offset``). ``fields`` get ``logit_offset_after`` (None: no offset), its basis
     ``logit_offset_basis_after`` (``offset_basis``) and ``priors`` (what was estimated, or why
-    not); ``validation`` (``training.Validation``)
-    then scores the candidate with it. Without ``prior_correction`` the candidate has none.
+    not); ``validation`` (``training.Validation``) then scores the candidate with it. Without
+    ``prior_correction`` the candidate has none.
 
     Returns:
         Whether the candidate's offset differs from the one its tries were scored with (the
@@ -219,20 +219,14 @@ def correct_priors(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
     offset, fields["priors"], basis = None, None, None
     if job["prior_correction"]:
         offset, fields["priors"] = estimate(job, data, validation, should_stop)
-        refresh = fields.get("prior_refresh")
-        today = fields["priors"].get("device")
-        served = served_basis(job)
-        bases = {"candidate": offset_basis(fields["priors"]), "served": served,
-                 "refresh": None if refresh is None else refresh["basis"],
-                 "carried": None if today is None or served is None
-                 else dict(served, priors=today)}
-        others = [("served", job["logit_offset"]),
-                  ("refresh", None if refresh is None else refresh["logit_offset"]),
-                  ("carried", carried_offset(job, today))]
-        if offset is not None and any(vector is not None for _, vector in others):
-            offset = better_offset(job, validation, [("candidate", offset)] + others,
-                                   should_stop, fields["priors"])
-        basis = bases[fields["priors"].get("offset", "candidate")] if offset is not None else None
+        refresh = fields.get("prior_refresh") or {}
+        choices = [("candidate", offset, offset_basis(fields["priors"])),
+                   ("served", job["logit_offset"], served_basis(job)),
+                   ("refresh", refresh.get("logit_offset"), refresh.get("basis")),
+                   ("carried",) + carried_offset(job, fields["priors"].get("device"))]
+        basis = choices[0][2] if offset is not None else None
+        if offset is not None and any(vector is not None for _, vector, _ in choices[1:]):
+            offset, basis = better_offset(job, validation, choices, should_stop, fields["priors"])
     fields["logit_offset_after"] = None if offset is None else [round(float(v), 6) for v in offset]
     fields["logit_offset_basis_after"] = basis
     if validation is not None:
@@ -241,9 +235,13 @@ def correct_priors(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
 
 
 def better_offset(job: Dict[str, Any], validation: Any,
-                  offsets: List[Tuple[str, Optional[np.ndarray]]],
-                  should_stop: Callable[[], bool], info: Dict[str, Any]) -> np.ndarray:
-    """The offset of ``offsets`` (named, in order of preference) the candidate scores highest with.
+                  offsets: List[Tuple[str, Optional[np.ndarray], Optional[Dict[str, Any]]]],
+                  should_stop: Callable[[], bool], info: Dict[str, Any]
+                  ) -> Tuple[np.ndarray, Optional[Dict[str, Any]]]:
+    """The offset of ``offsets`` the candidate scores highest with, and its basis.
+
+    ``offsets``: (name, vector, basis), in order of preference; the basis is what the vector was
+    made with (``offset_basis``), for the version's manifest.
 
     The names: ``candidate`` (its own estimate), ``served`` (the served version's offset),
     ``refresh`` (the served model's priors estimated anew, ``refresh_served``) and ``carried`` (the
@@ -263,18 +261,18 @@ def better_offset(job: Dict[str, Any], validation: Any,
     logits = unless_stopped(logits_function(job, validation.eval_step, should_stop)(
         validation.x[rows]))
     labels = validation.y[rows]
-    kept, scores = [], {}  # type: List[Tuple[str, np.ndarray]], Dict[str, float]
-    for name, vector in offsets:
-        if vector is not None and not any(_same(vector, seen) for _, seen in kept):
-            kept.append((name, np.asarray(vector, np.float32)))
+    kept, scores = [], {}  # type: List[Tuple[str, np.ndarray, Optional[Dict[str, Any]]]], Dict[str, float]
+    for name, vector, basis in offsets:
+        if vector is not None and not any(_same(vector, seen) for _, seen, _ in kept):
+            kept.append((name, np.asarray(vector, np.float32), basis))
             scores[name] = float(np.mean(np.argmax(logits + kept[-1][1], axis=1) == labels)) \
                 if len(labels) else 0.0
     best = kept[0]
-    for name, vector in kept[1:]:  # strictly higher: a tie keeps the earlier
-        if scores[name] > scores[best[0]]:
-            best = (name, vector)
+    for choice in kept[1:]:  # strictly higher: a tie keeps the earlier
+        if scores[choice[0]] > scores[best[0]]:
+            best = choice
     info.update(offset=best[0], offset_accuracy={k: round(v, 5) for k, v in scores.items()})
-    return best[1]
+    return best[1], best[2]
 
 
 def refresh_served(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
@@ -302,11 +300,9 @@ def refresh_served(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
     offset, info = estimate(job, data, validation, should_stop)
     basis = offset_basis(info)
     carried = carried_offset(job, info.get("device"))
-    if offset is not None and carried is not None and not _same(offset, carried):
-        offset = better_offset(job, validation, [("anew", offset), ("carried", carried)],
-                               should_stop, info)
-        if info["offset"] == "carried":
-            basis = dict(served_basis(job), priors=info["device"])
+    if offset is not None and carried[0] is not None and not _same(offset, carried[0]):
+        offset, basis = better_offset(job, validation, [("anew", offset, basis), ("carried",) + carried],
+                                      should_stop, info)
     served = None if job["logit_offset"] is None else np.asarray(job["logit_offset"], np.float32)
     if offset is None or _same(served, offset):
         return None
@@ -330,8 +326,9 @@ def refresh_served(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
     return offset
 
 
-def carried_offset(job: Dict[str, Any], device: Optional[List[float]]) -> Optional[np.ndarray]:
-    """The served version's offset moved to the device's priors ``device``, in its calibration.
+def carried_offset(job: Dict[str, Any], device: Optional[List[float]]
+                   ) -> Tuple[Optional[np.ndarray], Optional[Dict[str, Any]]]:
+    """The served version's offset moved to the device's priors ``device``, and its basis.
 
     ``temperature * (bias + log(pi_device / pi_source))`` with the temperature and biases the
     served offset was estimated with (on the model it was estimated on, the base model before
@@ -340,14 +337,15 @@ def carried_offset(job: Dict[str, Any], device: Optional[List[float]]) -> Option
     and ``logit_offset_temperature``), centred. A later estimate on trained weights is
     calibrated on their reference images, where training on the device's mix shows otherwise
     than through its camera; this keeps the calibration and moves only the priors, as the
-    device's labels add up. None without a served offset and what it was estimated with.
+    device's labels add up. The basis (``offset_basis``): ``device`` and the served offset's
+    temperature. (None, None) without a served offset and what it was estimated with.
     """
-    if job["logit_offset"] is None or job.get("logit_offset_priors") is None or device is None:
-        return None
-    moved = np.asarray(job["logit_offset"], np.float64) + job["logit_offset_temperature"] * (
-        np.log(np.asarray(device, np.float64)) - np.log(np.asarray(job["logit_offset_priors"],
-                                                                   np.float64)))
-    return (moved - moved.mean()).astype(np.float32)
+    basis = None if job["logit_offset"] is None else served_basis(job)
+    if basis is None or device is None:
+        return None, None
+    moved = np.asarray(job["logit_offset"], np.float64) + basis["temperature"] * (
+        np.log(np.asarray(device, np.float64)) - np.log(np.asarray(basis["priors"], np.float64)))
+    return (moved - moved.mean()).astype(np.float32), dict(basis, priors=list(device))
 
 
 def offset_basis(info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -362,7 +360,7 @@ def offset_basis(info: Dict[str, Any]) -> Optional[Dict[str, Any]]:
 
 def served_basis(job: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """The served offset's basis, as the job gives it; None where it does not."""
-    if job.get("logit_offset_priors") is None:
+    if job["logit_offset_priors"] is None:
         return None
     return {"priors": job["logit_offset_priors"], "temperature": job["logit_offset_temperature"]}
 
