@@ -80,7 +80,7 @@ def wait_listening(port: int, process: subprocess.Popen, what: str, timeout_s: f
 
     A process that exits is reported at once; one still starting is given ``timeout_s``: on a
     2-core machine under a load of 35 (a fleet benchmark of eight DenseNet40 devices) the
-    SuperLink's imports took longer than the minute this used to allow.
+    SuperLink did not listen within the minute this used to allow.
 
     Raises:
         OdtdError: The process exited first, or the port stayed closed.
