@@ -1,3 +1,4 @@
+import os
 import sqlite3
 import threading
 
@@ -18,6 +19,13 @@ def test_new_database_is_wal_and_migrated(tmp_path):
     store.close()
     # Reopening applies nothing twice.
     assert Store(tmp_path / "odtd.db").schema_version == len(MIGRATIONS)
+
+
+@pytest.mark.skipif(not os.environ.get("ODTD_TEST_SQLITE_VERSION"),
+                    reason="make test-tx2 sets it: the SQLite a TX2's Ubuntu ships (scripts/build_sqlite.sh)")
+def test_the_daemons_tests_run_on_the_sqlite_they_were_given():
+    # make test-tx2 builds Ubuntu 18.04's SQLite and puts it on LD_LIBRARY_PATH; this says it took.
+    assert sqlite3.sqlite_version == os.environ["ODTD_TEST_SQLITE_VERSION"]
 
 
 def test_newer_schema_is_refused(tmp_path):
