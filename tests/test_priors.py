@@ -321,12 +321,13 @@ def test_the_served_model_with_new_priors_is_served_where_it_beats_an_accepted_c
     job_dir.mkdir()
     offset = [0.9] + [-0.1] * (len(HOME_CLASSES) - 1)
 
-    def conclude(refreshed_accuracy):
+    def conclude(refreshed_accuracy, priors=None):
         shutil.copyfile(repo.weights_path(repo.current()), job_dir / "candidate.npz")
         record = SessionRecord(day="2026-11-29", trigger="cli", model_version_before=repo.current(),
                                accuracy_before=0.5, accuracy_after=0.8)
         store.start_session(record)
-        result = {"prior_refresh": {"logit_offset": offset, "priors": {"status": "estimated"},
+        result = {"prior_refresh": {"logit_offset": offset,
+                                    "priors": priors or {"status": "estimated"},
                                     "by_group": {"1": refreshed_accuracy}}}
         Promotion(odtd_home, store, repo, load_policy(home / "policy.yaml"),
                   lambda message: None).conclude(record, [], job_dir, result)
@@ -351,6 +352,11 @@ def test_the_served_model_with_new_priors_is_served_where_it_beats_an_accepted_c
         manifest = repo.manifest(repo.current())
         assert manifest["sha256"] == served_sha and manifest["parent"] == below.model_version_after
         assert manifest["logit_offset"] == pytest.approx(offset)
+        # Where the served offset was carried to the new priors (``carried_offset``), the reason
+        # says so: the estimate's calibration did not make that offset.
+        carried = conclude(0.9, {"status": "estimated", "offset": "carried"})
+        assert carried.reason.startswith("the device's class priors estimated anew: the served "
+                                         "model with its offset carried to them 90.00% vs 50.00%")
     finally:
         store.close()
 

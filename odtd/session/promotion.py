@@ -148,8 +148,10 @@ class Promotion:
         version = self._promote(
             record, pending, result, self.repo.weights_path(record.model_version_before),
             refreshed.logit_offset, move=False, basis=refreshed.basis,
-            reason=f"the device's class priors estimated anew: the served model with them "
-                   f"{refreshed.accuracy:.2%} vs {record.accuracy_before:.2%}; the trained "
+            reason="the device's class priors estimated anew: the served model with "
+                   + ("its offset carried to them " if refreshed.priors.get("offset") == "carried"
+                      else "them ")
+                   + f"{refreshed.accuracy:.2%} vs {record.accuracy_before:.2%}; the trained "
                    + (f"candidate was refused ({refusal})" if refusal is not None else
                       f"candidate scored {candidate_accuracy:.2%}"))
         self._settled(record, self._after_refresh, record, candidate, version)
