@@ -114,13 +114,16 @@ test-tx2: $(STAMP)
 	echo "test-tx2: $$(( $$(date +%s) - start )) s"
 
 # Ubuntu 18.04's SQLite (3.22; 3.21 built here, scripts/build_sqlite.sh) under the daemon's tests
-# where npm and a C compiler can build it; this machine's otherwise, said in one line.
+# where npm and a C compiler can build it; this machine's otherwise (or where the build fails,
+# say without the npm registry), said in one line.
 TX2_SQLITE := .sqlite-tx2
 TX2_SQLITE_LIB := $(TX2_SQLITE)/lib/libsqlite3.so.0
 tx2-sqlite:
 	@if [ -f $(TX2_SQLITE_LIB) ]; then :; \
-	elif command -v npm >/dev/null && command -v cc >/dev/null; then scripts/build_sqlite.sh $(TX2_SQLITE); \
-	else echo "test-tx2: the daemon's tests on this machine's SQLite: no npm or cc to build a TX2's"; fi
+	elif ! command -v npm >/dev/null || ! command -v cc >/dev/null; then \
+		echo "test-tx2: the daemon's tests on this machine's SQLite: no npm or cc to build a TX2's"; \
+	elif ! scripts/build_sqlite.sh $(TX2_SQLITE); then rm -rf $(TX2_SQLITE); \
+		echo "test-tx2: the daemon's tests on this machine's SQLite: building a TX2's failed (above)"; fi
 
 tx2-tests: $(TX2_DAEMON)/.installed $(TX2_PY36)/.installed tx2-sqlite
 	env $$([ -f $(TX2_SQLITE_LIB) ] && echo LD_LIBRARY_PATH=$(abspath $(TX2_SQLITE))/lib ODTD_TEST_SQLITE_VERSION=3.21.0) \
