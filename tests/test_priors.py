@@ -223,6 +223,14 @@ def test_the_candidate_keeps_the_offset_it_scores_higher_with():
                                                   ("refresh", skewed.copy(), "r")], lambda: False, info)
     assert kept is skewed and basis == "c"
     assert info == {"offset": "candidate", "offset_accuracy": {"candidate": round(accuracy["skewed"], 5)}}
+    # The same offset read back rounded to 6 decimals, as a version's offset travels (result
+    # event, manifest, job), is the same: not scored twice under two names.
+    thirds = skewed + np.float32(1.0 / 3.0)
+    rounded = np.asarray([round(float(v), 6) for v in thirds], np.float32)
+    assert not np.array_equal(rounded, thirds)
+    kept, basis = better_offset(job, validation, [("refresh", rounded, "r"), ("carried", thirds, "k")],
+                                lambda: False, info)
+    assert basis == "r" and list(info["offset_accuracy"]) == ["refresh"]
     # The third (today's estimate on the served model) where it is the one that scores highest.
     kept, basis = better_offset(job, validation, [("candidate", even, "c"), ("served", even - 1.0, "s"),
                                                   ("refresh", skewed, "r")], lambda: False, info)

@@ -246,7 +246,7 @@ def better_offset(job: Dict[str, Any], validation: Any,
     The names: ``candidate`` (its own estimate), ``served`` (the served version's offset),
     ``refresh`` (the served model's priors estimated anew, ``refresh_served``) and ``carried`` (the
     served offset moved to today's priors, ``carried_offset``); in ``refresh_served``, ``anew`` and
-    ``carried``. An offset that is None or the same as an earlier one is left out. The score, on the
+    ``carried``. An offset that is None or the same as an earlier one (``_same``) is left out. The score, on the
     group the acceptance test reads. The candidate's own estimate is calibrated on the original
     domain (the reference set), where a session's training on the device's uneven mix shows
     otherwise than through the device's camera: on an imported DenseNet40 behind a dusk camera, a
@@ -365,8 +365,17 @@ def served_basis(job: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return {"priors": job["logit_offset_priors"], "temperature": job["logit_offset_temperature"]}
 
 
+SAME_OFFSET_ATOL = 1e-5
+"""Offsets this close are one: a version's offset travels rounded to 6 decimals (the result
+event, the manifest, the job), so the served or refreshed one read back is not bit-equal to
+the float32 vector it was computed as."""
+
+
 def _same(had: Optional[np.ndarray], offset: Optional[np.ndarray]) -> bool:
-    return had is offset or (had is not None and offset is not None and np.array_equal(had, offset))
+    if had is None or offset is None:
+        return had is offset
+    had, offset = np.asarray(had, np.float64), np.asarray(offset, np.float64)
+    return had.shape == offset.shape and bool(np.allclose(had, offset, rtol=0.0, atol=SAME_OFFSET_ATOL))
 
 
 def estimate(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
