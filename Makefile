@@ -126,7 +126,8 @@ tx2-sqlite:
 		echo "test-tx2: the daemon's tests on this machine's SQLite: building a TX2's failed (above)"; fi
 
 tx2-tests: $(TX2_DAEMON)/.installed $(TX2_PY36)/.installed tx2-sqlite
-	env $$([ -f $(TX2_SQLITE_LIB) ] && echo LD_LIBRARY_PATH=$(abspath $(TX2_SQLITE))/lib ODTD_TEST_SQLITE_VERSION=3.21.0) \
+	env $$([ -f $(TX2_SQLITE_LIB) ] && echo LD_LIBRARY_PATH=$(abspath $(TX2_SQLITE))/lib \
+		ODTD_TEST_SQLITE_VERSION=$$(sed -n 's/^#define SQLITE_VERSION *"\(.*\)"/\1/p' $(TX2_SQLITE)/include/sqlite3.h)) \
 	ODTD_TEST_WORKER_PYTHON=$(abspath $(TX2_PY36))/bin/python $(TX2_DAEMON)/bin/python -m pytest -q \
 		-n 2 --dist worksteal -p no:cacheprovider --durations=5 $(TX2_WORKER_TESTS) $(TX2_DAEMON_TESTS) \
 		$(TX2_DESELECT)

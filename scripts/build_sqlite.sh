@@ -11,18 +11,20 @@
 set -euo pipefail
 dir=${1:?usage: build_sqlite.sh DIR}
 want=3.21.0
+package=better-sqlite3@4.1.1
+tarball=package/deps/sqlite-autoconf-3210000.tar.gz
 tarball_sha256=d7dd516775005ad87a57f428b6f86afd206cb341722927f104d3f0cf65fbbbe3
 mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cd "$work"
-echo "+ npm pack better-sqlite3@4.1.1 (for its sqlite-autoconf-3210000.tar.gz)"
-npm pack --silent better-sqlite3@4.1.1 >/dev/null
-tar xzf better-sqlite3-4.1.1.tgz package/deps/sqlite-autoconf-3210000.tar.gz
-echo "$tarball_sha256  package/deps/sqlite-autoconf-3210000.tar.gz" | sha256sum --check --quiet
-tar xzf package/deps/sqlite-autoconf-3210000.tar.gz
-cd sqlite-autoconf-3210000
+echo "+ npm pack $package (for its $(basename "$tarball"))"
+packed=$(npm pack --silent "$package")
+tar xzf "$packed" "$tarball"
+echo "$tarball_sha256  $tarball" | sha256sum --check --quiet
+tar xzf "$tarball"
+cd "$(basename "$tarball" .tar.gz)"
 CFLAGS="-O2 -DSQLITE_SECURE_DELETE -DSQLITE_ENABLE_COLUMN_METADATA -DSQLITE_ENABLE_FTS3 \
 -DSQLITE_ENABLE_FTS3_PARENTHESIS -DSQLITE_ENABLE_RTREE=1 -DSQLITE_SOUNDEX=1 \
 -DSQLITE_ENABLE_UNLOCK_NOTIFY -DSQLITE_ENABLE_DBSTAT_VTAB -DSQLITE_ENABLE_UPDATE_DELETE_LIMIT=1 \
