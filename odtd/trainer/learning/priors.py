@@ -246,16 +246,17 @@ def better_offset(job: Dict[str, Any], validation: Any,
     The names: ``candidate`` (its own estimate), ``served`` (the served version's offset),
     ``refresh`` (the served model's priors estimated anew, ``refresh_served``) and ``carried`` (the
     served offset moved to today's priors, ``carried_offset``); in ``refresh_served``, ``anew`` and
-    ``carried``. An offset that is None or the same as an earlier one (``_same``) is left out. The score, on the
-    group the acceptance test reads. The candidate's own estimate is calibrated on the original
-    domain (the reference set), where a session's training on the device's uneven mix shows
-    otherwise than through the device's camera: on an imported DenseNet40 behind a dusk camera, a
-    day-1 candidate scored 55.8% on validation with its own offset and 72.7% with the base model's
-    priors. A later estimate on a trained model is calibrated so too: the version served from that
-    day-1 candidate scored 72.5% with the base model's offset and 64.7% with its own priors
-    estimated anew, so the served version's offset is a choice of its own. One pass of the candidate
-    over that group's images; the offsets are compared on its logits. ``info`` (the record's
-    ``priors``) gets ``offset`` (the name kept) and each one's accuracy; a tie keeps the earlier.
+    ``carried``. An offset that is None or the same as an earlier one (``_same``) is left out. The
+    score, on the group the acceptance test reads. The candidate's own estimate is calibrated on
+    the original domain (the reference set), where a session's training on the device's uneven mix
+    shows otherwise than through the device's camera: on an imported DenseNet40 behind a dusk
+    camera, a day-1 candidate scored 55.8% on validation with its own offset and 72.7% with the
+    base model's priors. A later estimate on a trained model is calibrated so too: the version
+    served from that day-1 candidate scored 72.5% with the base model's offset and 64.7% with its
+    own priors estimated anew, so the served version's offset is a choice of its own. One pass of
+    the candidate over that group's images; the offsets are compared on its logits. ``info`` (the
+    record's ``priors``) gets ``offset`` (the name kept) and each one's accuracy; a tie keeps the
+    earlier.
     """
     rows = acceptance_rows(validation.groups, len(validation.y))
     logits = unless_stopped(logits_function(job, validation.eval_step, should_stop)(
