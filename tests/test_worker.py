@@ -925,8 +925,10 @@ def test_prior_correction_raises_the_devices_accuracy_and_leaves_the_reference_a
                for tried in kept["trained_shares_tried"].values())
     assert kept["priors"]["offset"] == "served" and kept["logit_offset_after"] == served
     scored = kept["priors"]["offset_accuracy"]
-    assert set(scored) == {"candidate", "served", "refresh"}
-    assert scored["served"] > max(scored["candidate"], scored["refresh"])
+    # Today's estimate on the served weights is the candidate's own (nothing trained): the same
+    # offset, read back rounded, so scored once, as the candidate's.
+    assert set(scored) == {"candidate", "served"}
+    assert scored["served"] > scored["candidate"]
     # An evaluate job applies a model's offset to the rows its file names.
     rows = np.zeros(90, dtype=bool)
     rows[:60] = True
