@@ -616,3 +616,78 @@ def test_a_round_start_clears_what_gone_clientapps_left_and_not_a_living_ones_fi
     finally:
         living.kill()
         living.wait()
+
+
+@pytest.fixture
+def flower_task(monkeypatch):
+    """Messages made in this process as the ServerApp's process makes them (its task identity)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for key in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, key, 1)
+
+
+def test_fedavgm_steps_the_trained_weights_and_averages_batchnorm_statistics(tmp_path, flower_task):
+    from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+    from odtd.fleet.packing import pack, unpack
+    from odtd.fleet.server import AveragedStatisticsFedAvgM, statistics_mask, weight_names, write_weight_names
+    from odtd.session.federated import write_weights
+
+    names = ["conv/kernel", "bn/gamma", "bn/moving_mean", "bn/moving_variance"]
+    start = [np.ones((2, 2), np.float32), np.ones(2, np.float32), np.zeros(2, np.float32),
+             np.ones(2, np.float32)]
+    write_weights(tmp_path / "global-1.npz", start)
+    assert weight_names(tmp_path / "global-1.npz") is None  # nothing beside it names them
+    write_weight_names(tmp_path / "global-1.npz", names)
+    assert weight_names(tmp_path / "global-1.npz") == names
+    packed, layout = pack(start)
+    asked = Message(content=RecordDict({"arrays": ArrayRecord(packed), "config": ConfigRecord({})}),
+                    dst_node_id=2, message_type="train")
+
+    def reply(kernel: float, variance: float) -> Message:
+        arrays = [np.full((2, 2), kernel, np.float32), np.ones(2, np.float32),
+                  np.full(2, 0.5, np.float32), np.full(2, variance, np.float32)]
+        return Message(content=RecordDict({"arrays": ArrayRecord(pack(arrays)[0]),
+                                           "metrics": MetricRecord({"num-examples": 8})}),
+                       reply_to=asked)
+
+    def aggregate(statistics, server_round, replies):
+        strategy = AveragedStatisticsFedAvgM(server_learning_rate=2.0, server_momentum=0.5)
+        strategy.statistics = statistics
+        strategy.current_arrays = ArrayRecord(packed)
+        for r in range(1, server_round + 1):
+            arrays, _ = strategy.aggregate_train(r, replies)
+        return dict(zip(names, unpack(arrays.to_numpy_ndarrays(), layout)))
+
+    # Two devices' updates: kernels 2 and 4 (mean 3), variances 0.2 and 0.4 (mean 0.3).
+    replies = [reply(2.0, 0.2), reply(4.0, 0.4)]
+    got = aggregate(statistics_mask(names, layout), 1, replies)
+    assert np.allclose(got["conv/kernel"], 1 + 2 * (3 - 1))  # the server's step: twice the mean update
+    assert np.allclose(got["bn/moving_variance"], 0.3) and np.allclose(got["bn/moving_mean"], 0.5)
+    # Round 2 from round 1's global (momentum 0.5): the step grows, the statistics stay the mean.
+    got = aggregate(statistics_mask(names, layout), 2, replies)
+    assert np.allclose(got["conv/kernel"], 5 - 2 * (0.5 * (1 - 3) + (5 - 3)))
+    assert np.allclose(got["bn/moving_variance"], 0.3)
+    # Without names every array is stepped, as Flower's FedAvgM does: the variances go below 0.
+    got = aggregate(None, 1, replies)
+    assert np.allclose(got["bn/moving_variance"], 1 + 2 * (0.3 - 1)) and (got["bn/moving_variance"] < 0).all()
+
+
+def test_a_negative_batchnorm_variance_is_refused_unless_the_device_keeps_its_own(_base_home, tmp_path):
+    from odtd.session.federated import FederatedRound, write_start_weights
+
+    _, served, arrays = _served(_base_home)
+    names = json.loads((served.parent / "manifest.json").read_text())["weight_names"]
+    variance = next(i for i, name in enumerate(names) if name.endswith("/moving_variance"))
+    np.savez(tmp_path / "global.npz", **{**arrays, f"w{variance:04d}": -arrays[f"w{variance:04d}"]})
+    for batchnorm in ("fedavg", "fedbn"):
+        federated = FederatedRound("run", 1, str(tmp_path / "global.npz"), str(tmp_path / "out.npz"),
+                                   batchnorm=batchnorm)
+        if batchnorm == "fedavg":
+            with pytest.raises(OdtdError, match=f"{names[variance]} holds .* negative variances: refused"):
+                write_start_weights(federated, served, names, tmp_path / "job")
+            assert not (tmp_path / "job" / "global.npz").exists()
+        else:  # the device's own BatchNorm parameters replace the server's
+            with np.load(write_start_weights(federated, served, names, tmp_path / "job")) as start:
+                assert np.array_equal(start[f"w{variance:04d}"], arrays[f"w{variance:04d}"])

@@ -64,3 +64,17 @@ def unpack(flat: Sequence[np.ndarray], layout: Sequence[str]) -> List[np.ndarray
         out.append(array[offset[0]:offset[0] + size].reshape(shape))
         offset[0] += size
     return out
+
+
+def packed_mask(layout: Sequence[str], chosen: Sequence[bool]) -> List[np.ndarray]:
+    """Per packed array (``pack``'s order), True at the elements of the arrays ``chosen`` names.
+
+    ``chosen``: one flag per array of ``layout``, in the model's order.
+    """
+    entries = [_entry(entry) for entry in layout]
+    if len(chosen) != len(entries):
+        raise OdtdError(f"{len(chosen)} flags for a layout of {len(entries)} arrays")
+    dtypes = list(dict.fromkeys(dtype.str for dtype, _ in entries))
+    return [np.concatenate([np.full(int(np.prod(shape)), bool(flag)) for (d, shape), flag
+                            in zip(entries, chosen) if d.str == dtype] or [np.zeros(0, bool)])
+            for dtype in dtypes]

@@ -150,9 +150,14 @@ def check_global_weights(path: Path, served: Path,
     return incoming
 
 
+def is_statistic(name: str) -> bool:
+    """Whether the weight ``name`` (``layer/variable``) is a BatchNorm layer's moving statistic."""
+    return name.rsplit("/", 1)[-1] in _STATISTICS
+
+
 def batchnorm_keys(weight_names: List[str]) -> List[str]:
     """The ``wNNNN`` keys of BatchNorm layers' parameters (the layers with moving statistics)."""
-    layers = {name.rsplit("/", 1)[0] for name in weight_names if name.rsplit("/", 1)[-1] in _STATISTICS}
+    layers = {name.rsplit("/", 1)[0] for name in weight_names if is_statistic(name)}
     return [f"w{index:04d}" for index, name in enumerate(weight_names)
             if name.rsplit("/", 1)[0] in layers]
 
@@ -160,6 +165,9 @@ def batchnorm_keys(weight_names: List[str]) -> List[str]:
 def write_start_weights(federated: FederatedRound, served: Path, weight_names: Optional[List[str]],
                         job_dir: Path) -> Path:
     """Check the round's weights and write the session's start (``job_dir/global.npz``).
+
+    Beside ``check_global_weights``' checks, where the served version names its weights, no
+    BatchNorm moving variance may be negative.
 
     With ``batchnorm: fedbn`` the BatchNorm layers' parameters are the served model's.
 
@@ -173,6 +181,12 @@ def write_start_weights(federated: FederatedRound, served: Path, weight_names: O
             raise OdtdError("batchnorm fedbn: the served version's manifest names no weights")
         for key in batchnorm_keys(weight_names):
             arrays[key] = kept[key]
+    for index, name in enumerate(weight_names or []):
+        variance = arrays.get(f"w{index:04d}") if name.endswith("/moving_variance") else None
+        negative = 0 if variance is None else int(np.sum(variance < 0))
+        if negative:  # a server step past the devices' mean (Flower's FedAvgM moves statistics)
+            raise OdtdError(f"the round's weights: {name} holds {negative} negative variances: "
+                            "refused (a server step that moved BatchNorm's statistics?)")
     job_dir.mkdir(parents=True, exist_ok=True)
     start = job_dir / "global.npz"
     np.savez(start, **arrays)
