@@ -94,6 +94,8 @@ def main() -> int:
     parser.add_argument("--batchnorm", choices=("fedavg", "fedbn"), default="fedavg")
     parser.add_argument("--strategy", choices=("fedavg", "fedavgm", "fedprox"), default="fedavg")
     parser.add_argument("--proximal-mu", type=float, default=0.01)
+    parser.add_argument("--server-learning-rate", type=float, default=1.0,
+                        help="fedavgm: the server's step on the devices' mean update")
     parser.add_argument("--replay-seed", type=int, default=500,
                         help="clean images each home gets as init --replay (the reference set)")
     parser.add_argument("--seed", type=int, default=0)
@@ -114,6 +116,7 @@ def main() -> int:
                               batchnorm=args.batchnorm, model_file=args.model_file,
                               replay_seed=args.replay_seed, strategy=args.strategy,
                               proximal_mu=args.proximal_mu,
+                              server_learning_rate=args.server_learning_rate,
                               device_validation=args.device_validation, each=each)
     def log(line: str) -> None:
         print(line, file=sys.stderr)

@@ -137,6 +137,7 @@ def fleet_simulate(args: argparse.Namespace) -> int:
                               batchnorm=args.batchnorm,
                               model_file=args.model_file, replay_seed=args.replay_seed,
                               strategy=args.strategy, proximal_mu=args.proximal_mu,
+                              server_learning_rate=args.server_learning_rate,
                               device_validation=args.device_validation, each=each)
     result = simulate_fleet(Path(args.out), options, progress=progress)
     result["plot"] = _plot_simulation(result, Path(args.out))
@@ -239,7 +240,10 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
                    help="BatchNorm parameters averaged (fedavg) or kept per device (fedbn)")
     m.add_argument("--strategy", choices=("fedavg", "fedavgm", "fedprox"), default="fedavg",
                    help="the server's strategy (default fedavg; fedavgm: one round a day, so its "
-                        "momentum does not carry over)")
+                        "momentum does not carry over: its step is --server-learning-rate)")
+    m.add_argument("--server-learning-rate", type=float, default=1.0,
+                   help="fedavgm: the global model moves this many times the devices' mean "
+                        "update (default 1: FedAvg's; BatchNorm's statistics are averaged)")
     m.add_argument("--proximal-mu", type=float, default=0.01,
                    help="fedprox: the proximal term's weight in each device's loss (default 0.01)")
     m.add_argument("--policy", help="the devices' policy file (default: the model's recipe)")

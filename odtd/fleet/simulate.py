@@ -63,6 +63,9 @@ class FleetSimulation:
         batchnorm: ``fedavg`` or ``fedbn`` (docs/fleet.md).
         strategy: The server's (``fedavg``, ``fedavgm``, ``fedprox``; ``proximal_mu`` for
             FedProx), as the server's YAML names it.
+        server_learning_rate: FedAvgM's step: the global model moves this many times the
+            devices' mean update (BatchNorm's statistics: their mean). Its momentum is 0: each
+            day's round is a Flower run of its own, so momentum would not carry over.
         model_file: A user's trained Keras model (``.keras``/``.h5``) as the base, imported as
             ``odtctl init --model-file`` does (no pre-training); None: ``each.model`` pre-trained.
         replay_seed: The base model's own (clean, server-side) images every home gets as
@@ -85,6 +88,7 @@ class FleetSimulation:
     replay_seed: int = 500
     strategy: str = "fedavg"
     proximal_mu: float = 0.01
+    server_learning_rate: float = 1.0
     device_validation: int = 0
     each: SimulationOptions = field(default_factory=lambda: SimulationOptions(
         days=2, pretrain_samples=1000, pretrain_epochs=3, validation_samples=200))
@@ -236,6 +240,11 @@ def simulate_fleet(out: Path, options: FleetSimulation, progress: Callable[[str]
             or options.replay_seed < 0:
         raise ConfigError("--devices, --rounds and --per-day must be at least 1, --alpha above 0, "
                           "--replay-seed at least 0")
+    if not options.server_learning_rate > 0:
+        raise ConfigError(f"--server-learning-rate {options.server_learning_rate:g}: it must be above 0")
+    if options.server_learning_rate != 1.0 and options.strategy != "fedavgm":
+        raise ConfigError(f"--server-learning-rate {options.server_learning_rate:g} is FedAvgM's "
+                          "server step: add --strategy fedavgm")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out}: not empty; give a new --out directory")
     out.mkdir(parents=True, exist_ok=True)
@@ -310,6 +319,7 @@ def simulate_fleet(out: Path, options: FleetSimulation, progress: Callable[[str]
                 "learning_rate": options.learning_rate,
                 "batchnorm": options.batchnorm, "round_timeout_s": 3600,
                 "strategy": options.strategy, "proximal_mu": options.proximal_mu,
+                "server_learning_rate": options.server_learning_rate, "server_momentum": 0.0,
                 "initial_weights": str(global_weights), "record": str(out / "rounds.db"),
                 "output_weights": str(out / f"global-{r}.npz")}), encoding="utf-8")  # YAML too
             if local.run(config, progress=progress) != 0:
