@@ -303,3 +303,31 @@ def test_a_guarded_candidate_without_a_reference_score_is_refused(home, tmp_path
         assert "vs the first model's 50.00%: 1.10 points below it" in third.reason
     finally:
         store.close()
+
+
+def test_what_a_session_trains_does_not_depend_on_the_second_its_images_arrived(home, tmp_path):
+    # Two homes get the same day's images in two batches, a second apart, in opposite orders:
+    # their samples' stored times differ, their sessions must train alike (the worker is
+    # deterministic for one job, so the weights are equal only if the jobs' data are).
+    write_images(tmp_path / "a", per_class=3, seed=1)
+    write_images(tmp_path / "b", per_class=3, seed=2)
+    other = tmp_path / "other"
+    shutil.copytree(home, other, symlinks=True)
+    for target, batches in ((home, "ab"), (other, "ba")):
+        policy = (target / "policy.yaml").read_text()
+        (target / "policy.yaml").write_text(policy.replace("tolerance: 1.0", "tolerance: 100.0"))
+        for i, batch in enumerate(batches):
+            if i:
+                time.sleep(1.1)  # stored in the next second
+            odtctl("ingest", str(tmp_path / batch), home=target)
+    stored = [dict(sqlite3.connect(h / "odtd.db").execute(
+        "SELECT sha256, ingested_at FROM samples WHERE status = 'pending'").fetchall())
+        for h in (home, other)]
+    assert stored[0].keys() == stored[1].keys() and stored[0] != stored[1]
+    weights = []
+    for target in (home, other):
+        session = odtctl_json("train-now", "--foreground", home=target)
+        assert session["outcome"] == "promoted", session
+        with np.load(target / "models" / "tinycnn" / _current(target) / "weights.npz") as arrays:
+            weights.append({key: arrays[key] for key in arrays.files})
+    assert all(np.array_equal(weights[0][key], weights[1][key]) for key in weights[0])

@@ -88,6 +88,9 @@ class SampleRows:
                 {"at": utc_now(), "original_path": original_path, "stored_path": stored_path,
                  "reason": reason})
 
+    # Within a day, samples go by hash, not by the second each was stored: what a session is
+    # given (which of a day's images, in what order) is then a function of the days' images,
+    # not of how long their ingest took (a day's 576 images span 1 to 15 seconds).
     def samples(self, status: str, limit: Optional[int] = None) -> list[dict[str, Any]]:
         """Return labelled samples in a status (``LABELLED_STATUSES``), oldest day first.
 
@@ -98,7 +101,7 @@ class SampleRows:
             raise StoreError(f"samples({status!r}): a labelled sample's status is one of "
                              f"{', '.join(LABELLED_STATUSES)}; unlabelled ones: unlabelled_samples()")
         return self._rows("samples", "status = ?", [status],
-                          order_by="day, ingested_at, sha256", limit=limit)
+                          order_by="day, sha256", limit=limit)
 
     def samples_by_sha(self, shas: Iterable[str]) -> list[dict[str, Any]]:
         """Return the labelled sample rows for these hashes (unknown ones are skipped)."""
@@ -109,7 +112,7 @@ class SampleRows:
     def device_samples(self, limit: int) -> list[dict[str, Any]]:
         """Return labelled samples sessions trained on (not the replay seed's), the newest first."""
         return self._rows("samples", "status = 'trained' AND session_id > 0", [],
-                          order_by="day DESC, ingested_at DESC, sha256", limit=limit)
+                          order_by="day DESC, sha256", limit=limit)
 
     def mark_trained(self, shas: Iterable[str], session_id: int) -> None:
         """Mark pending (labelled) samples as trained by a session."""
@@ -136,7 +139,7 @@ class SampleRows:
         return counts
 
     def unlabelled_samples(self, limit: int) -> list[UnlabelledSample]:
-        """The ``limit`` newest unlabelled samples (by day, then time stored), the newest first.
+        """The ``limit`` newest unlabelled samples (by day, then hash), the newest day first.
 
         Raises:
             StoreError: ``limit`` is not a positive number.
@@ -145,7 +148,7 @@ class SampleRows:
             raise StoreError(f"unlabelled_samples: limit {limit}: give a positive number")
         rows = self._query(
             "SELECT sha256, day, ingested_at, original_path, stored_path, array_path FROM samples "
-            "WHERE status = ? ORDER BY day DESC, ingested_at DESC, sha256 LIMIT ?",
+            "WHERE status = ? ORDER BY day DESC, sha256 LIMIT ?",
             [UNLABELLED, limit])
         return [UnlabelledSample(**row) for row in rows]
 
