@@ -458,7 +458,7 @@ def test_a_server_killed_while_recording_loses_no_recorded_round(tmp_path):
 
 
 def test_packed_weights_round_trip_and_average_as_the_arrays_do():
-    from odtd.fleet.packing import pack, unpack
+    from odtd.fleet.packing import pack, packed_mask, unpack
 
     rng = np.random.default_rng(0)
     one = [rng.normal(size=(3, 3, 2, 4)).astype(np.float32), np.arange(5, dtype=np.int64),
@@ -472,6 +472,12 @@ def test_packed_weights_round_trip_and_average_as_the_arrays_do():
     mean = [(0.25 * a + 0.75 * b).astype(a.dtype) for a, b in zip(pack(one)[0], pack(two)[0])]
     for got, a, b in zip(unpack(mean, layout), one, two):
         assert np.allclose(got, (0.25 * a + 0.75 * b).astype(a.dtype))
+    # A mask over the packed arrays (FedAvgM's statistics) falls on the arrays it flags.
+    flags = [True, False, True, False]
+    mask = packed_mask(layout, flags)
+    assert [m.shape for m in mask] == [a.shape for a in packed] and mask[0].dtype == bool
+    for got, flag in zip(unpack([m.astype(a.dtype) for m, a in zip(mask, packed)], layout), flags):
+        assert np.all(got == flag)
 
 
 @pytest.mark.parametrize("damage, said", [
@@ -638,9 +644,10 @@ def test_fedavgm_steps_the_trained_weights_and_averages_batchnorm_statistics(tmp
     start = [np.ones((2, 2), np.float32), np.ones(2, np.float32), np.zeros(2, np.float32),
              np.ones(2, np.float32)]
     write_weights(tmp_path / "global-1.npz", start)
-    assert weight_names(tmp_path / "global-1.npz") is None  # nothing beside it names them
+    assert weight_names(tmp_path / "global-1.npz", 4) is None  # nothing beside it names them
     write_weight_names(tmp_path / "global-1.npz", names)
-    assert weight_names(tmp_path / "global-1.npz") == names
+    assert weight_names(tmp_path / "global-1.npz", 4) == names
+    assert weight_names(tmp_path / "global-1.npz", 5) is None  # names for another model
     packed, layout = pack(start)
     asked = Message(content=RecordDict({"arrays": ArrayRecord(packed), "config": ConfigRecord({})}),
                     dst_node_id=2, message_type="train")

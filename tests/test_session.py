@@ -315,6 +315,7 @@ def test_what_a_session_trains_does_not_depend_on_the_second_its_images_arrived(
     shutil.copytree(home, other, symlinks=True)
     for target, batches in ((home, "ab"), (other, "ba")):
         policy = (target / "policy.yaml").read_text()
+        assert "tolerance: 1.0" in policy  # every candidate promoted, so its weights are kept
         (target / "policy.yaml").write_text(policy.replace("tolerance: 1.0", "tolerance: 100.0"))
         for i, batch in enumerate(batches):
             if i:

@@ -74,7 +74,5 @@ def packed_mask(layout: Sequence[str], chosen: Sequence[bool]) -> List[np.ndarra
     entries = [_entry(entry) for entry in layout]
     if len(chosen) != len(entries):
         raise OdtdError(f"{len(chosen)} flags for a layout of {len(entries)} arrays")
-    dtypes = list(dict.fromkeys(dtype.str for dtype, _ in entries))
-    return [np.concatenate([np.full(int(np.prod(shape)), bool(flag)) for (d, shape), flag
-                            in zip(entries, chosen) if d.str == dtype] or [np.zeros(0, bool)])
-            for dtype in dtypes]
+    flat, _ = pack([np.full(shape, bool(flag), dtype) for (dtype, shape), flag in zip(entries, chosen)])
+    return [array.astype(bool) for array in flat]

@@ -223,8 +223,8 @@ def make_strategy(settings: FleetSettings, log: RoundLog, run_id: str,
     return strategy
 
 
-def weight_names(weights: Path) -> Optional[List[str]]:
-    """The names of the arrays in ``weights``, where a file beside it gives them.
+def weight_names(weights: Path, count: int) -> Optional[List[str]]:
+    """The names of the ``count`` arrays in ``weights``, where a file beside it gives them.
 
     A version's ``weights.npz`` has its ``manifest.json`` beside it; the global weights a run
     writes have ``NAME.names.json`` (``write_weight_names``), so the next run's start has names.
@@ -236,7 +236,7 @@ def weight_names(weights: Path) -> Optional[List[str]]:
             names = json.loads(path.read_text(encoding="utf-8")).get(key)
         except (OSError, ValueError, AttributeError):
             continue
-        if isinstance(names, list) and len(names) == len(read_weights(weights)):
+        if isinstance(names, list) and len(names) == count:
             return [str(name) for name in names]
     return None
 
@@ -264,7 +264,7 @@ def main(grid: Grid, context: Context) -> None:
         # One flat array per dtype a message (odtd.fleet.packing): Flower moves each array as
         # an object of its own, one request per hop.
         packed, layout = pack(initial)
-        names = weight_names(settings.initial_weights)
+        names = weight_names(settings.initial_weights, len(initial))
         strategy = make_strategy(settings, log, run_id, statistics_mask(names, layout))
         if names is None and isinstance(strategy, FedAvgM) and strategy.server_opt:
             print(f"{settings.initial_weights}: no manifest.json or .names.json beside it names the "
