@@ -633,8 +633,10 @@ def flower_task(monkeypatch):
         monkeypatch.setattr(TaskIdentity, key, 1)
 
 
-def test_fedavgm_steps_the_trained_weights_and_averages_batchnorm_statistics(tmp_path, flower_task):
+def test_fedavgm_steps_the_trained_weights_and_averages_batchnorm_statistics(tmp_path, flower_task,
+                                                                            monkeypatch):
     from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.serverapp.strategy import FedAvg
 
     from odtd.fleet.packing import pack, unpack
     from odtd.fleet.server import AveragedStatisticsFedAvgM, statistics_mask, weight_names, write_weight_names
@@ -659,12 +661,18 @@ def test_fedavgm_steps_the_trained_weights_and_averages_batchnorm_statistics(tmp
                                            "metrics": MetricRecord({"num-examples": 8})}),
                        reply_to=asked)
 
+    means = []  # FedAvg's weighted mean, computed (and logged by Flower) once a round
+    monkeypatch.setattr(FedAvg, "aggregate_train", lambda self, *args, _mean=FedAvg.aggregate_train:
+                        means.append(1) or _mean(self, *args))
+
     def aggregate(statistics, server_round, replies):
         strategy = AveragedStatisticsFedAvgM(server_learning_rate=2.0, server_momentum=0.5)
         strategy.statistics = statistics
         strategy.current_arrays = ArrayRecord(packed)
+        means.clear()
         for r in range(1, server_round + 1):
-            arrays, _ = strategy.aggregate_train(r, replies)
+            arrays, _ = strategy.aggregate_train(r, iter(replies))
+        assert len(means) == server_round
         return dict(zip(names, unpack(arrays.to_numpy_ndarrays(), layout)))
 
     # Two devices' updates: kernels 2 and 4 (mean 3), variances 0.2 and 0.4 (mean 0.3).

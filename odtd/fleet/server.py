@@ -154,7 +154,23 @@ class RecordingFedAvg(_Recording, FedAvg):
     """FedAvg, each round recorded."""
 
 
-class AveragedStatisticsFedAvgM(FedAvgM):
+class _KeptMean(FedAvg):
+    """FedAvg whose aggregate keeps a copy of the replies' weighted mean (``kept_mean``).
+
+    Placed after FedAvgM in a class's bases, it is the ``super()`` FedAvgM's aggregate calls, so
+    the mean is computed (and logged by Flower) once; FedAvgM then clears that record.
+    """
+
+    kept_mean: Optional[List[np.ndarray]] = None
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> Tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
+        mean, metrics = super().aggregate_train(server_round, replies)
+        self.kept_mean = None if mean is None else mean.to_numpy_ndarrays()
+        return mean, metrics
+
+
+class AveragedStatisticsFedAvgM(FedAvgM, _KeptMean):
     """FedAvgM whose server step moves the trained weights; BatchNorm's statistics are averaged.
 
     Flower's FedAvgM steps every array from the last global model by its server rate times the
@@ -175,14 +191,12 @@ class AveragedStatisticsFedAvgM(FedAvgM):
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> Tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
         """FedAvgM's aggregate, its BatchNorm statistics replaced by the replies' weighted mean."""
-        replies = list(replies)
         stepped, metrics = super().aggregate_train(server_round, replies)
         if stepped is None or self.statistics is None or not self.server_opt:
             return stepped, metrics
-        averaged, _ = FedAvg.aggregate_train(self, server_round, replies)
-        assert averaged is not None  # the same replies gave the stepped arrays
+        assert self.kept_mean is not None  # the same aggregate gave the stepped arrays
         arrays = [np.where(mask, mean, step) for mask, mean, step in
-                  zip(self.statistics, averaged.to_numpy_ndarrays(), stepped.to_numpy_ndarrays())]
+                  zip(self.statistics, self.kept_mean, stepped.to_numpy_ndarrays())]
         record = ArrayRecord({key: Array(np.asarray(array))
                               for key, array in zip(stepped.keys(), arrays)})
         self.current_arrays = record
