@@ -96,6 +96,8 @@ def main() -> int:
     parser.add_argument("--proximal-mu", type=float, default=0.01)
     parser.add_argument("--server-learning-rate", type=float, default=1.0,
                         help="fedavgm: the server's step on the devices' mean update")
+    parser.add_argument("--server-momentum", type=float, default=0.0,
+                        help="fedavgm: the server's momentum, carried from day to day")
     parser.add_argument("--replay-seed", type=int, default=500,
                         help="clean images each home gets as init --replay (the reference set)")
     parser.add_argument("--seed", type=int, default=0)
@@ -117,6 +119,7 @@ def main() -> int:
                               replay_seed=args.replay_seed, strategy=args.strategy,
                               proximal_mu=args.proximal_mu,
                               server_learning_rate=args.server_learning_rate,
+                              server_momentum=args.server_momentum,
                               device_validation=args.device_validation, each=each)
     def log(line: str) -> None:
         print(line, file=sys.stderr)

@@ -395,6 +395,18 @@ def test_fleet_status_all_shows_every_runs_rounds_as_fleet_simulate_records_them
     assert both.returncode == 2 and "not allowed" in both.stderr
 
 
+@pytest.mark.parametrize("options, said", [
+    (["--server-momentum", "0.5"], "--server-momentum 0.5 is FedAvgM's: add --strategy fedavgm"),
+    (["--strategy", "fedavgm", "--server-momentum", "1"], "--server-momentum 1: it must be at least 0"),
+])
+def test_fleet_simulate_refuses_a_server_momentum_it_cannot_use(tmp_path, options, said):
+    out = tmp_path / "fleet"
+    refused = odtctl("fleet", "simulate", "--out", str(out), *options, check=False)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("Error:")]
+    assert refused.returncode == 1 and len(errors) == 1 and said in errors[0], refused.stderr
+    assert not out.exists()
+
+
 def test_server_settings_choose_flowers_strategy_and_fedprox_reaches_the_session(tmp_path):
     from flwr.serverapp.strategy import FedAvgM, FedProx
 
@@ -687,6 +699,50 @@ def test_fedavgm_steps_the_trained_weights_and_averages_batchnorm_statistics(tmp
     # Without names every array is stepped, as Flower's FedAvgM does: the variances go below 0.
     got = aggregate(None, 1, replies)
     assert np.allclose(got["bn/moving_variance"], 1 + 2 * (0.3 - 1)) and (got["bn/moving_variance"] < 0).all()
+
+
+def test_fedavgm_momentum_carries_to_a_run_that_starts_where_one_ended(tmp_path, flower_task):
+    from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.serverapp.strategy import FedAvg
+
+    from odtd.fleet.packing import pack
+    from odtd.fleet.server import AveragedStatisticsFedAvgM, momentum_file, resume_momentum, save_momentum
+
+    start, _ = pack([np.ones((2, 2), np.float32)])
+    asked = Message(content=RecordDict({"arrays": ArrayRecord(start), "config": ConfigRecord({})}),
+                    dst_node_id=2, message_type="train")
+    replies = [Message(content=RecordDict({"arrays": ArrayRecord(pack([np.full((2, 2), k, np.float32)])[0]),
+                                           "metrics": MetricRecord({"num-examples": 8})}),
+                       reply_to=asked) for k in (2.0, 4.0)]  # the devices' weights: mean 3
+
+    def run(arrays, rounds, carried_from=None):
+        strategy = AveragedStatisticsFedAvgM(server_learning_rate=1.0, server_momentum=0.5)
+        strategy.current_arrays = ArrayRecord(arrays)
+        resumed = carried_from is not None and resume_momentum(strategy, carried_from, arrays)
+        for r in range(1, rounds + 1):
+            out, _ = strategy.aggregate_train(r, replies)
+        return strategy, out.to_numpy_ndarrays(), resumed
+
+    # One run of two rounds: 1 -> 3 (momentum -2), then 3 -> 3 + 0.5 * 2 = 4.
+    _, both, _ = run(start, 2)
+    assert np.allclose(both[0], 4.0)
+    # Two runs of one round each, the first's momentum written beside its global weights.
+    first, day1, _ = run(start, 1)
+    weights = tmp_path / "global-1.npz"
+    save_momentum(first, weights)
+    assert momentum_file(weights).is_file()
+    _, day2, resumed = run(day1, 1, carried_from=weights)
+    assert resumed and np.allclose(day2[0], both[0])
+    # Without it the second run starts its momentum afresh: no step beyond the mean.
+    _, fresh, resumed = run(day1, 1, carried_from=tmp_path / "global-0.npz")
+    assert not resumed and np.allclose(fresh[0], 3.0)
+    # Momentum of another model's shapes is not taken up.
+    other, _ = pack([np.ones((3, 2), np.float32)])
+    assert not resume_momentum(AveragedStatisticsFedAvgM(server_momentum=0.5), weights, other)
+    # A strategy without momentum takes none up, and its run removes what an earlier one left.
+    assert not resume_momentum(FedAvg(), weights, day1)
+    save_momentum(FedAvg(), weights)
+    assert not momentum_file(weights).exists()
 
 
 def test_a_negative_batchnorm_variance_is_refused_unless_the_device_keeps_its_own(_base_home, tmp_path):

@@ -138,6 +138,7 @@ def fleet_simulate(args: argparse.Namespace) -> int:
                               model_file=args.model_file, replay_seed=args.replay_seed,
                               strategy=args.strategy, proximal_mu=args.proximal_mu,
                               server_learning_rate=args.server_learning_rate,
+                              server_momentum=args.server_momentum,
                               device_validation=args.device_validation, each=each)
     result = simulate_fleet(Path(args.out), options, progress=progress)
     result["plot"] = _plot_simulation(result, Path(args.out))
@@ -239,11 +240,14 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     m.add_argument("--batchnorm", choices=("fedavg", "fedbn"), default="fedavg",
                    help="BatchNorm parameters averaged (fedavg) or kept per device (fedbn)")
     m.add_argument("--strategy", choices=("fedavg", "fedavgm", "fedprox"), default="fedavg",
-                   help="the server's strategy (default fedavg; fedavgm: one round a day, so its "
-                        "momentum does not carry over: its step is --server-learning-rate)")
+                   help="the server's strategy (default fedavg; fedavgm: its step is "
+                        "--server-learning-rate, its momentum --server-momentum)")
     m.add_argument("--server-learning-rate", type=float, default=1.0,
                    help="fedavgm: the global model moves this many times the devices' mean "
                         "update (default 1: FedAvg's; BatchNorm's statistics are averaged)")
+    m.add_argument("--server-momentum", type=float, default=0.0,
+                   help="fedavgm: the server's momentum, carried from each day's round to the "
+                        "next (default 0)")
     m.add_argument("--proximal-mu", type=float, default=0.01,
                    help="fedprox: the proximal term's weight in each device's loss (default 0.01)")
     m.add_argument("--policy", help="the devices' policy file (default: the model's recipe)")

@@ -13,6 +13,7 @@ import json
 import logging
 import re
 import time
+import zipfile
 from pathlib import Path
 from typing import Any, Iterable, List, Optional, Tuple, cast
 
@@ -266,6 +267,44 @@ def write_weight_names(weights: Path, names: List[str]) -> None:
         json.dumps({"weight_names": names}), encoding="utf-8")
 
 
+def momentum_file(weights: Path) -> Path:
+    """Where FedAvgM's momentum goes beside the global weights a run wrote (``NAME.momentum.npz``)."""
+    return weights.with_name(weights.stem + ".momentum.npz")
+
+
+def resume_momentum(strategy: FedAvg, weights: Path, packed: List[np.ndarray]) -> bool:
+    """Give a FedAvgM ``strategy`` the momentum the run that wrote its start ``weights`` left.
+
+    Only where that fits the packed arrays ``packed`` (the same count and shapes, finite). A run
+    that starts where another ended (the next day of ``fleet simulate``, a server started again
+    on its last output) then steps as one run of both runs' rounds. False where there is no such
+    momentum, or the strategy keeps none.
+    """
+    if not isinstance(strategy, FedAvgM) or strategy.server_momentum <= 0:
+        return False
+    try:
+        momentum = read_weights(momentum_file(weights))
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+        return False
+    if [m.shape for m in momentum] != [a.shape for a in packed] or not all(
+            np.isfinite(m).all() for m in momentum):
+        return False
+    strategy.momentum_vector = momentum
+    return True
+
+
+def save_momentum(strategy: FedAvg, weights: Path) -> None:
+    """Write a FedAvgM ``strategy``'s momentum beside the global ``weights`` its run wrote.
+
+    Where it keeps none, what an earlier run left there is removed: no later run takes it up.
+    """
+    if isinstance(strategy, FedAvgM) and strategy.server_momentum > 0 and \
+            strategy.momentum_vector is not None:
+        write_weights(momentum_file(weights), list(strategy.momentum_vector))
+    else:
+        momentum_file(weights).unlink(missing_ok=True)
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run the YAML's rounds and record each."""
@@ -283,6 +322,9 @@ def main(grid: Grid, context: Context) -> None:
         if names is None and isinstance(strategy, FedAvgM) and strategy.server_opt:
             print(f"{settings.initial_weights}: no manifest.json or .names.json beside it names the "
                   "weights, so FedAvgM's server step moves BatchNorm's statistics too", flush=True)
+        if resume_momentum(strategy, settings.initial_weights, packed):
+            print(f"FedAvgM's momentum carried from {momentum_file(settings.initial_weights)}",
+                  flush=True)
         train_config = ConfigRecord({"batchnorm": settings.batchnorm, "layout": layout,
                                      "local-epochs": settings.local_epochs or 0,
                                      "learning-rate": settings.learning_rate or 0.0})
@@ -298,6 +340,7 @@ def main(grid: Grid, context: Context) -> None:
         write_weights(settings.output_weights, final)
         if names is not None:
             write_weight_names(settings.output_weights, names)
+        save_momentum(strategy, settings.output_weights)
         log.finish_run(run_id)
         print(f"run {run_id}: {settings.rounds} rounds; global weights in {settings.output_weights}",
               flush=True)

@@ -64,8 +64,10 @@ class FleetSimulation:
         strategy: The server's (``fedavg``, ``fedavgm``, ``fedprox``; ``proximal_mu`` for
             FedProx), as the server's YAML names it.
         server_learning_rate: FedAvgM's step: the global model moves this many times the
-            devices' mean update (BatchNorm's statistics: their mean). Its momentum is 0: each
-            day's round is a Flower run of its own, so momentum would not carry over.
+            devices' mean update (BatchNorm's statistics: their mean).
+        server_momentum: FedAvgM's momentum. Each day's round is a Flower run of its own; the
+            server writes its momentum beside the day's global weights and the next day's run
+            takes it up (``odtd.fleet.server.resume_momentum``), so the days step as one run.
         model_file: A user's trained Keras model (``.keras``/``.h5``) as the base, imported as
             ``odtctl init --model-file`` does (no pre-training); None: ``each.model`` pre-trained.
         replay_seed: The base model's own (clean, server-side) images every home gets as
@@ -89,6 +91,7 @@ class FleetSimulation:
     strategy: str = "fedavg"
     proximal_mu: float = 0.01
     server_learning_rate: float = 1.0
+    server_momentum: float = 0.0
     device_validation: int = 0
     each: SimulationOptions = field(default_factory=lambda: SimulationOptions(
         days=2, pretrain_samples=1000, pretrain_epochs=3, validation_samples=200))
@@ -245,6 +248,12 @@ def simulate_fleet(out: Path, options: FleetSimulation, progress: Callable[[str]
     if options.server_learning_rate != 1.0 and options.strategy != "fedavgm":
         raise ConfigError(f"--server-learning-rate {options.server_learning_rate:g} is FedAvgM's "
                           "server step: add --strategy fedavgm")
+    if not 0 <= options.server_momentum < 1:
+        raise ConfigError(f"--server-momentum {options.server_momentum:g}: it must be at least 0 "
+                          "and below 1")
+    if options.server_momentum and options.strategy != "fedavgm":
+        raise ConfigError(f"--server-momentum {options.server_momentum:g} is FedAvgM's: add "
+                          "--strategy fedavgm")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out}: not empty; give a new --out directory")
     out.mkdir(parents=True, exist_ok=True)
@@ -319,7 +328,8 @@ def simulate_fleet(out: Path, options: FleetSimulation, progress: Callable[[str]
                 "learning_rate": options.learning_rate,
                 "batchnorm": options.batchnorm, "round_timeout_s": 3600,
                 "strategy": options.strategy, "proximal_mu": options.proximal_mu,
-                "server_learning_rate": options.server_learning_rate, "server_momentum": 0.0,
+                "server_learning_rate": options.server_learning_rate,
+                "server_momentum": options.server_momentum,
                 "initial_weights": str(global_weights), "record": str(out / "rounds.db"),
                 "output_weights": str(out / f"global-{r}.npz")}), encoding="utf-8")  # YAML too
             if local.run(config, progress=progress) != 0:
