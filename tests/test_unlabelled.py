@@ -1,4 +1,6 @@
-"""Unlabelled images as samples (issue 55): ingested, checked and counted apart, never trained on.
+"""Unlabelled images as samples (issue 55): ingested, checked and counted apart, never a labelled
+sample: not drawn for replay, held out, evaluated on or counted among the new samples a session
+waits for (`training.prior_correction` reads them: test_priors.py; `pseudo_labels`: test_worker.py).
 
 Every test here runs on a copy of ``tests/fixtures/home-0.1.0`` (a home made by odtd 0.1.0:
 schema version 3, 10 pending, 28 trained, 12 held-out samples, a 28-entry replay buffer, a

@@ -183,7 +183,8 @@ def add_parsers(sub: argparse._SubParsersAction, common: argparse.ArgumentParser
     p.add_argument("--label", help="label for a single file (or loose files in a directory)")
     p.add_argument("--unlabelled", action="store_true",
                    help="PATH is images without a label (a folder, walked to any depth, or one "
-                        "image): stored as unlabelled samples, counted apart, never trained or "
-                        "evaluated on; the same image ingested later with a label becomes a "
-                        "labelled sample")
+                        "image): stored as unlabelled samples, counted apart, never evaluated on; "
+                        "read only where the policy asks (training.prior_correction: the class "
+                        "priors; training.pseudo_labels: trained on where the model is sure); "
+                        "the same image ingested later with a label becomes a labelled sample")
     p.add_argument("--day", help="YYYY-MM-DD the samples belong to (default: today)")
