@@ -645,9 +645,24 @@ def flower_task(monkeypatch):
         monkeypatch.setattr(TaskIdentity, key, 1)
 
 
+def _train_replies(start: list, devices: list) -> list:
+    """Flower's train replies of devices whose weights are ``devices`` (each a list of arrays),
+    8 examples each, to a round asked with the weights ``start``, packed as the server sends them."""
+    from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+    from odtd.fleet.packing import pack
+
+    asked = Message(content=RecordDict({"arrays": ArrayRecord(pack(start)[0]),
+                                        "config": ConfigRecord({})}),
+                    dst_node_id=2, message_type="train")
+    return [Message(content=RecordDict({"arrays": ArrayRecord(pack(arrays)[0]),
+                                        "metrics": MetricRecord({"num-examples": 8})}),
+                    reply_to=asked) for arrays in devices]
+
+
 def test_fedavgm_steps_the_trained_weights_and_averages_batchnorm_statistics(tmp_path, flower_task,
                                                                             monkeypatch):
-    from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.app import ArrayRecord
     from flwr.serverapp.strategy import FedAvg
 
     from odtd.fleet.packing import pack, unpack
@@ -663,15 +678,10 @@ def test_fedavgm_steps_the_trained_weights_and_averages_batchnorm_statistics(tmp
     assert weight_names(tmp_path / "global-1.npz", 4) == names
     assert weight_names(tmp_path / "global-1.npz", 5) is None  # names for another model
     packed, layout = pack(start)
-    asked = Message(content=RecordDict({"arrays": ArrayRecord(packed), "config": ConfigRecord({})}),
-                    dst_node_id=2, message_type="train")
 
-    def reply(kernel: float, variance: float) -> Message:
-        arrays = [np.full((2, 2), kernel, np.float32), np.ones(2, np.float32),
-                  np.full(2, 0.5, np.float32), np.full(2, variance, np.float32)]
-        return Message(content=RecordDict({"arrays": ArrayRecord(pack(arrays)[0]),
-                                           "metrics": MetricRecord({"num-examples": 8})}),
-                       reply_to=asked)
+    def device(kernel: float, variance: float) -> list:
+        return [np.full((2, 2), kernel, np.float32), np.ones(2, np.float32),
+                np.full(2, 0.5, np.float32), np.full(2, variance, np.float32)]
 
     means = []  # FedAvg's weighted mean, computed (and logged by Flower) once a round
     monkeypatch.setattr(FedAvg, "aggregate_train", lambda self, *args, _mean=FedAvg.aggregate_train:
@@ -688,7 +698,7 @@ def test_fedavgm_steps_the_trained_weights_and_averages_batchnorm_statistics(tmp
         return dict(zip(names, unpack(arrays.to_numpy_ndarrays(), layout)))
 
     # Two devices' updates: kernels 2 and 4 (mean 3), variances 0.2 and 0.4 (mean 0.3).
-    replies = [reply(2.0, 0.2), reply(4.0, 0.4)]
+    replies = _train_replies(start, [device(2.0, 0.2), device(4.0, 0.4)])
     got = aggregate(statistics_mask(names, layout), 1, replies)
     assert np.allclose(got["conv/kernel"], 1 + 2 * (3 - 1))  # the server's step: twice the mean update
     assert np.allclose(got["bn/moving_variance"], 0.3) and np.allclose(got["bn/moving_mean"], 0.5)
@@ -702,18 +712,15 @@ def test_fedavgm_steps_the_trained_weights_and_averages_batchnorm_statistics(tmp
 
 
 def test_fedavgm_momentum_carries_to_a_run_that_starts_where_one_ended(tmp_path, flower_task):
-    from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.app import ArrayRecord
     from flwr.serverapp.strategy import FedAvg
 
     from odtd.fleet.packing import pack
     from odtd.fleet.server import AveragedStatisticsFedAvgM, momentum_file, resume_momentum, save_momentum
 
-    start, _ = pack([np.ones((2, 2), np.float32)])
-    asked = Message(content=RecordDict({"arrays": ArrayRecord(start), "config": ConfigRecord({})}),
-                    dst_node_id=2, message_type="train")
-    replies = [Message(content=RecordDict({"arrays": ArrayRecord(pack([np.full((2, 2), k, np.float32)])[0]),
-                                           "metrics": MetricRecord({"num-examples": 8})}),
-                       reply_to=asked) for k in (2.0, 4.0)]  # the devices' weights: mean 3
+    weights = [np.ones((2, 2), np.float32)]
+    start, _ = pack(weights)
+    replies = _train_replies(weights, [[np.full((2, 2), k, np.float32)] for k in (2.0, 4.0)])  # mean 3
 
     def run(arrays, rounds, carried_from=None):
         strategy = AveragedStatisticsFedAvgM(server_learning_rate=1.0, server_momentum=0.5)
@@ -728,21 +735,21 @@ def test_fedavgm_momentum_carries_to_a_run_that_starts_where_one_ended(tmp_path,
     assert np.allclose(both[0], 4.0)
     # Two runs of one round each, the first's momentum written beside its global weights.
     first, day1, _ = run(start, 1)
-    weights = tmp_path / "global-1.npz"
-    save_momentum(first, weights)
-    assert momentum_file(weights).is_file()
-    _, day2, resumed = run(day1, 1, carried_from=weights)
+    global1 = tmp_path / "global-1.npz"
+    save_momentum(first, global1)
+    assert momentum_file(global1).is_file()
+    _, day2, resumed = run(day1, 1, carried_from=global1)
     assert resumed and np.allclose(day2[0], both[0])
     # Without it the second run starts its momentum afresh: no step beyond the mean.
     _, fresh, resumed = run(day1, 1, carried_from=tmp_path / "global-0.npz")
     assert not resumed and np.allclose(fresh[0], 3.0)
     # Momentum of another model's shapes is not taken up.
     other, _ = pack([np.ones((3, 2), np.float32)])
-    assert not resume_momentum(AveragedStatisticsFedAvgM(server_momentum=0.5), weights, other)
+    assert not resume_momentum(AveragedStatisticsFedAvgM(server_momentum=0.5), global1, other)
     # A strategy without momentum takes none up, and its run removes what an earlier one left.
-    assert not resume_momentum(FedAvg(), weights, day1)
-    save_momentum(FedAvg(), weights)
-    assert not momentum_file(weights).exists()
+    assert not resume_momentum(FedAvg(), global1, day1)
+    save_momentum(FedAvg(), global1)
+    assert not momentum_file(global1).exists()
 
 
 def test_a_negative_batchnorm_variance_is_refused_unless_the_device_keeps_its_own(_base_home, tmp_path):

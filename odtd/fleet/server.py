@@ -156,18 +156,19 @@ class RecordingFedAvg(_Recording, FedAvg):
 
 
 class _KeptMean(FedAvg):
-    """FedAvg whose aggregate keeps a copy of the replies' weighted mean (``kept_mean``).
+    """FedAvg whose aggregate keeps the replies' weighted mean's arrays (``kept_mean``).
 
     Placed after FedAvgM in a class's bases, it is the ``super()`` FedAvgM's aggregate calls, so
-    the mean is computed (and logged by Flower) once; FedAvgM then clears that record.
+    the mean is computed (and logged by Flower) once. FedAvgM then empties that record, so the
+    arrays are kept as a list (references, read only where they are needed).
     """
 
-    kept_mean: Optional[List[np.ndarray]] = None
+    kept_mean: Optional[List[Array]] = None
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> Tuple[Optional[ArrayRecord], Optional[MetricRecord]]:
         mean, metrics = super().aggregate_train(server_round, replies)
-        self.kept_mean = None if mean is None else mean.to_numpy_ndarrays()
+        self.kept_mean = None if mean is None else list(mean.values())
         return mean, metrics
 
 
@@ -197,7 +198,8 @@ class AveragedStatisticsFedAvgM(FedAvgM, _KeptMean):
             return stepped, metrics
         assert self.kept_mean is not None  # the same aggregate gave the stepped arrays
         arrays = [np.where(mask, mean, step) for mask, mean, step in
-                  zip(self.statistics, self.kept_mean, stepped.to_numpy_ndarrays())]
+                  zip(self.statistics, (a.numpy() for a in self.kept_mean),
+                      stepped.to_numpy_ndarrays())]
         record = ArrayRecord({key: Array(np.asarray(array))
                               for key, array in zip(stepped.keys(), arrays)})
         self.current_arrays = record
