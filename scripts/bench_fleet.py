@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from odtd.errors import OdtdError
 from odtd.fleet.daily import score_days
 from odtd.fleet.simulate import FleetSimulation, simulate_fleet
 from odtd.sim.simulate import SimulationOptions
@@ -127,12 +128,16 @@ def main() -> int:
     # The code a run measures is the code it started with (Flower's processes import odtd afresh).
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip() or None
-    if args.days_of:
-        print(json.dumps(score_days(Path(args.days_of), options, log), indent=2))
-        return 0
-    if not args.out:
+    if not args.days_of and not args.out:
         parser.error("--out DIR is required (a new directory for the run)")
-    result = simulate_fleet(Path(args.out), options, progress=log, every_day=True)
+    try:
+        if args.days_of:
+            print(json.dumps(score_days(Path(args.days_of), options, log), indent=2))
+            return 0
+        result = simulate_fleet(Path(args.out), options, progress=log, every_day=True)
+    except OdtdError as exc:  # bad options or data, a run that failed: one line, as odtctl says it
+        print(f"Error: {exc}", file=sys.stderr)
+        return 1
     daily = result["days_scored"]
     machine = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                     if line.startswith("model name")), None)

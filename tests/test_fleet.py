@@ -334,6 +334,63 @@ def test_device_pools_draw_each_devices_class_mix():
     assert not any((x2[:1] == image).all() for image in x)  # new images, not the same again
 
 
+def _small_dataset(root: Path, train: int, test: int) -> Path:
+    """A labelled image folder of two classes: ``train`` and ``test`` JPEGs of each."""
+    from PIL import Image
+
+    for split, count in (("train", train), ("test", test)):
+        for c, label in enumerate(("cat", "dog")):
+            folder = root / split / label
+            folder.mkdir(parents=True)
+            for i in range(count):
+                Image.new("RGB", (32, 32), (8 * i, 120 * c, 90)).save(folder / f"{i}.jpg")
+    return root
+
+
+def test_device_pools_check_plan_refuses_exactly_the_runs_whose_draws_run_out(tmp_path):
+    from odtd.errors import ConfigError
+    from odtd.fleet.simulate import DevicePools, FleetSimulation
+    from odtd.sim.simulate import DataSource, SimulationOptions
+
+    data = _small_dataset(tmp_path / "data", train=12, test=8)
+    outcomes = set()
+    for test_images in range(1, 9):
+        for days in (1, 3, 5):
+            options = FleetSimulation(devices=2, alpha=0.5, test_per_device=test_images,
+                                      device_validation=2, each=SimulationOptions(
+                                          seed=test_images, dataset=str(data), days=days, per_day=2))
+            pools = DevicePools(options, DataSource(options.each))
+            try:
+                pools.check_plan()
+                refused = None
+            except ConfigError as exc:
+                refused = str(exc)
+            # The run's draws in its order: each device's test images, validation sets, days.
+            plan = [("test", test_images)] * 2 + [("test", 2)] * 2 + [("train", 2)] * (2 * days)
+            failed = None
+            try:
+                for index, (split, n) in enumerate(plan):
+                    pools.draw(index % 2, n, split)
+            except ConfigError as exc:
+                failed = str(exc)
+            assert refused == failed, (test_images, days)
+            outcomes.add(refused is None)
+            if refused:
+                split = "test" if "test images" in refused else "train"
+                assert ("--test-images" in refused) == (split == "test")
+    assert outcomes == {True, False}  # both sides of the limit were reached
+
+
+def test_fleet_simulate_refuses_a_run_the_data_set_cannot_fill_before_making_anything(tmp_path):
+    data = _small_dataset(tmp_path / "data", train=40, test=4)
+    out = tmp_path / "fleet"
+    refused = odtctl("fleet", "simulate", "--out", str(out), "--dataset", str(data),
+                     "--devices", "2", "--test-images", "20", check=False)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("Error:")]
+    assert refused.returncode == 1 and len(errors) == 1, refused.stderr
+    assert "too few test images of" in errors[0] and "--test-images" in errors[0]
+    assert not out.exists()
+
 def test_fleet_plot_draws_a_run_and_refuses_an_empty_record(tmp_path):
     from odtd.fleet.rounds import DeviceReply, RoundLog, RoundRecord
 

@@ -14,6 +14,7 @@ images (drawn with its class mix, shifted like its camera) and on the same image
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import subprocess
@@ -123,6 +124,32 @@ class DevicePools:
             by_class[files[index][1]].append(int(index))
         return by_class
 
+    def check_plan(self) -> None:
+        """Refuse, before anything is made, a run whose draws would use up a class of the data set.
+
+        The run's draws in their order (every device's test images, its validation set, then each
+        day's images), counted on a copy of the draws' random state, so the run then draws the same.
+        """
+        if self.source.dataset is None:
+            return
+        options, rng = self.options, copy.deepcopy(self._rng)
+        free = {split: np.array([len(self._free[split][c]) for c in range(len(self.classes))])
+                for split in ("train", "test")}
+        plan = [("test", options.test_per_device)] * options.devices
+        if options.device_validation > 0:
+            plan += [("test", options.device_validation)] * options.devices
+        plan += [("train", options.each.per_day)] * (options.devices * options.each.days)
+        for index, (split, n) in enumerate(plan):
+            free[split] = free[split] - rng.multinomial(n, self.mix[index % options.devices])
+            if free[split].min() < 0:
+                self._too_few(split, int(free[split].argmin()))
+
+    def _too_few(self, split: str, label: int) -> None:
+        fewer = "--test-images, --device-validation" if split == "test" else "--rounds, --per-day"
+        raise ConfigError(f"--dataset {self.options.each.dataset}: too few {split} images of "
+                          f"{self.classes[label]} for {self.options.devices} devices; fewer "
+                          f"--devices, {fewer} or a larger --alpha")
+
     def draw(self, device: int, n: int, split: str) -> tuple:
         """``n`` new images (x, y) of ``device``'s class mix from ``split`` (train or test)."""
         counts = self._rng.multinomial(n, self.mix[device])
@@ -138,9 +165,7 @@ class DevicePools:
         for label, count in enumerate(counts):
             free = self._free[split][label]
             if len(free) < count:
-                raise ConfigError(f"--dataset {self.options.each.dataset}: too few {split} images of "
-                                  f"{self.classes[label]} for {self.options.devices} devices; fewer "
-                                  "--devices, --rounds, --per-day or a larger --alpha")
+                self._too_few(split, label)
             indices += [free.pop() for _ in range(int(count))]
         return self.source.dataset.load_arrays(split, np.array(indices))
 
@@ -256,8 +281,10 @@ def simulate_fleet(out: Path, options: FleetSimulation, progress: Callable[[str]
                           "--strategy fedavgm")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out}: not empty; give a new --out directory")
-    out.mkdir(parents=True, exist_ok=True)
     source = DataSource(sim)
+    pools = DevicePools(options, source)
+    pools.check_plan()
+    out.mkdir(parents=True, exist_ok=True)
     base = Home(out / "base")
     progress(f"creating the base model ({options.model_file or sim.model}) in {base.root} with "
              f"{options.replay_seed} replay seed images ...")
@@ -277,7 +304,6 @@ def simulate_fleet(out: Path, options: FleetSimulation, progress: Callable[[str]
     spec = ModelSpec.from_store(store)
     store.close()
     base_weights = _served(base, spec.name)
-    pools = DevicePools(options, source)
     shift = source.shift
     trial = Trial(spec.name, source.classes, spec.input_shape,
                   load_policy(base.policy_path(base.load_config())).training.precision,
