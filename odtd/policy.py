@@ -140,7 +140,8 @@ class TrainingPolicy(_Strict):
         default=1.0, description="the candidate is this share of the trained weights and the "
         "rest of the served model's (BatchNorm statistics too): keeps part of what the session "
         "gained and more of what the served model knew; over days of promotions, a moving "
-        "average of the days' candidates; auto = try 0.25, 0.5, 0.75 and 1 on the evaluation "
+        "average of the days' candidates; auto = try 0.25, 0.5, 0.75 and 1 (a fleet's round: "
+        "0 too, its global model as it came) on the evaluation "
         "set and keep the best on validation that loses at most "
         "acceptance.reference_tolerance on the reference set; 1 = the trained weights as they are")
     federated_mix: bool = Field(

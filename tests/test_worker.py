@@ -592,6 +592,41 @@ def test_a_federated_candidate_is_mixed_with_the_served_model_where_that_scores_
         assert "served_share" not in unmixed and "trained_share" in unmixed
 
 
+def test_a_federated_round_keeps_its_start_where_the_devices_update_scores_lower(
+        tmp_path, initial, data):
+    # The round starts from a model that knows the device's validation images; a rate far too
+    # high wrecks the trained weights. Under trained_share auto the round also tries share 0,
+    # its start as it came, and keeps it: the candidate is the round's model, unchanged. A
+    # local session from the same weights tries only 0.25 to 1: some of the update stays.
+    start = tmp_path / "start.npz"
+    code, _, stderr = run_worker(write_job(
+        tmp_path, "teach", weights_in=str(initial[0]), weights_out=str(start), epochs=40,
+        train_data=data["validation_data"], batch_size=12, learning_rate=0.05))
+    assert code == 0, stderr
+    with np.load(start) as arrays:
+        kept = dict(arrays)
+
+    def candidate(name, average_with):
+        out = tmp_path / f"{name}.npz"
+        code, events, stderr = run_worker(write_job(
+            tmp_path, name, weights_in=str(start), weights_out=str(out), epochs=3,
+            train_data=data["train_data"], validation_data=data["validation_data"], batch_size=20,
+            learning_rate=5.0, trained_share="auto", average_with=average_with))
+        assert code == 0, stderr
+        with np.load(out) as arrays:
+            return by_event(events, "result")[0], dict(arrays)
+
+    federated, weights = candidate("round", "start")
+    assert sorted(float(share) for share in federated["trained_shares_tried"]) == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert federated["trained_share"] == 0.0
+    assert federated["accuracy_after"] == federated["accuracy_before"]
+    for key in kept:
+        np.testing.assert_array_equal(weights[key], kept[key], err_msg=key)
+    local, weights = candidate("local", "served")
+    assert sorted(float(share) for share in local["trained_shares_tried"]) == [0.25, 0.5, 0.75, 1.0]
+    assert local["trained_share"] >= 0.25
+    assert any(not np.array_equal(weights[key], kept[key]) for key in kept)
+
 def test_fedprox_proximal_term_keeps_the_weights_near_their_start(tmp_path, initial, data):
     # The same eight steps with and without FedProx's proximal term: with it every trained
     # weight ends nearer its start (the round's global model), and mu 0 is the plain step.

@@ -18,13 +18,16 @@ TensorFlow is not used here: the model's ``get_weights`` / ``set_weights``. Pyth
 3.6-compatible; tf.keras 2 and Keras 3 alike.
 """
 
-from typing import Any, Callable, Dict, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
 from odtd.trainer.learning.batchnorm import AUTO, choose_mixture
 
 AUTO_SHARES = (0.25, 0.5, 0.75, 1.0)  # what ``trained_share: auto`` tries
+# A federated round tries its start too, the round's global model as it came (share 0): the
+# fleet's model under the device's priors, where the device's own update from it scores lower.
+ROUND_SHARES = (0.0,) + AUTO_SHARES
 UNSCORED_SHARE = 0.5  # ``auto`` without an evaluation set: nothing to choose by
 
 class Averaged(NamedTuple):
@@ -53,12 +56,13 @@ def average_with_served(model: Any, served: List[np.ndarray], share: Any,
                         reference_before: Optional[float] = None,
                         reference_tolerance: Optional[float] = None,
                         refused: Optional[Callable[[Dict[str, Any]], bool]] = None,
-                        spared: Optional[Callable[[Dict[str, Any]], bool]] = None
-                        ) -> Optional[Averaged]:
+                        spared: Optional[Callable[[Dict[str, Any]], bool]] = None,
+                        shares: Sequence[float] = AUTO_SHARES) -> Optional[Averaged]:
     """Set the model's weights to the average of its trained ones and ``served``.
 
     ``share`` is the trained weights' share, or ``AUTO`` with ``score`` (``evaluate`` over the
-    evaluation set, ``groups`` its groups, as ``batchnorm.adapt_batchnorm`` takes them).
+    evaluation set, ``groups`` its groups, as ``batchnorm.adapt_batchnorm`` takes them), which
+    tries ``shares``.
 
     Returns:
         ``(share kept, its evaluation, {share: accuracy by group})``, the last two only under
@@ -76,7 +80,7 @@ def average_with_served(model: Any, served: List[np.ndarray], share: Any,
     def assign(candidate: float) -> None:
         model.set_weights(trained if candidate >= 1.0 else averaged(trained, served, candidate))
 
-    chosen = choose_mixture(assign, AUTO_SHARES, score, groups, reference_before,
+    chosen = choose_mixture(assign, shares, score, groups, reference_before,
                             reference_tolerance, refused, spared)
     if chosen is None:
         model.set_weights(trained)

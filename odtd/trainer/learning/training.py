@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tu
 import numpy as np
 
 from odtd.trainer.learning import evalcache, priors, pseudo
-from odtd.trainer.learning.averaging import average_with_served, mixes_served
+from odtd.trainer.learning.averaging import AUTO_SHARES, ROUND_SHARES, average_with_served, mixes_served
 from odtd.trainer.learning.batchnorm import (
     AUTO,
     AUTO_WEIGHT_BEFORE,
@@ -373,11 +373,14 @@ def average(job: Dict[str, Any], model: Any, partner: List[np.ndarray],
         The candidate's evaluation where ``auto`` chose the share by scoring it, else None (a
         mixture's earlier score is stale now).
     """
+    # A federated round's first average is with its start: the start itself is one of the tries.
+    shares = ROUND_SHARES if field == "trained_share" and job["average_with"] != "served" \
+        else AUTO_SHARES
     averaged = unless_stopped(average_with_served(
         model, partner, job["trained_share"] if share is None else share,
         validation and validation.score, validation and validation.groups,
         _reference_bar(job, fields), job["reference_tolerance"],
-        before and before.refused, before and before.spared))
+        before and before.refused, before and before.spared, shares))
     fields[field] = averaged.share
     if averaged.tried:
         fields[field + "s_tried"] = averaged.tried
