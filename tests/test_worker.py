@@ -558,6 +558,15 @@ def test_a_federated_round_averages_with_its_start_not_the_served_model(tmp_path
                                            err_msg=f"{anchor} whole {name}")
 
 
+def _knows_validation(tmp_path, initial, data):
+    """Weights trained 40 epochs on the validation images: a model that knows them."""
+    out = tmp_path / "knows-validation.npz"
+    code, _, stderr = run_worker(write_job(
+        tmp_path, "teach", weights_in=str(initial[0]), weights_out=str(out), epochs=40,
+        train_data=data["validation_data"], batch_size=12, learning_rate=0.05))
+    assert code == 0, stderr
+    return out
+
 def test_a_federated_candidate_is_mixed_with_the_served_model_where_that_scores_higher(
         tmp_path, initial, data):
     # The device serves a model that knows its validation images; the round starts from one
@@ -565,11 +574,7 @@ def test_a_federated_candidate_is_mixed_with_the_served_model_where_that_scores_
     # (average_with start+served) and trained_share auto the round's candidate is then
     # averaged with the served model too, at the share that scores best: less than all of the
     # candidate. Without it (start), and in a local session (served), no second average.
-    served = tmp_path / "served.npz"
-    code, _, stderr = run_worker(write_job(
-        tmp_path, "teach", weights_in=str(initial[0]), weights_out=str(served), epochs=40,
-        train_data=data["validation_data"], batch_size=12, learning_rate=0.05))
-    assert code == 0, stderr
+    served = _knows_validation(tmp_path, initial, data)
 
     def result(name, average_with):
         code, events, stderr = run_worker(write_job(
@@ -598,11 +603,7 @@ def test_a_federated_round_keeps_its_start_where_the_devices_update_scores_lower
     # high wrecks the trained weights. Under trained_share auto the round also tries share 0,
     # its start as it came, and keeps it: the candidate is the round's model, unchanged. A
     # local session from the same weights tries only 0.25 to 1: some of the update stays.
-    start = tmp_path / "start.npz"
-    code, _, stderr = run_worker(write_job(
-        tmp_path, "teach", weights_in=str(initial[0]), weights_out=str(start), epochs=40,
-        train_data=data["validation_data"], batch_size=12, learning_rate=0.05))
-    assert code == 0, stderr
+    start = _knows_validation(tmp_path, initial, data)
     with np.load(start) as arrays:
         kept = dict(arrays)
 

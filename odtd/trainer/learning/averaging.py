@@ -9,7 +9,8 @@ exponential moving average of the days' candidates, which damps their day-to-day
 
 ``mixes_served``: whether a federated round's candidate is averaged with the served model too.
 
-``auto`` scores each of ``AUTO_SHARES`` on the evaluation set and keeps one by the rule
+``auto`` scores each of ``AUTO_SHARES`` (a federated round's: ``ROUND_SHARES``) on the
+evaluation set and keeps one by the rule
 ``bn_device_share: auto`` keeps a mixture by (``batchnorm.choose_mixture``): the best on the
 device's validation images among the shares that lose at most the reference tolerance on the
 reference set (the original domain); ties go to the smaller share, nearer the served model.
