@@ -290,6 +290,12 @@ class AcceptancePolicy(_Strict):
         description="promote only if the candidate's gain minus this many standard errors of "
         "the paired difference (same validation images, both models) is above -tolerance; "
         "0 = compare the two accuracies as measured")
+    round_confidence_z: Optional[float] = Field(
+        default=None, ge=0, le=5,
+        description="a federated round's model as the fleet sent it (the round's candidate at "
+        "trained_share 0) is judged by this many standard errors instead of confidence_z: it "
+        "learned from the fleet's labels, none of them in this device's validation set; the "
+        "reference set is checked as for any candidate; null = confidence_z")
     reference_tolerance: Optional[float] = Field(
         default=1.0, ge=0, le=100,
         description="largest drop, in points, allowed on the reference set (base training "

@@ -305,6 +305,56 @@ def test_a_guarded_candidate_without_a_reference_score_is_refused(home, tmp_path
         store.close()
 
 
+def test_a_rounds_model_as_the_fleet_sent_it_is_judged_by_round_confidence_z(home, tmp_path):
+    # The same gain (6 images gained, 2 lost of 100: +4 points, standard error 2.8) is 1.5
+    # standard errors short of 0 but half of one clear: a federated round's candidate at
+    # trained_share 0 (the round's model as it came) is promoted under round_confidence_z 0.5;
+    # the round's candidate with a share of the device's update, and a local session's, are
+    # refused by confidence_z 1.5, and so is the round's model where the policy sets no
+    # round_confidence_z.
+    from odtd.home.paths import Home
+    from odtd.home.versions import ModelRepo
+    from odtd.policy import load_policy
+    from odtd.session.promotion import Promotion
+    from odtd.store.records import SessionRecord
+
+    policy = home / "policy.yaml"
+    strict = policy.read_text().replace("  tolerance: 1.0", "  tolerance: 0.0\n  confidence_z: 1.5")
+    policy.write_text(strict.replace("acceptance:\n", "acceptance:\n  round_confidence_z: 0.5\n"))
+    odtd_home = Home(home)
+    store = odtd_home.open_store()
+    repo = ModelRepo(home / "models", "tinycnn")
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+
+    def concluded(share, federated=True, policy_file=policy):
+        shutil.copyfile(repo.weights_path(repo.current()), job_dir / "candidate.npz")
+        record = SessionRecord(day="2026-12-01", trigger="fleet" if federated else "cli",
+                               model_version_before=repo.current(), accuracy_before=0.50,
+                               accuracy_after=0.54)
+        record.details.paired = {"gained": 6, "lost": 2, "samples": 100}
+        record.details.trained_share = share
+        record.details.federated = {"run_id": "1", "round": 1} if federated else None
+        store.start_session(record)
+        Promotion(odtd_home, store, repo, load_policy(policy_file), lambda message: None).conclude(
+            record, [], job_dir, {"trained_share": share})
+        return record
+
+    try:
+        for share, federated in ((0.25, True), (0.0, False)):
+            refused = concluded(share, federated)
+            assert refused.outcome == "rolled_back" and repo.current() == 0
+            assert "- 1.5 x 2.80 (standard error) = -0.20 points" in refused.reason
+        unset = tmp_path / "unset.yaml"
+        unset.write_text(strict)
+        assert concluded(0.0, policy_file=unset).outcome == "rolled_back"
+        kept = concluded(0.0)
+        assert kept.outcome == "promoted" and repo.current() == 1
+        assert kept.reason == "accepted: the round's model as the fleet sent it"
+    finally:
+        store.close()
+
+
 def test_what_a_session_trains_does_not_depend_on_the_second_its_images_arrived(home, tmp_path):
     # Two homes get the same day's images in two batches, a second apart, in opposite orders:
     # their samples' stored times differ, their sessions must train alike (the worker is

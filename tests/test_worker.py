@@ -628,6 +628,40 @@ def test_a_federated_round_keeps_its_start_where_the_devices_update_scores_lower
     assert local["trained_share"] >= 0.25
     assert any(not np.array_equal(weights[key], kept[key]) for key in kept)
 
+def test_a_rounds_start_is_judged_by_round_confidence_z(tmp_path, initial, data):
+    # The round starts from a model that knows the device's validation images (group 0); the
+    # device serves the untrained weights; a rate far too high wrecks the trained weights. The
+    # acceptance test (z 50) refuses every try, so none is scored on the reference (group 2)
+    # and the candidate's evaluation holds group 0 alone. With round_confidence_z 0 the start
+    # (share 0) is judged as measured: its gain passes, it is scored in full and kept.
+    start = _knows_validation(tmp_path, initial, data)
+    rng = np.random.default_rng(12)
+    with np.load(data["validation_data"]) as known:
+        x, y = known["x"], known["y"]
+    validation = tmp_path / "round-val.npz"
+    np.savez(validation, x=np.concatenate([x, rng.integers(0, 256, (12, *SHAPE), dtype=np.uint8)]),
+             y=np.concatenate([y, rng.integers(0, 3, 12)]).astype(np.int64),
+             group=np.repeat(np.array([0, 2], dtype=np.int64), 12))
+
+    def result(name, **keys):
+        code, events, stderr = run_worker(write_job(
+            tmp_path, name, weights_in=str(start), served_weights=str(initial[0]),
+            weights_out=str(tmp_path / f"{name}.npz"), epochs=3, train_data=data["train_data"],
+            validation_data=str(validation), batch_size=20, learning_rate=5.0,
+            trained_share="auto", average_with="start", acceptance_tolerance=0.0,
+            confidence_z=50.0, reference_tolerance=1.0, **keys))
+        assert code == 0, stderr
+        return by_event(events, "result")[0]
+
+    refused = result("refused")
+    assert refused["by_group_after"]["0"] > refused["by_group_before"]["0"]  # the start gains
+    assert set(refused["by_group_after"]) == {"0"}
+    judged = result("judged", round_confidence_z=0.0)
+    assert judged["trained_share"] == 0.0
+    assert set(judged["by_group_after"]) == {"0", "2"}
+    assert judged["by_group_after"]["0"] == refused["by_group_after"]["0"]
+
+
 def test_fedprox_proximal_term_keeps_the_weights_near_their_start(tmp_path, initial, data):
     # The same eight steps with and without FedProx's proximal term: with it every trained
     # weight ends nearer its start (the round's global model), and mu 0 is the plain step.

@@ -23,12 +23,23 @@ from odtd.policy import Policy
 from odtd.session.acceptance import reference_refusal, refusal_reason
 from odtd.session.result import PriorRefresh, read_prior_refresh
 from odtd.store.database import Store
-from odtd.store.records import JUDGED, SessionRecord
+from odtd.store.records import JUDGED, SessionDetails, SessionRecord
 from odtd.trainer.protocol.launch import diverged
 
 logger = logging.getLogger(__name__)
 
 CANDIDATE_EVAL_CACHE = "candidate-eval-cache.npz"  # worker job key eval_cache_out
+
+
+def fleet_model_as_sent(details: SessionDetails) -> bool:
+    """Whether a session's candidate is its federated round's global model as it came.
+
+    That is the round's try at ``trained_share`` 0 (``averaging.ROUND_SHARES``), not averaged
+    with the served model after (``served_share`` 1 or none): the acceptance test then reads
+    ``acceptance.round_confidence_z`` where the policy sets it.
+    """
+    return bool(details.federated) and details.trained_share == 0.0 \
+        and details.served_share in (None, 1.0)
 
 
 class Promotion:
@@ -61,10 +72,13 @@ class Promotion:
         before, after = record.accuracy_before, record.accuracy_after
         acceptance = self.policy.acceptance
         refusal = diverged(result)  # then the worker wrote no candidate
-        if refusal is None and before is not None and after is not None:
-            refusal = refusal_reason(before, after, acceptance.tolerance / 100.0,
-                                     acceptance.confidence_z, record.details.paired)
         details = record.details
+        as_sent = fleet_model_as_sent(details)
+        if refusal is None and before is not None and after is not None:
+            refusal = refusal_reason(
+                before, after, acceptance.tolerance / 100.0,
+                acceptance.round_confidence_z if as_sent and acceptance.round_confidence_z
+                is not None else acceptance.confidence_z, details.paired)
         if refusal is None and acceptance.reference_tolerance is not None and \
                 details.reference_accuracy_before is not None:
             refusal = "the candidate was not scored on the reference set" \
@@ -95,7 +109,8 @@ class Promotion:
         version = self._promote(
             record, pending, result, candidate, result.get("logit_offset_after"), move=True,
             basis=result.get("logit_offset_basis_after"),
-            reason="accepted" if before is not None else "no evaluation data: promoted unguarded")
+            reason=("accepted: the round's model as the fleet sent it" if as_sent else "accepted")
+            if before is not None else "no evaluation data: promoted unguarded")
         self._settled(record, self._after_promotion, record, job_dir, version)
 
     def _promote(self, record: SessionRecord, pending: list[dict[str, Any]],

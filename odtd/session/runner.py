@@ -292,6 +292,8 @@ class SessionRunner:
             reference_origin=self.store.reference_origin(),
             acceptance_tolerance=self.policy.acceptance.tolerance / 100.0,
             confidence_z=self.policy.acceptance.confidence_z,
+            round_confidence_z=self.policy.acceptance.round_confidence_z
+            if record.details.federated else None,
             seed=training.seed, parent_pid=os.getpid(),
             precision=plan.get("precision", training.precision),
             precision_probe=str(self.home.precision_probe),

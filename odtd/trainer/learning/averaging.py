@@ -58,12 +58,14 @@ def average_with_served(model: Any, served: List[np.ndarray], share: Any,
                         reference_tolerance: Optional[float] = None,
                         refused: Optional[Callable[[Dict[str, Any]], bool]] = None,
                         spared: Optional[Callable[[Dict[str, Any]], bool]] = None,
-                        shares: Sequence[float] = AUTO_SHARES) -> Optional[Averaged]:
+                        shares: Sequence[float] = AUTO_SHARES,
+                        refused_at: Optional[Dict[float, Callable[[Dict[str, Any]], bool]]] = None
+                        ) -> Optional[Averaged]:
     """Set the model's weights to the average of its trained ones and ``served``.
 
     ``share`` is the trained weights' share, or ``AUTO`` with ``score`` (``evaluate`` over the
     evaluation set, ``groups`` its groups, as ``batchnorm.adapt_batchnorm`` takes them), which
-    tries ``shares``.
+    tries ``shares``; ``refused_at`` is ``choose_mixture``'s (a share's own acceptance test).
 
     Returns:
         ``(share kept, its evaluation, {share: accuracy by group})``, the last two only under
@@ -82,7 +84,7 @@ def average_with_served(model: Any, served: List[np.ndarray], share: Any,
         model.set_weights(trained if candidate >= 1.0 else averaged(trained, served, candidate))
 
     chosen = choose_mixture(assign, shares, score, groups, reference_before,
-                            reference_tolerance, refused, spared)
+                            reference_tolerance, refused, spared, refused_at)
     if chosen is None:
         model.set_weights(trained)
         return None

@@ -289,13 +289,16 @@ def choose_mixture(assign: Callable[[float], None], candidates: Sequence[float],
                    score: Callable[..., Optional[Dict[str, Any]]], groups: Optional[np.ndarray],
                    reference_before: Optional[float], reference_tolerance: Optional[float],
                    refused: Optional[Callable[[Dict[str, Any]], bool]] = None,
-                   spared: Optional[Callable[[Dict[str, Any]], bool]] = None
+                   spared: Optional[Callable[[Dict[str, Any]], bool]] = None,
+                   refused_at: Optional[Dict[float, Callable[[Dict[str, Any]], bool]]] = None
                    ) -> Optional[Chosen]:
     """``adapt_batchnorm``'s ``AUTO``: (weight kept, its evaluation, accuracies tried).
 
     ``tried[w]`` is each try's accuracy by group; a try scored on the acceptance group only
     has that group alone. ``refused`` (of a try's ``score_group`` evaluation) tells a try the
-    acceptance test already refuses on that group: its reference is not scored. If no try is
+    acceptance test already refuses on that group: its reference is not scored; ``refused_at``
+    holds the test of particular tries instead (a federated round's start, share 0, judged by
+    ``round_confidence_z``). If no try is
     scored in full, the best on the acceptance group is kept with that group's evaluation.
     ``spared`` (of a try's full evaluation) tells a try the reference guard passes, standard
     errors allowed (``evaluation.reference_check``); without it, a try may lose at most
@@ -324,7 +327,8 @@ def choose_mixture(assign: Callable[[float], None], candidates: Sequence[float],
         first[candidate], tried[candidate] = evaluation, dict(evaluation["by_group"])
     full = {}  # type: Dict[float, Dict[str, Any]]
     for candidate in sorted(candidates, key=lambda w: (-tried[w][group], w)):
-        if refused is not None and refused(first[candidate]):
+        test = (refused_at or {}).get(candidate, refused)
+        if test is not None and test(first[candidate]):
             continue
         assign(candidate)
         evaluation = score_rest(score, groups, group, first[candidate])

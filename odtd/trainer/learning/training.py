@@ -373,14 +373,20 @@ def average(job: Dict[str, Any], model: Any, partner: List[np.ndarray],
         The candidate's evaluation where ``auto`` chose the share by scoring it, else None (a
         mixture's earlier score is stale now).
     """
-    # A federated round's first average is with its start: the start itself is one of the tries.
-    shares = ROUND_SHARES if field == "trained_share" and job["average_with"] != "served" \
-        else AUTO_SHARES
+    # A federated round's first average is with its start: the start itself is one of the tries,
+    # judged by the round's own acceptance test where the job sets one.
+    round_start = field == "trained_share" and job["average_with"] != "served"
+    shares = ROUND_SHARES if round_start else AUTO_SHARES
+    refused_at = None
+    if round_start and job["round_confidence_z"] is not None and before is not None \
+            and before.refused is not None:
+        refused_at = {0.0: refusal_check(before.correct, validation.groups,
+                                         job["acceptance_tolerance"], job["round_confidence_z"])}
     averaged = unless_stopped(average_with_served(
         model, partner, job["trained_share"] if share is None else share,
         validation and validation.score, validation and validation.groups,
         _reference_bar(job, fields), job["reference_tolerance"],
-        before and before.refused, before and before.spared, shares))
+        before and before.refused, before and before.spared, shares, refused_at))
     fields[field] = averaged.share
     if averaged.tried:
         fields[field + "s_tried"] = averaged.tried

@@ -83,6 +83,9 @@ JOB_KEYS = {
     "reference_origin": ("share", None),
     "acceptance_tolerance": ("share", None),
     "confidence_z": ("float", 0.0),
+    # A federated round's start as it came (``trained_share`` 0 of ``average_with: start``): the
+    # acceptance test's standard errors for that try (None: ``confidence_z``).
+    "round_confidence_z": ("float", None),
     "recompute": ("share", 0.0),
     "micro_batch_size": ("positive_int", None),
     "seed": ("int", 0),
