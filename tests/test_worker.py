@@ -640,16 +640,16 @@ def test_a_rounds_start_is_judged_by_round_confidence_z(tmp_path, initial, data)
         x, y = known["x"], known["y"]
     validation = tmp_path / "round-val.npz"
     np.savez(validation, x=np.concatenate([x, rng.integers(0, 256, (12, *SHAPE), dtype=np.uint8)]),
-             y=np.concatenate([y, rng.integers(0, 3, 12)]).astype(np.int64),
+             y=np.concatenate([y, np.zeros(12)]).astype(np.int64),  # no calibration set
              group=np.repeat(np.array([0, 2], dtype=np.int64), 12))
 
     def result(name, **keys):
         code, events, stderr = run_worker(write_job(
             tmp_path, name, weights_in=str(start), served_weights=str(initial[0]),
-            weights_out=str(tmp_path / f"{name}.npz"), epochs=3, train_data=data["train_data"],
-            validation_data=str(validation), batch_size=20, learning_rate=5.0,
-            trained_share="auto", average_with="start", acceptance_tolerance=0.0,
-            confidence_z=50.0, reference_tolerance=1.0, **keys))
+            weights_out=str(tmp_path / f"{name}.npz"), epochs=3, validation_data=str(validation),
+            batch_size=20, learning_rate=5.0, trained_share="auto", average_with="start",
+            acceptance_tolerance=0.0, confidence_z=50.0, reference_tolerance=1.0,
+            **{"train_data": data["train_data"], **keys}))
         assert code == 0, stderr
         return by_event(events, "result")[0]
 
@@ -660,6 +660,15 @@ def test_a_rounds_start_is_judged_by_round_confidence_z(tmp_path, initial, data)
     assert judged["trained_share"] == 0.0
     assert set(judged["by_group_after"]) == {"0", "2"}
     assert judged["by_group_after"]["0"] == refused["by_group_after"]["0"]
+    # With the device's priors the candidate is scored again after the share is kept (with
+    # its own offset): by the same test, so the guard that passes it finds the reference scored.
+    with np.load(data["train_data"]) as train:
+        np.savez(tmp_path / "device-train.npz", x=train["x"], y=train["y"],
+                 device=np.ones(len(train["y"]), bool))
+    offset = result("offset", round_confidence_z=0.0, prior_correction=True,
+                    train_data=str(tmp_path / "device-train.npz"))
+    assert offset["trained_share"] == 0.0 and offset["logit_offset_after"] is not None
+    assert set(offset["by_group_after"]) == {"0", "2"}
 
 
 def test_fedprox_proximal_term_keeps_the_weights_near_their_start(tmp_path, initial, data):

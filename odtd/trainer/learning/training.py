@@ -149,7 +149,8 @@ def train_and_evaluate(tf: Any, job: Dict[str, Any], model: Any, precision: str,
         if priors.correct_priors(job, data, validation, should_stop, fields):
             after = None  # any chooser's scores were without the candidate's offset
         if validation is not None:
-            score_after(job, validation, before, after, emit, fields, scored_after)
+            score_after(job, validation, as_judged(job, validation, before, fields), after, emit,
+                        fields, scored_after)
         fields["status"] = "ok"
     except Stopped:
         pass
@@ -377,11 +378,8 @@ def average(job: Dict[str, Any], model: Any, partner: List[np.ndarray],
     # judged by the round's own acceptance test where the job sets one.
     round_start = field == "trained_share" and job["average_with"] != "served"
     shares = ROUND_SHARES if round_start else AUTO_SHARES
-    refused_at = None
-    if round_start and job["round_confidence_z"] is not None and before is not None \
-            and before.refused is not None:
-        refused_at = {0.0: refusal_check(before.correct, validation.groups,
-                                         job["acceptance_tolerance"], job["round_confidence_z"])}
+    start_test = round_start_test(job, validation, before) if round_start else None
+    refused_at = None if start_test is None else {0.0: start_test}
     averaged = unless_stopped(average_with_served(
         model, partner, job["trained_share"] if share is None else share,
         validation and validation.score, validation and validation.groups,
@@ -391,6 +389,33 @@ def average(job: Dict[str, Any], model: Any, partner: List[np.ndarray],
     if averaged.tried:
         fields[field + "s_tried"] = averaged.tried
     return averaged.scores
+
+
+def round_start_test(job: Dict[str, Any], validation: Optional[Validation],
+                     before: Optional[Before]) -> Optional[Callable[[Dict[str, Any]], bool]]:
+    """The acceptance test of a federated round's start as it came, where the job sets one.
+
+    ``round_confidence_z`` standard errors instead of ``confidence_z`` (``refusal_check``);
+    None where the job has no acceptance test or no round margin, or is no federated round.
+    """
+    if job["round_confidence_z"] is None or job["average_with"] == "served" or before is None \
+            or before.refused is None or validation is None:
+        return None
+    return refusal_check(before.correct, validation.groups, job["acceptance_tolerance"],
+                         job["round_confidence_z"])
+
+
+def as_judged(job: Dict[str, Any], validation: Optional[Validation], before: Optional[Before],
+              fields: Dict[str, Any]) -> Optional[Before]:
+    """``before`` with the test the session's guard applies to the candidate kept.
+
+    A federated round that kept its start as it came (``trained_share`` 0, not averaged with
+    the served model after) is judged by ``round_confidence_z``: the candidate's scoring then
+    reads that test, so a candidate the guard passes is scored on every group.
+    """
+    test = round_start_test(job, validation, before) \
+        if fields.get("trained_share") == 0.0 and fields.get("served_share") in (None, 1.0) else None
+    return before if test is None else before._replace(refused=test)
 
 
 def score_after(job: Dict[str, Any], validation: Validation, before: Before,
