@@ -631,9 +631,9 @@ def test_a_federated_round_keeps_its_start_where_the_devices_update_scores_lower
 def test_a_rounds_start_is_judged_by_round_confidence_z(tmp_path, initial, data):
     # The round starts from a model that knows the device's validation images (group 0); the
     # device serves the untrained weights; a rate far too high wrecks the trained weights. The
-    # acceptance test (z 50) refuses every try, so none is scored on the reference (group 2)
-    # and the candidate's evaluation holds group 0 alone. With round_confidence_z 0 the start
-    # (share 0) is judged as measured: its gain passes, it is scored in full and kept.
+    # acceptance test (z 50) refuses the start's gain, so it is not scored on the reference
+    # (group 2) nor kept. With round_confidence_z 0 the start (share 0) is judged as measured:
+    # its gain passes, it is scored in full and kept.
     start = _knows_validation(tmp_path, initial, data)
     rng = np.random.default_rng(12)
     with np.load(data["validation_data"]) as known:
@@ -654,12 +654,13 @@ def test_a_rounds_start_is_judged_by_round_confidence_z(tmp_path, initial, data)
         return by_event(events, "result")[0]
 
     refused = result("refused")
-    assert refused["by_group_after"]["0"] > refused["by_group_before"]["0"]  # the start gains
-    assert set(refused["by_group_after"]) == {"0"}
+    start_tried = refused["trained_shares_tried"]["0.0"]
+    assert start_tried["0"] > refused["by_group_before"]["0"]  # the start gains...
+    assert set(start_tried) == {"0"}  # ...but not 50 standard errors: not scored in full
     judged = result("judged", round_confidence_z=0.0)
+    assert set(judged["trained_shares_tried"]["0.0"]) == {"0", "2"}
     assert judged["trained_share"] == 0.0
-    assert set(judged["by_group_after"]) == {"0", "2"}
-    assert judged["by_group_after"]["0"] == refused["by_group_after"]["0"]
+    assert judged["by_group_after"] == judged["trained_shares_tried"]["0.0"]
     # With the device's priors the candidate is scored again after the share is kept (with
     # its own offset): by the same test, so the guard that passes it finds the reference scored.
     with np.load(data["train_data"]) as train:
