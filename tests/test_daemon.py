@@ -47,10 +47,14 @@ def _running(home: Path) -> bool:
 
 
 def stop(proc: subprocess.Popen) -> int:
+    """SIGTERM the daemon; its exit status. A failed stop's stderr goes to the test's output."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
     try:
-        return proc.wait(timeout=60)
+        status = proc.wait(timeout=60)
+        if status != 0:  # seen once (exit 1) under load in the TX2 daemon's tests, stderr unseen
+            print(f"the daemon exited {status}; its stderr ends:\n{proc.stderr.read()[-4000:]}")
+        return status
     finally:
         for stream in (proc.stdout, proc.stderr):
             stream.close()
