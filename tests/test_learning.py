@@ -406,7 +406,7 @@ def test_the_choosers_judge_the_reference_as_the_guard_does():
 
 
 def test_the_worker_holds_auto_to_the_higher_of_before_and_origin():
-    from odtd.trainer.learning.training import reference_held
+    from odtd.trainer.learning.judging import reference_held
 
     assert reference_held({"0": 0.5, "2": 0.7}, None) == 0.7
     assert reference_held({"0": 0.5, "2": 0.7}, 0.75) == 0.75

@@ -13,6 +13,7 @@ from conftest import CLASSES as HOME_CLASSES
 from conftest import odtctl, odtctl_json, write_images
 
 from odtd.trainer.learning.evaluation import evaluate
+from odtd.trainer.learning.judging import Validation
 from odtd.trainer.learning.priors import (
     DISAGREEMENT_Z,
     better_offset,
@@ -24,7 +25,6 @@ from odtd.trainer.learning.priors import (
     logit_offset,
     refresh_served,
 )
-from odtd.trainer.learning.training import Validation
 
 
 def _logits(rng, labels, classes, signal=2.5, noise=1.5):

@@ -208,7 +208,7 @@ def correct_priors(job: Dict[str, Any], data: Dict[str, Any], validation: Any,
     today's priors (``carried_offset``), whichever the candidate scores highest with
     (``better_offset``). ``fields`` get ``logit_offset_after`` (None: no offset), its basis
     ``logit_offset_basis_after`` (``offset_basis``) and ``priors`` (what was estimated, or why
-    not); ``validation`` (``training.Validation``) then scores the candidate with it. Without
+    not); ``validation`` (``judging.Validation``) then scores the candidate with it. Without
     ``prior_correction`` the candidate has none.
 
     Returns:
