@@ -144,6 +144,11 @@ class TrainingPolicy(_Strict):
         "0 too, its global model as it came) on the evaluation "
         "set and keep the best on validation that loses at most "
         "acceptance.reference_tolerance on the reference set; 1 = the trained weights as they are")
+    round_trained_share: Union[Literal["auto"], float, None] = Field(
+        default=None, description="trained_share in a fleet's round instead: 0 = the device "
+        "serves the round's model as the fleet sent it (its own update goes to the server "
+        "only), judged by acceptance.round_confidence_z; a number = that share of the "
+        "device's update; auto = try 0, 0.25, 0.5, 0.75 and 1; null = trained_share")
     federated_mix: bool = Field(
         default=False, description="in a fleet's round (trained_share auto): the candidate, "
         "the round's model plus this device's update, is then averaged with the model this "
@@ -201,7 +206,7 @@ class TrainingPolicy(_Strict):
     def _old_keys(cls, data: Any, info: ValidationInfo) -> Any:
         return renamed_keys("training", data, info, RENAMED_TRAINING_KEYS)
 
-    @field_validator("bn_device_share", mode="before")
+    @field_validator("bn_device_share", "round_trained_share", mode="before")
     @classmethod
     def _share_or_auto(cls, value: object) -> object:
         if value is None or value == "auto":

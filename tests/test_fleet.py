@@ -648,6 +648,45 @@ def test_federated_mix_averages_a_rounds_candidate_with_the_served_model_too(hom
     assert len(round_.details.served_shares_tried) == 4
 
 
+def test_round_trained_share_0_serves_the_rounds_model_and_hands_back_the_update(home, tmp_path):
+    # training.round_trained_share 0: in a round the device's candidate is the round's model as
+    # the fleet sent it, while the server still gets the device's trained weights; a local
+    # session keeps training.trained_share.
+    from odtd.home.paths import Home
+    from odtd.policy import load_policy
+    from odtd.session.federated import FederatedRound
+    from odtd.session.runner import SessionRunner
+
+    policy = (home / "policy.yaml").read_text()
+    (home / "policy.yaml").write_text(policy.replace(
+        "training:\n", "training:\n  trained_share: 0.5\n  round_trained_share: 0\n", 1).replace(
+        "tolerance: 1.0", "tolerance: 100.0"))  # any candidate passes: what is served shows
+    write_images(tmp_path / "images", per_class=3, seed=7)
+    odtctl("ingest", str(tmp_path / "images"), home=home)
+    h = Home(home)
+    store = h.open_store()
+    runner = SessionRunner(h, store, h.load_config(), load_policy(h.policy_path(h.load_config())))
+    _, _, arrays = _served(home)
+    sent = {k: v * np.asarray(0.9, v.dtype) if v.dtype.kind == "f" else v for k, v in arrays.items()}
+    exchange = home / "run" / "fleet"
+    exchange.mkdir(parents=True, exist_ok=True)
+    np.savez(exchange / "global.npz", **sent)
+    round_ = runner.run(trigger="fleet", federated=FederatedRound(
+        "run", 1, str(exchange / "global.npz"), str(exchange / "out.npz")))
+    assert round_.outcome == "promoted", round_.reason
+    assert round_.details.trained_share == 0.0 and not round_.details.trained_shares_tried
+    _, _, served = _served(home)
+    assert all(np.array_equal(served[k], sent[k]) for k in sent)
+    with np.load(exchange / "out.npz") as out:
+        assert any(not np.array_equal(out[k], sent[k]) for k in out.files)
+    write_images(tmp_path / "more", per_class=3, seed=8)
+    odtctl("ingest", str(tmp_path / "more"), home=home)
+    local = runner.run(trigger="socket", force=True)
+    store.close()
+    assert local.outcome in ("promoted", "rolled_back"), local.reason
+    assert local.details.trained_share == 0.5
+
+
 def test_hand_back_gives_the_server_the_trained_weights_whole_not_the_devices_average(tmp_path):
     """``trained_share`` averaged the device's candidate with the round's start: the server
     still gets the trained weights whole (FedAvg averages the devices' updates); without an

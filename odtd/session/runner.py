@@ -280,7 +280,9 @@ class SessionRunner:
             diverged_lr_factor=training.diverged_lr_factor, augment=training.augment,
             freeze_bn=training.freeze_bn,
             recalibrate_bn=training.recalibrate_bn, bn_device_share=training.bn_device_share,
-            distill=training.distill, trained_share=training.trained_share,
+            distill=training.distill,
+            trained_share=training.round_trained_share if record.details.federated
+            and training.round_trained_share is not None else training.trained_share,
             prior_correction=training.prior_correction, pseudo_labels=training.pseudo_labels,
             bn_class_balanced=training.bn_class_balanced, balanced_loss=training.balanced_loss,
             **offset_job_keys(self.repo.manifest(current)),
