@@ -25,6 +25,7 @@ from odtd.session.result import PriorRefresh, read_prior_refresh
 from odtd.store.database import Store
 from odtd.store.records import JUDGED, SessionDetails, SessionRecord
 from odtd.trainer.protocol.launch import diverged
+from odtd.trainer.protocol.paired import round_model_as_sent
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,8 @@ def fleet_model_as_sent(details: SessionDetails) -> bool:
     with the served model after (``served_share`` 1 or none): the acceptance test then reads
     ``acceptance.round_confidence_z`` where the policy sets it.
     """
-    return bool(details.federated) and details.trained_share == 0.0 \
-        and details.served_share in (None, 1.0)
+    return bool(details.federated) and round_model_as_sent(details.trained_share,
+                                                           details.served_share)
 
 
 class Promotion:

@@ -32,6 +32,7 @@ from odtd.trainer.learning.evaluation import (
     unless_stopped,
 )
 from odtd.trainer.learning.step import Emit
+from odtd.trainer.protocol.paired import round_model_as_sent
 
 
 @contextlib.contextmanager
@@ -161,8 +162,8 @@ def as_judged(job: Dict[str, Any], validation: Optional[Validation], before: Opt
     the served model after) is judged by ``round_confidence_z``: the candidate's scoring then
     reads that test, so a candidate the guard passes is scored on every group.
     """
-    test = round_start_test(job, validation, before) \
-        if fields.get("trained_share") == 0.0 and fields.get("served_share") in (None, 1.0) else None
+    test = round_start_test(job, validation, before) if round_model_as_sent(
+        fields.get("trained_share"), fields.get("served_share")) else None
     return before if test is None else before._replace(refused=test)
 
 

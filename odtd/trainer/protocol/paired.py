@@ -4,10 +4,21 @@ The worker's refusal check (``learning.evaluation``) and the session's acceptanc
 (``session.acceptance``) judge a candidate by the same margin: its gain less ``confidence_z``
 standard errors of the paired difference. On the reference set the rule is the mirror image,
 a loss less that many standard errors (``loss_margin``): the worker's choosers (``auto``) and
-the session's guard hold a candidate to it alike. Standard library only; Python 3.6-compatible.
+the session's guard hold a candidate to it alike. A federated round's model as the fleet sent
+it is judged by its own margin (``round_confidence_z``) on both sides too:
+``round_model_as_sent`` tells that candidate. Standard library only; Python 3.6-compatible.
 """
 
 from typing import Dict, Optional
+
+
+def round_model_as_sent(trained_share: Optional[float], served_share: Optional[float]) -> bool:
+    """Whether a federated round's candidate, by its shares, is the round's model as it came.
+
+    ``trained_share`` 0 of the device's update (averaged with the round's start), not averaged
+    with the served model after (``served_share`` 1 or none).
+    """
+    return trained_share == 0.0 and served_share in (None, 1.0)
 
 
 def paired_standard_error(gained: int, lost: int, samples: int) -> float:
