@@ -237,6 +237,45 @@ def _served(home: Path) -> tuple:
         return current, path, {k: data[k] for k in data.files}
 
 
+def _runner_here(home: Path) -> tuple:
+    """The home's store and a ``SessionRunner`` on it, in this process (close the store)."""
+    from odtd.home.paths import Home
+    from odtd.policy import load_policy
+    from odtd.session.runner import SessionRunner
+
+    h = Home(home)
+    store = h.open_store()
+    return store, SessionRunner(h, store, h.load_config(),
+                                load_policy(h.policy_path(h.load_config())))
+
+
+def _round_here(runner, home: Path, arrays: dict):
+    """One federated session from ``arrays`` as the round's global weights, in this process;
+    its record. The device's trained weights go to ``run/fleet/out.npz``."""
+    from odtd.session.federated import FederatedRound
+
+    exchange = home / "run" / "fleet"
+    exchange.mkdir(parents=True, exist_ok=True)
+    np.savez(exchange / "global.npz", **arrays)
+    return runner.run(trigger="fleet", federated=FederatedRound(
+        "run", 1, str(exchange / "global.npz"), str(exchange / "out.npz")))
+
+
+def _with_training(home: Path, keys: str, images: Path, seed: int) -> None:
+    """The home's policy with ``keys`` (YAML lines) under ``training:``, and a few images of each
+    class ingested (written to ``images``)."""
+    policy = (home / "policy.yaml").read_text()
+    (home / "policy.yaml").write_text(policy.replace("training:\n", "training:\n" + keys, 1))
+    write_images(images, per_class=3, seed=seed)
+    odtctl("ingest", str(images), home=home)
+
+
+def _scaled(arrays: dict, factor: float) -> dict:
+    """The float arrays times ``factor`` (a global model that differs from the served one)."""
+    return {k: v * np.asarray(factor, v.dtype) if v.dtype.kind == "f" else v
+            for k, v in arrays.items()}
+
+
 @pytest.mark.parametrize("damage, said", DAMAGES)
 def test_check_global_weights_refuses_what_does_not_fit(_base_home, tmp_path, damage, said):
     from odtd.session.federated import check_global_weights
@@ -587,10 +626,6 @@ def test_a_fleet_round_is_not_held_back_by_a_local_refusals_backoff(home, tmp_pa
     # After a refused session the policy's backoff makes the next local session wait for twice
     # its new samples. A round starts from the fleet's new model, not from what was refused: it
     # trains on what is pending (the policy's minimum still holds).
-    from odtd.home.paths import Home
-    from odtd.policy import load_policy
-    from odtd.session.federated import FederatedRound
-    from odtd.session.runner import SessionRunner
     from odtd.store.records import SessionRecord
 
     assert "schedule:" not in (home / "policy.yaml").read_text()
@@ -598,49 +633,25 @@ def test_a_fleet_round_is_not_held_back_by_a_local_refusals_backoff(home, tmp_pa
         policy.write("\nschedule:\n  backoff: 4\n")
     write_images(tmp_path / "images", per_class=3, seed=5)
     odtctl("ingest", str(tmp_path / "images"), home=home)
-    h = Home(home)
-    store = h.open_store()
+    store, runner = _runner_here(home)
     refused = SessionRecord(day="2026-11-28", trigger="schedule", samples_new=50)
     store.start_session(refused)
     refused.outcome, refused.reason = "rolled_back", "refused"
     store.finish_session(refused)
-    runner = SessionRunner(h, store, h.load_config(), load_policy(h.policy_path(h.load_config())))
     local = runner.run(trigger="socket")
     assert local.outcome == "skipped" and "waiting for 200 new samples" in local.reason
-    _, served, arrays = _served(home)
-    exchange = home / "run" / "fleet"
-    exchange.mkdir(parents=True, exist_ok=True)
-    np.savez(exchange / "global.npz", **arrays)
-    round_ = runner.run(trigger="fleet", federated=FederatedRound(
-        "run", 1, str(exchange / "global.npz"), str(exchange / "out.npz")))
+    round_ = _round_here(runner, home, _served(home)[2])
     store.close()
     assert round_.outcome in ("promoted", "rolled_back"), round_.reason
-    assert round_.samples_new > 0 and (exchange / "out.npz").exists()
+    assert round_.samples_new > 0 and (home / "run" / "fleet" / "out.npz").exists()
 
 
 def test_federated_mix_averages_a_rounds_candidate_with_the_served_model_too(home, tmp_path):
     # training.federated_mix: the round's session asks the worker for the second average (the
     # candidate with the device's served model), and the session row records what it kept.
-    from odtd.home.paths import Home
-    from odtd.policy import load_policy
-    from odtd.session.federated import FederatedRound
-    from odtd.session.runner import SessionRunner
-
-    policy = (home / "policy.yaml").read_text()
-    (home / "policy.yaml").write_text(policy.replace(
-        "training:\n", "training:\n  trained_share: auto\n  federated_mix: true\n", 1))
-    write_images(tmp_path / "images", per_class=3, seed=6)
-    odtctl("ingest", str(tmp_path / "images"), home=home)
-    h = Home(home)
-    store = h.open_store()
-    runner = SessionRunner(h, store, h.load_config(), load_policy(h.policy_path(h.load_config())))
-    _, _, arrays = _served(home)
-    exchange = home / "run" / "fleet"
-    exchange.mkdir(parents=True, exist_ok=True)
-    np.savez(exchange / "global.npz", **{k: v * np.asarray(0.9, v.dtype) if v.dtype.kind == "f"
-                                          else v for k, v in arrays.items()})
-    round_ = runner.run(trigger="fleet", federated=FederatedRound(
-        "run", 1, str(exchange / "global.npz"), str(exchange / "out.npz")))
+    _with_training(home, "  trained_share: auto\n  federated_mix: true\n", tmp_path / "images", 6)
+    store, runner = _runner_here(home)
+    round_ = _round_here(runner, home, _scaled(_served(home)[2], 0.9))
     store.close()
     assert round_.outcome in ("promoted", "rolled_back"), round_.reason
     assert round_.details.trained_share is not None
@@ -652,32 +663,17 @@ def test_round_trained_share_0_serves_the_rounds_model_and_hands_back_the_update
     # training.round_trained_share 0: in a round the device's candidate is the round's model as
     # the fleet sent it, while the server still gets the device's trained weights; a local
     # session keeps training.trained_share.
-    from odtd.home.paths import Home
-    from odtd.policy import load_policy
-    from odtd.session.federated import FederatedRound
-    from odtd.session.runner import SessionRunner
-
-    policy = (home / "policy.yaml").read_text()
-    (home / "policy.yaml").write_text(policy.replace(
-        "training:\n", "training:\n  trained_share: 0.5\n  round_trained_share: 0\n", 1).replace(
-        "tolerance: 1.0", "tolerance: 100.0"))  # any candidate passes: what is served shows
-    write_images(tmp_path / "images", per_class=3, seed=7)
-    odtctl("ingest", str(tmp_path / "images"), home=home)
-    h = Home(home)
-    store = h.open_store()
-    runner = SessionRunner(h, store, h.load_config(), load_policy(h.policy_path(h.load_config())))
-    _, _, arrays = _served(home)
-    sent = {k: v * np.asarray(0.9, v.dtype) if v.dtype.kind == "f" else v for k, v in arrays.items()}
-    exchange = home / "run" / "fleet"
-    exchange.mkdir(parents=True, exist_ok=True)
-    np.savez(exchange / "global.npz", **sent)
-    round_ = runner.run(trigger="fleet", federated=FederatedRound(
-        "run", 1, str(exchange / "global.npz"), str(exchange / "out.npz")))
+    policy = (home / "policy.yaml").read_text()  # any candidate passes: what is served shows
+    (home / "policy.yaml").write_text(policy.replace("tolerance: 1.0", "tolerance: 100.0"))
+    _with_training(home, "  trained_share: 0.5\n  round_trained_share: 0\n", tmp_path / "images", 7)
+    store, runner = _runner_here(home)
+    sent = _scaled(_served(home)[2], 0.9)
+    round_ = _round_here(runner, home, sent)
     assert round_.outcome == "promoted", round_.reason
     assert round_.details.trained_share == 0.0 and not round_.details.trained_shares_tried
     _, _, served = _served(home)
     assert all(np.array_equal(served[k], sent[k]) for k in sent)
-    with np.load(exchange / "out.npz") as out:
+    with np.load(home / "run" / "fleet" / "out.npz") as out:
         assert any(not np.array_equal(out[k], sent[k]) for k in out.files)
     write_images(tmp_path / "more", per_class=3, seed=8)
     odtctl("ingest", str(tmp_path / "more"), home=home)
