@@ -683,6 +683,22 @@ def test_round_trained_share_0_serves_the_rounds_model_and_hands_back_the_update
     assert local.details.trained_share == 0.5
 
 
+def test_a_round_of_the_model_the_device_serves_trains_as_a_local_session(home, tmp_path):
+    # A fleet's first round sends the devices' own base back: as it came it brings nothing, so
+    # under round_trained_share 0 the session takes training.trained_share and the local
+    # acceptance test; the server still gets the trained weights.
+    _with_training(home, "  trained_share: 0.5\n  round_trained_share: 0\n", tmp_path / "images", 9)
+    store, runner = _runner_here(home)
+    sent = _served(home)[2]
+    round_ = _round_here(runner, home, sent)
+    store.close()
+    assert round_.outcome in ("promoted", "rolled_back"), round_.reason
+    assert round_.details.federated["already_served"] is True
+    assert round_.details.trained_share == 0.5
+    with np.load(home / "run" / "fleet" / "out.npz") as out:
+        assert any(not np.array_equal(out[k], sent[k]) for k in out.files)
+
+
 def test_hand_back_gives_the_server_the_trained_weights_whole_not_the_devices_average(tmp_path):
     """``trained_share`` averaged the device's candidate with the round's start: the server
     still gets the trained weights whole (FedAvg averages the devices' updates); without an

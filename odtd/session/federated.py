@@ -204,6 +204,16 @@ def refused_start(federated: FederatedRound, repo: ModelRepo, current: int, job_
     return None
 
 
+def is_served_model(start: Path, served: Path) -> bool:
+    """Whether a round's start (``write_start_weights``) is the served model, to the bit.
+
+    A fleet's first round sends the devices' own base model back to them: serving it as it came
+    (``training.round_trained_share``) brings nothing, and the session is a local one's.
+    """
+    kept, sent = _arrays(served, "the served weights"), _arrays(start, "the round's start")
+    return kept.keys() == sent.keys() and all(np.array_equal(kept[k], sent[k]) for k in kept)
+
+
 def hand_back(job_dir: Path, federated: FederatedRound) -> bool:
     """Put the trained weights where the ClientApp reads them (a hard link where it can).
 

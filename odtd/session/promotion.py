@@ -39,8 +39,8 @@ def fleet_model_as_sent(details: SessionDetails) -> bool:
     with the served model after (``served_share`` 1 or none): the acceptance test then reads
     ``acceptance.round_confidence_z`` where the policy sets it.
     """
-    return bool(details.federated) and round_model_as_sent(details.trained_share,
-                                                           details.served_share)
+    return bool(details.federated) and not details.federated.get("already_served") and \
+        round_model_as_sent(details.trained_share, details.served_share)
 
 
 class Promotion:

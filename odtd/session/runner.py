@@ -30,7 +30,7 @@ from odtd.home.versions import ModelRepo, offset_job_keys
 from odtd.policy import Policy
 from odtd.session.admission import SKIP, admit_session
 from odtd.session.evalset import write_evaluation_set
-from odtd.session.federated import TRAINED_WEIGHTS, FederatedRound, hand_back, refused_start
+from odtd.session.federated import TRAINED_WEIGHTS, FederatedRound, hand_back, is_served_model, refused_start
 from odtd.session.gates import (
     FORCE_CLOSED_FILE,
     GateMonitor,
@@ -143,6 +143,8 @@ class SessionRunner:
         job_dir = self.home.runs / f"session-{record.id}"
         if federated and (refusal := refused_start(federated, self.repo, current, job_dir)):
             return self._finish(record, "failed", refusal)  # before anything else
+        if federated and is_served_model(job_dir / "global.npz", self.repo.weights_path(current)):
+            record.details.federated["already_served"] = True  # trained as a local session
         if not pending:
             return self._finish(record, "skipped", "no pending samples")
         # A fleet's round starts from the fleet's new model, not from the start a refusal was
@@ -264,9 +266,13 @@ class SessionRunner:
         plan = record.details.admission or {}  # the plan admission chose for the batch
         served_path = str(self.repo.weights_path(current))
         resume = record.details.resumed
+        # A round whose model the device already serves (a fleet's first, from the devices'
+        # base) brings nothing as it came: it trains and is judged as a local session.
+        fleet = record.details.federated
+        from_fleet = bool(fleet) and not fleet.get("already_served")
         # A resumed or federated session trains from other weights; "before" is the served model.
         start = str(self.repo.resume_path) if resume else \
-            str(job_dir / "global.npz") if record.details.federated else served_path
+            str(job_dir / "global.npz") if from_fleet else served_path
         job = make_job(
             "train", self.model, self.classes, self.input_shape,
             weights_in=start, served_weights=served_path if start != served_path else None,
@@ -281,21 +287,20 @@ class SessionRunner:
             freeze_bn=training.freeze_bn,
             recalibrate_bn=training.recalibrate_bn, bn_device_share=training.bn_device_share,
             distill=training.distill,
-            trained_share=training.round_trained_share if record.details.federated
+            trained_share=training.round_trained_share if from_fleet
             and training.round_trained_share is not None else training.trained_share,
             prior_correction=training.prior_correction, pseudo_labels=training.pseudo_labels,
             bn_class_balanced=training.bn_class_balanced, balanced_loss=training.balanced_loss,
             **offset_job_keys(self.repo.manifest(current)),
             average_with=("start+served" if training.federated_mix else "start")
-            if record.details.federated else "served",
+            if from_fleet else "served",
             proximal_mu=float((record.details.federated or {}).get("proximal_mu") or 0.0),
             reference_tolerance=None if self.policy.acceptance.reference_tolerance is None
             else self.policy.acceptance.reference_tolerance / 100.0,
             reference_origin=self.store.reference_origin(),
             acceptance_tolerance=self.policy.acceptance.tolerance / 100.0,
             confidence_z=self.policy.acceptance.confidence_z,
-            round_confidence_z=self.policy.acceptance.round_confidence_z
-            if record.details.federated else None,
+            round_confidence_z=self.policy.acceptance.round_confidence_z if from_fleet else None,
             seed=training.seed, parent_pid=os.getpid(),
             precision=plan.get("precision", training.precision),
             precision_probe=str(self.home.precision_probe),

@@ -88,8 +88,10 @@ class SessionDetails:
         lr_attempts: The rates whose training diverged, each ``{learning_rate,
             diverged_at_step}`` (``training.diverged_retries``); None where none did.
         federated: A Flower round's session (trigger ``fleet``; docs/fleet.md): ``run_id``,
-            ``round``, what the server asked (``epochs``, ``learning_rate``, ``batchnorm``) and
-            ``handed_back`` (the trained weights went back to the server); None otherwise.
+            ``round``, what the server asked (``epochs``, ``learning_rate``, ``batchnorm``),
+            ``handed_back`` (the trained weights went back to the server) and ``already_served``
+            (true where the round's model was the served one: trained and judged as a local
+            session); None otherwise.
         priors: The device's class priors the candidate was scored with
             (``training.prior_correction``): ``status`` (``estimated`` or ``skipped`` and
             ``reason``), ``device`` and ``source`` priors, ``temperature``, ``calibrated_on``,
