@@ -300,7 +300,9 @@ def test_start_weights_take_the_servers_batchnorm_or_keep_the_devices(_base_home
     np.savez(tmp_path / "global.npz", **{k: v + 1 for k, v in arrays.items()})
     federated = FederatedRound("run", 1, str(tmp_path / "global.npz"), str(tmp_path / "out.npz"),
                                batchnorm=batchnorm)
-    with np.load(write_start_weights(federated, served, names, tmp_path / "job")) as start:
+    written = write_start_weights(federated, served, names, tmp_path / "job")
+    assert not written.already_served
+    with np.load(written.path) as start:
         for key in arrays:
             kept = batchnorm == "fedbn" and key in bn
             assert np.array_equal(start[key], arrays[key] if kept else arrays[key] + 1), key
@@ -671,6 +673,7 @@ def test_round_trained_share_0_serves_the_rounds_model_and_hands_back_the_update
     round_ = _round_here(runner, home, sent)
     assert round_.outcome == "promoted", round_.reason
     assert round_.details.trained_share == 0.0 and not round_.details.trained_shares_tried
+    assert round_.details.federated["already_served"] is False
     _, _, served = _served(home)
     assert all(np.array_equal(served[k], sent[k]) for k in sent)
     with np.load(home / "run" / "fleet" / "out.npz") as out:
@@ -875,5 +878,7 @@ def test_a_negative_batchnorm_variance_is_refused_unless_the_device_keeps_its_ow
                 write_start_weights(federated, served, names, tmp_path / "job")
             assert not (tmp_path / "job" / "global.npz").exists()
         else:  # the device's own BatchNorm parameters replace the server's
-            with np.load(write_start_weights(federated, served, names, tmp_path / "job")) as start:
+            written = write_start_weights(federated, served, names, tmp_path / "job")
+            with np.load(written.path) as start:
                 assert np.array_equal(start[f"w{variance:04d}"], arrays[f"w{variance:04d}"])
+            assert written.already_served  # the rest was the served model's too

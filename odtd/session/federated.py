@@ -17,7 +17,7 @@ import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, NamedTuple, Optional
 
 import numpy as np
 
@@ -162,8 +162,26 @@ def batchnorm_keys(weight_names: List[str]) -> List[str]:
             if name.rsplit("/", 1)[0] in layers]
 
 
+class RoundStart(NamedTuple):
+    """A round's start as ``write_start_weights`` wrote it."""
+
+    path: Path
+    # The served model's weights to the bit: a fleet's first round sends the devices' own base
+    # back, which served as it came brings nothing, so the session is trained and judged as a
+    # local one (``trains_from_round``).
+    already_served: bool
+
+
+def trains_from_round(details: Optional[Dict[str, Any]]) -> bool:
+    """Whether a session trains from its round's model (``details``: its ``details.federated``).
+
+    A federated session does, unless the round's model is the one the device already serves.
+    """
+    return bool(details) and not details.get("already_served")
+
+
 def write_start_weights(federated: FederatedRound, served: Path, weight_names: Optional[List[str]],
-                        job_dir: Path) -> Path:
+                        job_dir: Path) -> RoundStart:
     """Check the round's weights and write the session's start (``job_dir/global.npz``).
 
     Beside ``check_global_weights``' checks, where the served version names its weights, no
@@ -190,28 +208,14 @@ def write_start_weights(federated: FederatedRound, served: Path, weight_names: O
     job_dir.mkdir(parents=True, exist_ok=True)
     start = job_dir / "global.npz"
     np.savez(start, **arrays)
-    return start
+    return RoundStart(start, all(np.array_equal(arrays[k], kept[k]) for k in kept))
 
 
-def refused_start(federated: FederatedRound, repo: ModelRepo, current: int, job_dir: Path
-                  ) -> Optional[str]:
-    """Write the session's start (``write_start_weights``); why not, if the weights do not fit."""
-    try:
-        write_start_weights(federated, repo.weights_path(current),
-                            repo.manifest(current).get("weight_names"), job_dir)
-    except OdtdError as exc:
-        return str(exc)
-    return None
-
-
-def is_served_model(start: Path, served: Path) -> bool:
-    """Whether a round's start (``write_start_weights``) is the served model, to the bit.
-
-    A fleet's first round sends the devices' own base model back to them: serving it as it came
-    (``training.round_trained_share``) brings nothing, and the session is a local one's.
-    """
-    kept, sent = _arrays(served, "the served weights"), _arrays(start, "the round's start")
-    return kept.keys() == sent.keys() and all(np.array_equal(kept[k], sent[k]) for k in kept)
+def round_start(federated: FederatedRound, repo: ModelRepo, current: int, job_dir: Path
+                ) -> RoundStart:
+    """``write_start_weights`` against the served version ``current`` of ``repo``."""
+    return write_start_weights(federated, repo.weights_path(current),
+                               repo.manifest(current).get("weight_names"), job_dir)
 
 
 def hand_back(job_dir: Path, federated: FederatedRound) -> bool:

@@ -25,7 +25,7 @@ from odtd.home.spec import ModelSpec
 from odtd.home.versions import ModelRepo
 from odtd.policy import load_policy
 from odtd.session.evalset import write_evaluation_set
-from odtd.session.federated import EXCHANGE_DIR, FederatedRound, write_start_weights
+from odtd.session.federated import EXCHANGE_DIR, FederatedRound, round_start
 from odtd.session.lock import SessionLock
 from odtd.session.result import GROUP_HOLDOUT, GROUP_REFERENCE, GROUP_VALIDATION
 from odtd.store.database import Store
@@ -57,9 +57,7 @@ def evaluate_round(home: Home, store: Store, config: Config, args: Dict[str, Any
     repo = ModelRepo(home.models, spec.name)
     with SessionLock(home.session_lock), tempfile.TemporaryDirectory(dir=home.runs) as tmp:
         job_dir = Path(tmp)
-        current = repo.current()
-        start = write_start_weights(federated, repo.weights_path(current),
-                                    repo.manifest(current).get("weight_names"), job_dir)
+        start = round_start(federated, repo, repo.current(), job_dir).path
         _, evaluation = write_evaluation_set(home, store, spec.classes, job_dir)
         if evaluation is None:
             raise OdtdError("no validation set and no held-out samples to score the round's "

@@ -21,6 +21,7 @@ from odtd.home.replay_buffer import update_buffer
 from odtd.home.versions import ModelRepo, prune
 from odtd.policy import Policy
 from odtd.session.acceptance import reference_refusal, refusal_reason
+from odtd.session.federated import trains_from_round
 from odtd.session.result import PriorRefresh, read_prior_refresh
 from odtd.store.database import Store
 from odtd.store.records import JUDGED, SessionDetails, SessionRecord
@@ -39,8 +40,8 @@ def fleet_model_as_sent(details: SessionDetails) -> bool:
     with the served model after (``served_share`` 1 or none): the acceptance test then reads
     ``acceptance.round_confidence_z`` where the policy sets it.
     """
-    return bool(details.federated) and not details.federated.get("already_served") and \
-        round_model_as_sent(details.trained_share, details.served_share)
+    return trains_from_round(details.federated) and round_model_as_sent(details.trained_share,
+                                                                        details.served_share)
 
 
 class Promotion:

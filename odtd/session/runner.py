@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from odtd.config import Config
-from odtd.errors import as_odtd_error, failure_reason
+from odtd.errors import OdtdError, as_odtd_error, failure_reason
 from odtd.home.disk import room_for_session
 from odtd.home.ingest import load_sample_arrays
 from odtd.home.paths import Home
@@ -30,7 +30,7 @@ from odtd.home.versions import ModelRepo, offset_job_keys
 from odtd.policy import Policy
 from odtd.session.admission import SKIP, admit_session
 from odtd.session.evalset import write_evaluation_set
-from odtd.session.federated import TRAINED_WEIGHTS, FederatedRound, hand_back, is_served_model, refused_start
+from odtd.session.federated import TRAINED_WEIGHTS, FederatedRound, hand_back, round_start, trains_from_round
 from odtd.session.gates import (
     FORCE_CLOSED_FILE,
     GateMonitor,
@@ -141,10 +141,12 @@ class SessionRunner:
         record.details.federated = federated.to_details() if federated else None
         self.store.start_session(record)
         job_dir = self.home.runs / f"session-{record.id}"
-        if federated and (refusal := refused_start(federated, self.repo, current, job_dir)):
-            return self._finish(record, "failed", refusal)  # before anything else
-        if federated and is_served_model(job_dir / "global.npz", self.repo.weights_path(current)):
-            record.details.federated["already_served"] = True  # trained as a local session
+        if federated:  # the round's weights checked and written before anything else
+            try:
+                start = round_start(federated, self.repo, current, job_dir)
+            except OdtdError as exc:
+                return self._finish(record, "failed", str(exc))
+            record.details.federated["already_served"] = start.already_served
         if not pending:
             return self._finish(record, "skipped", "no pending samples")
         # A fleet's round starts from the fleet's new model, not from the start a refusal was
@@ -266,10 +268,7 @@ class SessionRunner:
         plan = record.details.admission or {}  # the plan admission chose for the batch
         served_path = str(self.repo.weights_path(current))
         resume = record.details.resumed
-        # A round whose model the device already serves (a fleet's first, from the devices'
-        # base) brings nothing as it came: it trains and is judged as a local session.
-        fleet = record.details.federated
-        from_fleet = bool(fleet) and not fleet.get("already_served")
+        from_fleet = trains_from_round(record.details.federated)  # else as a local session
         # A resumed or federated session trains from other weights; "before" is the served model.
         start = str(self.repo.resume_path) if resume else \
             str(job_dir / "global.npz") if from_fleet else served_path

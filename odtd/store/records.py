@@ -90,7 +90,7 @@ class SessionDetails:
         federated: A Flower round's session (trigger ``fleet``; docs/fleet.md): ``run_id``,
             ``round``, what the server asked (``epochs``, ``learning_rate``, ``batchnorm``),
             ``handed_back`` (the trained weights went back to the server) and ``already_served``
-            (true where the round's model was the served one: trained and judged as a local
+            (whether the round's model was the served one, then trained and judged as a local
             session); None otherwise.
         priors: The device's class priors the candidate was scored with
             (``training.prior_correction``): ``status`` (``estimated`` or ``skipped`` and
